@@ -1,0 +1,44 @@
+"""Python client for the qosd admission daemon.
+
+async with QosdClient("127.0.0.1:50051") as qos:
+    async with qos.lease("P1", input_tokens=1200, model="llama-3-8b") as lease:
+        reply = await call_model(...)
+        lease.set_usage(input_tokens=reply.prompt_tokens, output_tokens=reply.tokens)
+"""
+
+from qosd_client.client import DEFAULT_TARGET, Lease, QosdClient, SyncQosdClient
+from qosd_client.types import (
+    AcquireResult,
+    DeadlineExceeded,
+    InvalidRequest,
+    LatencySample,
+    LeaseExpired,
+    LeaseNotFound,
+    Outcome,
+    QosdError,
+    Reason,
+    Rejected,
+    ReleaseResult,
+    ReportResult,
+    Unavailable,
+)
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "AcquireResult",
+    "DeadlineExceeded",
+    "InvalidRequest",
+    "LatencySample",
+    "Lease",
+    "LeaseExpired",
+    "LeaseNotFound",
+    "Outcome",
+    "QosdClient",
+    "QosdError",
+    "Reason",
+    "Rejected",
+    "ReleaseResult",
+    "ReportResult",
+    "SyncQosdClient",
+    "Unavailable",
+]

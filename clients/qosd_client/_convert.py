@@ -1,0 +1,134 @@
+"""Conversions shared by the async and sync clients: requests out, results and errors in."""
+
+from __future__ import annotations
+
+import grpc
+
+from qosd.v1 import qosd_pb2
+from qosd_client.types import (
+    AcquireResult,
+    DeadlineExceeded,
+    InvalidRequest,
+    LatencySample,
+    LeaseExpired,
+    LeaseNotFound,
+    Outcome,
+    QosdError,
+    Reason,
+    ReleaseResult,
+    ReportResult,
+    Unavailable,
+)
+
+_ERRORS: dict[grpc.StatusCode, type[QosdError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: LeaseNotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+# How much longer than the requested max wait a client waits for the answer.
+ANSWER_MARGIN_S = 1.0
+
+
+def acquire_request(
+    *,
+    qos_class: str,
+    input_tokens: int,
+    model: str,
+    expected_output_tokens: int,
+    tenant: str,
+    request_id: str,
+    max_wait_ms: int | None,
+) -> qosd_pb2.AcquireRequest:
+    request = qosd_pb2.AcquireRequest(
+        request_id=request_id,
+        tenant=tenant,
+        model=model,
+        qos_class=qos_class,
+        input_tokens=input_tokens,
+        expected_output_tokens=expected_output_tokens,
+    )
+    if max_wait_ms is not None:
+        request.max_wait_ms = max_wait_ms
+    return request
+
+
+def acquire_timeout(default_s: float, max_wait_ms: int | None, timeout_s: float | None) -> float:
+    if timeout_s is not None:
+        return timeout_s
+    if max_wait_ms is not None:
+        return max_wait_ms / 1000 + ANSWER_MARGIN_S
+    return default_s
+
+
+def acquire_result(response: qosd_pb2.AcquireResponse) -> AcquireResult:
+    return AcquireResult(
+        admitted=response.decision == qosd_pb2.DECISION_ADMITTED,
+        reason=Reason(response.reason),
+        lease_id=response.lease_id,
+        tokens_charged=response.tokens_charged,
+        remaining_tokens=response.remaining_tokens,
+        retry_after_s=response.retry_after_ms / 1000,
+        waited_s=response.waited_ms / 1000,
+        lease_ttl_s=response.lease_ttl_ms / 1000,
+        replayed=response.replayed,
+        pool=response.pool,
+        message=response.message,
+    )
+
+
+def release_request(
+    lease_id: str, input_tokens: int | None, output_tokens: int | None, outcome: Outcome
+) -> qosd_pb2.ReleaseRequest:
+    request = qosd_pb2.ReleaseRequest(lease_id=lease_id, outcome=int(outcome))  # type: ignore[arg-type]
+    if input_tokens is not None:
+        request.actual_input_tokens = input_tokens
+    if output_tokens is not None:
+        request.actual_output_tokens = output_tokens
+    return request
+
+
+def release_result(response: qosd_pb2.ReleaseResponse) -> ReleaseResult:
+    return ReleaseResult(
+        already_released=response.already_released,
+        tokens_charged=response.tokens_charged,
+        adjustment=response.adjustment,
+        remaining_tokens=response.remaining_tokens,
+    )
+
+
+def report_request(samples: list[LatencySample]) -> qosd_pb2.ReportRequest:
+    request = qosd_pb2.ReportRequest()
+    for sample in samples:
+        item = request.samples.add(
+            model=sample.model,
+            qos_class=sample.qos_class,
+            tenant=sample.tenant,
+            input_tokens=sample.input_tokens,
+            output_tokens=sample.output_tokens,
+            status=int(sample.status),
+            lease_id=sample.lease_id,
+        )
+        if sample.ttft_ms is not None:
+            item.ttft_ms = sample.ttft_ms
+        if sample.tpot_ms is not None:
+            item.tpot_ms = sample.tpot_ms
+        if sample.e2e_ms is not None:
+            item.e2e_ms = sample.e2e_ms
+    return request
+
+
+def report_result(response: qosd_pb2.ReportResponse) -> ReportResult:
+    return ReportResult(
+        accepted=response.accepted,
+        rejected=tuple((item.index, item.reason) for item in response.rejected),
+    )
+
+
+def translate(error: grpc.RpcError) -> QosdError:
+    """Turns a gRPC error into the client's typed exception."""
+    code = error.code()
+    details = error.details() or code.name
+    return _ERRORS.get(code, QosdError)(f"{code.name}: {details}")

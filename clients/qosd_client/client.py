@@ -1,0 +1,279 @@
+"""Gateway-side clients for qosd: ``QosdClient`` (asyncio) and ``SyncQosdClient``.
+
+Both wrap one gRPC channel. ``lease()`` is the usual entry point: it acquires,
+yields a lease, and releases with the real usage when the block ends, even when it
+ends in an exception, so no lease is left to expire by accident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from qosd.v1 import qosd_pb2_grpc
+from qosd_client import _convert
+from qosd_client.types import (
+    AcquireResult,
+    LatencySample,
+    Outcome,
+    QosdError,
+    Rejected,
+    ReleaseResult,
+    ReportResult,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_CHANNEL_OPTIONS = [("grpc.enable_retries", 1)]
+
+
+@dataclass
+class Lease:
+    """An admitted request. Record real usage with ``set_usage`` before the block ends."""
+
+    result: AcquireResult
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    release_result: ReleaseResult | None = field(default=None, init=False)
+    release_error: QosdError | None = field(default=None, init=False)
+
+    @property
+    def lease_id(self) -> str:
+        return self.result.lease_id
+
+    def set_usage(self, input_tokens: int | None = None, output_tokens: int | None = None) -> None:
+        if input_tokens is not None:
+            self.input_tokens = input_tokens
+        if output_tokens is not None:
+            self.output_tokens = output_tokens
+
+
+def _outcome_of(error: BaseException | None) -> Outcome:
+    if error is None:
+        return Outcome.OK
+    if isinstance(error, asyncio.CancelledError | KeyboardInterrupt | GeneratorExit):
+        return Outcome.CANCELLED
+    return Outcome.ERROR
+
+
+class QosdClient:
+    """Asyncio client. Use as ``async with QosdClient(target) as qos: ...``."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout_s: float = 5.0,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = qosd_pb2_grpc.QoSStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> QosdClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def acquire(
+        self,
+        qos_class: str,
+        input_tokens: int,
+        *,
+        model: str = "",
+        expected_output_tokens: int = 0,
+        tenant: str = "",
+        request_id: str = "",
+        max_wait_ms: int | None = None,
+        timeout_s: float | None = None,
+    ) -> AcquireResult:
+        """Asks for admission. Returns the decision; raises only on errors."""
+        request = _convert.acquire_request(
+            qos_class=qos_class,
+            input_tokens=input_tokens,
+            model=model,
+            expected_output_tokens=expected_output_tokens,
+            tenant=tenant,
+            request_id=request_id,
+            max_wait_ms=max_wait_ms,
+        )
+        timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
+        try:
+            response = await self._stub.Acquire(request, timeout=timeout)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.acquire_result(response)
+
+    async def release(
+        self,
+        lease_id: str,
+        *,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        outcome: Outcome = Outcome.OK,
+        timeout_s: float | None = None,
+    ) -> ReleaseResult:
+        request = _convert.release_request(lease_id, input_tokens, output_tokens, outcome)
+        try:
+            response = await self._stub.Release(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.release_result(response)
+
+    async def report(
+        self, samples: Sequence[LatencySample], *, timeout_s: float | None = None
+    ) -> ReportResult:
+        request = _convert.report_request(list(samples))
+        try:
+            response = await self._stub.Report(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.report_result(response)
+
+    @asynccontextmanager
+    async def lease(
+        self, qos_class: str, input_tokens: int, **acquire: Any
+    ) -> AsyncIterator[Lease]:
+        """Acquires (raising ``Rejected`` when not admitted), yields, then releases.
+
+        Release failures are logged and kept on ``lease.release_error`` rather than
+        raised: the request has already run, and an exception from the block, if
+        any, is the one that matters to the caller.
+        """
+        result = await self.acquire(qos_class, input_tokens, **acquire)
+        if not result.admitted:
+            raise Rejected(result)
+        lease = Lease(result)
+        error: BaseException | None = None
+        try:
+            yield lease
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            try:
+                lease.release_result = await asyncio.shield(
+                    self.release(
+                        lease.lease_id,
+                        input_tokens=lease.input_tokens,
+                        output_tokens=lease.output_tokens,
+                        outcome=_outcome_of(error),
+                    )
+                )
+            except QosdError as release_error:
+                lease.release_error = release_error
+                log.warning("qosd release of %s failed: %s", lease.lease_id, release_error)
+
+
+class SyncQosdClient:
+    """Blocking client with the same methods as ``QosdClient``."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout_s: float = 5.0,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = qosd_pb2_grpc.QoSStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> SyncQosdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def acquire(
+        self,
+        qos_class: str,
+        input_tokens: int,
+        *,
+        model: str = "",
+        expected_output_tokens: int = 0,
+        tenant: str = "",
+        request_id: str = "",
+        max_wait_ms: int | None = None,
+        timeout_s: float | None = None,
+    ) -> AcquireResult:
+        request = _convert.acquire_request(
+            qos_class=qos_class,
+            input_tokens=input_tokens,
+            model=model,
+            expected_output_tokens=expected_output_tokens,
+            tenant=tenant,
+            request_id=request_id,
+            max_wait_ms=max_wait_ms,
+        )
+        timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
+        try:
+            response = self._stub.Acquire(request, timeout=timeout)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.acquire_result(response)
+
+    def release(
+        self,
+        lease_id: str,
+        *,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        outcome: Outcome = Outcome.OK,
+        timeout_s: float | None = None,
+    ) -> ReleaseResult:
+        request = _convert.release_request(lease_id, input_tokens, output_tokens, outcome)
+        try:
+            response = self._stub.Release(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.release_result(response)
+
+    def report(
+        self, samples: Sequence[LatencySample], *, timeout_s: float | None = None
+    ) -> ReportResult:
+        request = _convert.report_request(list(samples))
+        try:
+            response = self._stub.Report(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.report_result(response)
+
+    @contextmanager
+    def lease(self, qos_class: str, input_tokens: int, **acquire: Any) -> Iterator[Lease]:
+        """Blocking twin of ``QosdClient.lease``."""
+        result = self.acquire(qos_class, input_tokens, **acquire)
+        if not result.admitted:
+            raise Rejected(result)
+        lease = Lease(result)
+        error: BaseException | None = None
+        try:
+            yield lease
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            try:
+                lease.release_result = self.release(
+                    lease.lease_id,
+                    input_tokens=lease.input_tokens,
+                    output_tokens=lease.output_tokens,
+                    outcome=_outcome_of(error),
+                )
+            except QosdError as release_error:
+                lease.release_error = release_error
+                log.warning("qosd release of %s failed: %s", lease.lease_id, release_error)

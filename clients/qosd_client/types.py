@@ -1,0 +1,117 @@
+"""Typed results and exceptions of the qosd client, free of protobuf types."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Reason(enum.IntEnum):
+    """Why an Acquire was answered as it was (mirrors qosd.v1.Reason)."""
+
+    NONE = 0
+    RATE_LIMITED = 1
+    COST_EXCEEDS_BURST = 2
+    QUEUE_TIMEOUT = 3
+    BACKEND_UNAVAILABLE = 4
+    QUEUE_FULL = 5
+    FAIL_OPEN = 6
+    SHUTTING_DOWN = 7
+
+
+class Outcome(enum.IntEnum):
+    """How a request ended (mirrors qosd.v1.Outcome)."""
+
+    UNSPECIFIED = 0
+    OK = 1
+    ERROR = 2
+    CANCELLED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireResult:
+    admitted: bool
+    reason: Reason
+    lease_id: str
+    tokens_charged: float
+    remaining_tokens: float
+    retry_after_s: float
+    waited_s: float
+    lease_ttl_s: float
+    replayed: bool
+    pool: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    already_released: bool
+    tokens_charged: float
+    adjustment: float
+    remaining_tokens: float
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySample:
+    """One measured request, for ``report``. Leave a latency None if not measured."""
+
+    model: str
+    qos_class: str
+    tenant: str = ""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    status: Outcome = Outcome.OK
+    lease_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportResult:
+    accepted: int
+    rejected: tuple[tuple[int, str], ...]
+
+
+class QosdError(Exception):
+    """Base of every error the client raises."""
+
+
+class Rejected(QosdError):
+    """Raised by ``lease()`` when qosd does not admit the request."""
+
+    def __init__(self, result: AcquireResult) -> None:
+        super().__init__(
+            f"not admitted: {result.reason.name}"
+            + (f", retry after {result.retry_after_s:.3f}s" if result.retry_after_s else "")
+            + (f" ({result.message})" if result.message else "")
+        )
+        self.result = result
+
+    @property
+    def reason(self) -> Reason:
+        return self.result.reason
+
+    @property
+    def retry_after_s(self) -> float:
+        return self.result.retry_after_s
+
+
+class InvalidRequest(QosdError):
+    """qosd could not interpret the request (gRPC INVALID_ARGUMENT)."""
+
+
+class LeaseNotFound(QosdError):
+    """The lease is unknown to qosd (gRPC NOT_FOUND)."""
+
+
+class LeaseExpired(QosdError):
+    """The lease expired before Release; its estimate stood (gRPC FAILED_PRECONDITION)."""
+
+
+class Unavailable(QosdError):
+    """qosd or its store could not be reached (gRPC UNAVAILABLE); safe to retry."""
+
+
+class DeadlineExceeded(QosdError):
+    """The call's deadline passed before qosd answered."""

@@ -1,0 +1,417 @@
+"""Admission logic between the wire API and a bucket store.
+
+It validates requests, prices them, waits for budget within the caller's max wait,
+and turns store outages into the configured fail mode. It knows nothing of gRPC
+(the service module maps it onto the wire) and nothing of Redis (the store does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qosd.config import ClassPolicy, Config, FailMode, resolve_policies
+from qosd.model import (
+    BucketDecision,
+    LeaseNotFound,
+    LeaseSpec,
+    Outcome,
+    Reason,
+    Sample,
+    Settlement,
+    StoreUnavailable,
+    UsageReport,
+)
+from qosd.store.base import BucketStore
+
+log = logging.getLogger(__name__)
+
+MAX_ID_LENGTH = 128
+MAX_LATENCY_MS = 86_400_000.0  # one day: anything longer is a unit mistake
+FAIL_OPEN_MARK = "open-"
+
+
+class InvalidArgument(ValueError):
+    """The request cannot be interpreted; the message names the field and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireOutcome:
+    decision: BucketDecision
+    pool: str
+    waited_ms: int
+    message: str = ""
+
+
+class StoreGuard:
+    """Fails fast while the store is known to be down, letting one probe through per interval.
+
+    Without it every request during an outage would wait out the full store timeout;
+    with it an outage costs one timeout per retry interval, and service resumes on
+    the first probe that succeeds.
+    """
+
+    def __init__(self, retry_interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self._retry_interval_s = retry_interval_s
+        self._clock = clock
+        self.down = False
+        self._retry_at = 0.0
+        self._probing = False
+        self.last_error = ""
+
+    def enter(self) -> bool:
+        """Called before a store call while down. Returns True for the probe call."""
+        if self._probing or self._clock() < self._retry_at:
+            raise StoreUnavailable(f"store down, failing fast ({self.last_error})")
+        self._probing = True
+        return True
+
+    def probe_done(self) -> None:
+        self._probing = False
+
+    def failed(self, error: StoreUnavailable) -> None:
+        if not self.down:
+            log.warning("store unavailable: %s", error)
+        self.down = True
+        self.last_error = str(error)
+        self._retry_at = self._clock() + self._retry_interval_s
+
+    def recovered(self) -> None:
+        if self.down:
+            log.info("store reachable again")
+        self.down = False
+
+
+class Admission:
+    def __init__(self, config: Config, store: BucketStore) -> None:
+        self._config = config
+        self._store = store
+        self._policies = resolve_policies(config)
+        self._class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
+        self._pool_of: dict[str, str] = {name: name for name in config.pools}
+        for pool_name, pool in config.pools.items():
+            for model in pool.models:
+                self._pool_of[model] = pool_name
+        self._default_pool = config.default_pool
+        self._max_tokens = config.limits.max_request_tokens
+        self._lease_ttl_ms = int(config.lease.ttl_s * 1000)
+        self._output_weight = config.cost.output_weight
+        self._fail_open = config.fail_mode is FailMode.OPEN
+        self._retry_interval_ms = config.redis.retry_interval_ms
+        self.guard = StoreGuard(config.redis.retry_interval_ms / 1000)
+        self._draining = asyncio.Event()
+
+    @property
+    def store(self) -> BucketStore:
+        return self._store
+
+    def policy(self, pool: str, qos_class: str) -> ClassPolicy:
+        return self._policies[(pool, qos_class)]
+
+    def begin_drain(self) -> None:
+        """Wakes every waiter so it answers now; new waits are not started."""
+        self._draining.set()
+
+    # -- validation -------------------------------------------------------------
+
+    def resolve_pool(self, model: str, field: str = "model") -> str:
+        pool = self._pool_of.get(model)
+        if pool is not None:
+            return pool
+        if not model and self._default_pool is None:
+            raise InvalidArgument(f"{field} is required (no default_pool is configured)")
+        if self._default_pool is None:
+            raise InvalidArgument(
+                f"{field} {model!r} is not served by any configured pool "
+                f"(pools: {', '.join(sorted(self._config.pools))})"
+            )
+        return self._default_pool
+
+    def _class_policy(self, pool: str, qos_class: str, field: str = "qos_class") -> ClassPolicy:
+        policy = self._policies.get((pool, qos_class))
+        if policy is None:
+            if not qos_class:
+                raise InvalidArgument(f"{field} is required ({', '.join(self._class_names)})")
+            raise InvalidArgument(
+                f"{field} {_clip(qos_class)!r} is not configured; "
+                f"known classes: {', '.join(self._class_names)}"
+            )
+        return policy
+
+    def _tokens(self, value: int, field: str, minimum: int) -> int:
+        if value < minimum:
+            raise InvalidArgument(f"{field} must be at least {minimum} (got {value})")
+        if value > self._max_tokens:
+            raise InvalidArgument(
+                f"{field} {value} exceeds the maximum of {self._max_tokens} tokens "
+                "per request (limits.max_request_tokens)"
+            )
+        return value
+
+    @staticmethod
+    def _identifier(value: str, field: str) -> str:
+        if len(value) > MAX_ID_LENGTH:
+            raise InvalidArgument(
+                f"{field} is {len(value)} characters long; the maximum is {MAX_ID_LENGTH}"
+            )
+        return value
+
+    # -- acquire ----------------------------------------------------------------
+
+    async def acquire(
+        self,
+        *,
+        request_id: str,
+        tenant: str,
+        model: str,
+        qos_class: str,
+        input_tokens: int,
+        expected_output_tokens: int,
+        max_wait_ms: int | None,
+        deadline_s: float | None,
+    ) -> AcquireOutcome:
+        pool = self.resolve_pool(model)
+        policy = self._class_policy(pool, qos_class)
+        self._tokens(input_tokens, "input_tokens", 1)
+        self._tokens(expected_output_tokens, "expected_output_tokens", 0)
+        self._identifier(request_id, "request_id")
+        self._identifier(tenant, "tenant")
+        if max_wait_ms is None:
+            wait_ms = policy.max_wait_ms
+        elif max_wait_ms < 0:
+            raise InvalidArgument(f"max_wait_ms must not be negative (got {max_wait_ms})")
+        else:
+            wait_ms = min(max_wait_ms, policy.max_wait_ms)
+
+        cost = (input_tokens + self._output_weight * expected_output_tokens) * policy.weight
+        lease = LeaseSpec(
+            lease_id=f"{pool}:{policy.name}:{os.urandom(12).hex()}",
+            request_id=request_id,
+            tenant=tenant,
+            input_tokens=input_tokens,
+            output_tokens=expected_output_tokens,
+            weight=policy.weight,
+            ttl_ms=self._lease_ttl_ms,
+        )
+        decision = await self._take(policy, cost, lease)
+        if decision.admitted or decision.reason is not Reason.RATE_LIMITED:
+            return AcquireOutcome(decision, pool, 0)
+
+        wait_s = wait_ms / 1000
+        if deadline_s is not None:
+            # Answer before the caller's deadline: a late admission would leak a lease.
+            wait_s = min(wait_s, deadline_s - min(0.05, deadline_s * 0.1))
+        if wait_s <= 0 or self._draining.is_set():
+            return AcquireOutcome(decision, pool, 0)
+        return await self._wait_for_budget(policy, cost, lease, decision, wait_s, pool)
+
+    async def _wait_for_budget(
+        self,
+        policy: ClassPolicy,
+        cost: float,
+        lease: LeaseSpec,
+        decision: BucketDecision,
+        wait_s: float,
+        pool: str,
+    ) -> AcquireOutcome:
+        """Retries at the bucket's own retry-after until admitted or out of time.
+
+        A local, per-request wait: it honours deadlines and never holds tokens while
+        waiting, but it does not order waiters by class across the fleet.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        give_up_at = started + wait_s
+        first = True
+        while True:
+            now = loop.time()
+            pause_s = decision.retry_after_ms / 1000
+            if now + pause_s > give_up_at:
+                if first:
+                    # The whole wait could not cover the refill: say so at once.
+                    return AcquireOutcome(decision, pool, 0)
+                return AcquireOutcome(
+                    _with_reason(decision, Reason.QUEUE_TIMEOUT),
+                    pool,
+                    _ms(now - started),
+                    "max wait exhausted",
+                )
+            try:
+                await asyncio.wait_for(self._draining.wait(), timeout=pause_s)
+            except TimeoutError:
+                pass
+            else:
+                waited = _ms(loop.time() - started)
+                return AcquireOutcome(
+                    _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0),
+                    pool,
+                    waited,
+                    "daemon is draining; retry on another replica",
+                )
+            first = False
+            decision = await self._take(policy, cost, lease)
+            if decision.admitted or decision.reason is not Reason.RATE_LIMITED:
+                return AcquireOutcome(decision, pool, _ms(loop.time() - started))
+
+    async def _take(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
+        guard = self.guard
+        probe = False
+        try:
+            if guard.down:
+                probe = guard.enter()
+            decision = await self._store.acquire(policy, cost, lease)
+        except StoreUnavailable as error:
+            if probe or not guard.down:
+                guard.failed(error)
+            return self._store_down_decision(policy, cost)
+        finally:
+            if probe:
+                guard.probe_done()
+        if guard.down:
+            guard.recovered()
+        return decision
+
+    def _store_down_decision(self, policy: ClassPolicy, cost: float) -> BucketDecision:
+        if self._fail_open:
+            return BucketDecision(
+                admitted=True,
+                reason=Reason.FAIL_OPEN,
+                lease_id=f"{policy.pool}:{policy.name}:{FAIL_OPEN_MARK}{os.urandom(12).hex()}",
+                charged=0.0,
+                remaining=0.0,
+                retry_after_ms=0,
+                lease_ttl_ms=self._lease_ttl_ms,
+            )
+        return BucketDecision(
+            admitted=False,
+            reason=Reason.BACKEND_UNAVAILABLE,
+            lease_id="",
+            charged=cost,
+            remaining=0.0,
+            retry_after_ms=self._retry_interval_ms,
+            lease_ttl_ms=0,
+        )
+
+    # -- release ----------------------------------------------------------------
+
+    def parse_lease(self, lease_id: str) -> tuple[ClassPolicy, bool]:
+        """Finds a lease's (pool, class) from its id, with no round trip."""
+        if not lease_id:
+            raise InvalidArgument("lease_id is required")
+        parts = lease_id.split(":")
+        if len(parts) != 3 or not parts[2] or len(lease_id) > 3 * MAX_ID_LENGTH:
+            raise InvalidArgument(
+                f"lease_id {_clip(lease_id)!r} is malformed; pass AcquireResponse.lease_id as is"
+            )
+        policy = self._policies.get((parts[0], parts[1]))
+        if policy is None:
+            raise LeaseNotFound(
+                f"lease {_clip(lease_id)} names pool {parts[0]!r} and class {parts[1]!r}, "
+                "which this daemon does not configure"
+            )
+        return policy, parts[2].startswith(FAIL_OPEN_MARK)
+
+    async def release(
+        self,
+        lease_id: str,
+        actual_input_tokens: int | None,
+        actual_output_tokens: int | None,
+        outcome: Outcome,
+    ) -> Settlement:
+        policy, fail_open = self.parse_lease(lease_id)
+        if actual_input_tokens is not None:
+            self._tokens(actual_input_tokens, "actual_input_tokens", 0)
+        if actual_output_tokens is not None:
+            self._tokens(actual_output_tokens, "actual_output_tokens", 0)
+        if fail_open:
+            # Admitted while the store was down: nothing was charged, nothing to settle.
+            return Settlement(False, 0.0, 0.0, 0.0)
+        usage = UsageReport(
+            input_tokens=actual_input_tokens,
+            output_tokens=actual_output_tokens,
+            outcome=outcome,
+            output_weight=self._output_weight,
+        )
+        return await self._store.release(policy, lease_id, usage)
+
+    # -- report -----------------------------------------------------------------
+
+    def check_report_size(self, count: int) -> None:
+        if count == 0:
+            raise InvalidArgument("samples: at least one sample is required")
+        limit = self._config.limits.max_report_batch
+        if count > limit:
+            raise InvalidArgument(
+                f"samples: {count} samples exceed the batch limit of {limit} "
+                "(limits.max_report_batch); split the batch"
+            )
+
+    def sample(
+        self,
+        *,
+        model: str,
+        qos_class: str,
+        tenant: str,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        e2e_ms: float | None,
+        input_tokens: int,
+        output_tokens: int,
+        status: Outcome,
+    ) -> Sample:
+        """Validates one latency sample; raises InvalidArgument naming the field."""
+        pool = self.resolve_pool(model)
+        policy = self._class_policy(pool, qos_class)
+        self._identifier(tenant, "tenant")
+        self._tokens(input_tokens, "input_tokens", 0)
+        self._tokens(output_tokens, "output_tokens", 0)
+        for name, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms), ("e2e_ms", e2e_ms)):
+            if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_LATENCY_MS):
+                raise InvalidArgument(
+                    f"{name} must be a finite number of milliseconds between 0 and "
+                    f"{MAX_LATENCY_MS:.0f} (got {value})"
+                )
+        if ttft_ms is None and tpot_ms is None and e2e_ms is None:
+            raise InvalidArgument("needs at least one of ttft_ms, tpot_ms, e2e_ms")
+        return Sample(
+            pool=pool,
+            qos_class=policy.name,
+            tenant=tenant,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
+            e2e_ms=e2e_ms,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            status=status,
+        )
+
+    async def report(self, samples: list[Sample]) -> None:
+        if samples:
+            await self._store.report(samples, self._config.report.window_size)
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
+
+
+def _with_reason(
+    decision: BucketDecision, reason: Reason, retry_after_ms: int | None = None
+) -> BucketDecision:
+    return BucketDecision(
+        admitted=False,
+        reason=reason,
+        lease_id="",
+        charged=decision.charged,
+        remaining=decision.remaining,
+        retry_after_ms=decision.retry_after_ms if retry_after_ms is None else retry_after_ms,
+        lease_ttl_ms=0,
+    )
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

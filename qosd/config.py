@@ -1,0 +1,356 @@
+"""Configuration: one YAML file, overridden by environment variables, then by flags.
+
+The file is validated as a whole on load, so a daemon never starts half-configured:
+a bad value stops start-up with a message that names the field path and the reason
+(`classes.P1.share: must be between 0 and 1`). Precedence, lowest first:
+built-in defaults < YAML file < ``QOSD_*`` environment variables < command-line flags.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+# Names end up inside Redis keys and lease ids, so they must not contain the hash-tag
+# braces, the key separator ':' or whitespace.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+class ConfigError(ValueError):
+    """Raised for any configuration problem; the message is meant for an operator."""
+
+
+class FailMode(StrEnum):
+    """What Acquire answers when the shared store cannot be reached in time."""
+
+    OPEN = "open"  # admit, marked REASON_FAIL_OPEN: availability over protection
+    CLOSED = "closed"  # reject with REASON_BACKEND_UNAVAILABLE: protection over availability
+
+
+class RedisMode(StrEnum):
+    STANDALONE = "standalone"
+    CLUSTER = "cluster"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SloConfig(_Strict):
+    """Latency objectives of a class; a request attains its SLO when it meets all set."""
+
+    ttft_ms: Annotated[float, Field(gt=0)] | None = None
+    tpot_ms: Annotated[float, Field(gt=0)] | None = None
+    e2e_ms: Annotated[float, Field(gt=0)] | None = None
+
+
+class ClassConfig(_Strict):
+    """One QoS class. Its bucket in each pool refills at ``share x pool capacity``."""
+
+    priority: Annotated[int, Field(ge=0, le=15)]
+    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    share: Annotated[float, Field(gt=0, le=1)]
+    burst_s: Annotated[float, Field(gt=0, le=3600)] = 0.5
+    burst_tokens: Annotated[float, Field(gt=0)] | None = None
+    max_cost_tokens: Annotated[float, Field(gt=0)] | None = None
+    max_wait_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    slo: SloConfig = SloConfig()
+
+
+class PoolConfig(_Strict):
+    """A group of model servers that share one GPU budget."""
+
+    capacity_tokens_s: Annotated[float, Field(gt=0, le=1e9)]
+    models: list[str] = Field(default_factory=list)
+
+
+class RedisConfig(_Strict):
+    url: str | None = None
+    mode: RedisMode = RedisMode.STANDALONE
+    key_prefix: str = "qosd"
+    timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 100
+    connect_timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 250
+    max_connections: Annotated[int, Field(ge=1, le=10_000)] = 64
+    # After a failure, calls fail fast for this long before one probe tries again,
+    # so an outage costs one timeout per interval instead of one per request.
+    retry_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 500
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        assert value is not None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(f"must match {NAME_PATTERN}")
+        return value
+
+
+class LeaseConfig(_Strict):
+    # A lease never released expires after this long; its estimated charge stands.
+    ttl_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    # How long a released or expired lease is remembered, so that a repeated Release
+    # gets the first answer and a late one gets "expired" rather than "unknown".
+    tombstone_s: Annotated[float, Field(ge=1, le=86_400)] = 120.0
+
+
+class CostConfig(_Strict):
+    # cost = (input_tokens + output_weight * output_tokens) * class weight. The seed's
+    # rule charges the prompt only (prefill is what stalls a GPU): output_weight 0.
+    # Set 1 to budget input-plus-output tokens, the unit of pool capacity.
+    output_weight: Annotated[float, Field(ge=0, le=100)] = 0.0
+
+
+class LimitsConfig(_Strict):
+    max_request_tokens: Annotated[int, Field(ge=1, le=2**40)] = 10_000_000
+    max_report_batch: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    max_message_bytes: Annotated[int, Field(ge=1024, le=256 * 2**20)] = 4 * 2**20
+
+
+class ReportConfig(_Strict):
+    window_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+
+
+class ServerConfig(_Strict):
+    listen: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    # SIGTERM: stop taking calls at once, give in-flight calls this long, then exit.
+    drain_grace_s: Annotated[float, Field(ge=0, le=600)] = 10.0
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("needs at least one address")
+        for address in value:
+            parse_listen_address(address)
+        return value
+
+
+def _default_classes() -> dict[str, ClassConfig]:
+    return {
+        "P0": ClassConfig(
+            priority=0,
+            share=0.60,
+            max_wait_ms=200,
+            slo=SloConfig(ttft_ms=500, tpot_ms=50),
+        ),
+        "P1": ClassConfig(
+            priority=1,
+            share=0.35,
+            max_wait_ms=3_000,
+            slo=SloConfig(ttft_ms=2_000, tpot_ms=100),
+        ),
+        "P2": ClassConfig(priority=2, share=0.05, max_wait_ms=30_000),
+    }
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {"default": PoolConfig(capacity_tokens_s=100_000)}
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    redis: RedisConfig = RedisConfig()
+    fail_mode: FailMode = FailMode.CLOSED
+    classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
+    pools: dict[str, PoolConfig] = Field(default_factory=_default_pools)
+    # Pool used when a request names a model no pool lists; None: such requests fail.
+    default_pool: str | None = "default"
+    lease: LeaseConfig = LeaseConfig()
+    cost: CostConfig = CostConfig()
+    limits: LimitsConfig = LimitsConfig()
+    report: ReportConfig = ReportConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        if not self.classes:
+            raise ValueError("classes: at least one class is required")
+        if not self.pools:
+            raise ValueError("pools: at least one pool is required")
+        for kind, names in (("classes", self.classes), ("pools", self.pools)):
+            for name in names:
+                if not _NAME_RE.match(name):
+                    raise ValueError(f"{kind}.{name}: name must match {NAME_PATTERN}")
+        priorities = [c.priority for c in self.classes.values()]
+        if len(set(priorities)) != len(priorities):
+            raise ValueError("classes: every class needs a distinct priority")
+        total_share = sum(c.share for c in self.classes.values())
+        if total_share > 1.0 + 1e-9:
+            raise ValueError(
+                f"classes: shares add up to {total_share:.3f}; they are fractions of a "
+                "pool's capacity and must add up to at most 1"
+            )
+        owner: dict[str, str] = {}
+        for pool_name, pool in self.pools.items():
+            for model in pool.models:
+                if model in owner and owner[model] != pool_name:
+                    raise ValueError(
+                        f"pools.{pool_name}.models: model {model!r} is already served "
+                        f"by pool {owner[model]!r}"
+                    )
+                owner[model] = pool_name
+        if self.default_pool is not None and self.default_pool not in self.pools:
+            raise ValueError(f"default_pool: no pool named {self.default_pool!r}")
+        for class_name, cls in self.classes.items():
+            for pool_name, pool in self.pools.items():
+                burst = cls.burst_tokens or cls.burst_s * cls.share * pool.capacity_tokens_s
+                if cls.max_cost_tokens is not None and cls.max_cost_tokens < burst:
+                    raise ValueError(
+                        f"classes.{class_name}.max_cost_tokens: {cls.max_cost_tokens:g} is "
+                        f"below the burst of {burst:g} tokens in pool {pool_name!r}"
+                    )
+        return self
+
+    @property
+    def uses_redis(self) -> bool:
+        return self.redis.url is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    """A class's resolved parameters in one pool: everything a bucket call needs."""
+
+    pool: str
+    name: str
+    priority: int
+    weight: float
+    rate: float  # tokens per second
+    burst: float  # bucket capacity, tokens
+    max_cost: float  # largest admissible cost; > burst means borrowing is allowed
+    max_wait_ms: int
+
+
+def resolve_policies(config: Config) -> dict[tuple[str, str], ClassPolicy]:
+    """Precomputes every (pool, class) policy so the hot path does dict lookups only."""
+    policies: dict[tuple[str, str], ClassPolicy] = {}
+    for pool_name, pool in config.pools.items():
+        for class_name, cls in config.classes.items():
+            rate = cls.share * pool.capacity_tokens_s
+            burst = cls.burst_tokens or cls.burst_s * rate
+            policies[(pool_name, class_name)] = ClassPolicy(
+                pool=pool_name,
+                name=class_name,
+                priority=cls.priority,
+                weight=cls.weight,
+                rate=rate,
+                burst=burst,
+                max_cost=max(burst, cls.max_cost_tokens or burst),
+                max_wait_ms=cls.max_wait_ms,
+            )
+    return policies
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """A parsed listen address: TCP ``host:port`` or ``unix:/path``."""
+
+    target: str  # as grpc's add_insecure_port wants it
+    unix_path: str | None
+
+
+def parse_listen_address(address: str) -> ListenAddress:
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:").removeprefix("//")
+        if not path:
+            raise ValueError(f"{address!r}: unix socket address needs a path")
+        return ListenAddress(target=f"unix:{path}", unix_path=path)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r}: expected HOST:PORT or unix:PATH")
+    return ListenAddress(target=address, unix_path=None)
+
+
+# Environment variables that override single settings, mapped to their field path.
+ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
+    "QOSD_REDIS_URL": ("redis", "url"),
+    "QOSD_REDIS_MODE": ("redis", "mode"),
+    "QOSD_REDIS_TIMEOUT_MS": ("redis", "timeout_ms"),
+    "QOSD_REDIS_KEY_PREFIX": ("redis", "key_prefix"),
+    "QOSD_FAIL_MODE": ("fail_mode",),
+    "QOSD_LISTEN": ("server", "listen"),  # comma-separated
+    "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
+    "QOSD_LEASE_TTL_S": ("lease", "ttl_s"),
+}
+
+
+def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  {location}: {message}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[tuple[str, ...], Any] | None = None,
+) -> Config:
+    """Loads, overrides and validates the configuration; raises ConfigError."""
+    tree: dict[str, Any] = {}
+    source = "built-in defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {source}: {exc.strerror}") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {source} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {source}: top level must be a mapping")
+        tree = loaded
+    environment = os.environ if env is None else env
+    for variable, field_path in ENV_OVERRIDES.items():
+        if variable in environment:
+            raw: Any = environment[variable]
+            if field_path == ("server", "listen"):
+                raw = [part.strip() for part in raw.split(",") if part.strip()]
+            _set_path(tree, field_path, raw)
+            source += f" + ${variable}"
+    for field_path, value in (overrides or {}).items():
+        _set_path(tree, field_path, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from exc

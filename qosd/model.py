@@ -1,0 +1,162 @@
+"""Domain types shared by the admission logic and both bucket stores.
+
+The enums mirror the wire enums value for value (a test holds them equal), so the
+gRPC layer passes them through as plain integers with no translation table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Reason(enum.IntEnum):
+    NONE = 0
+    RATE_LIMITED = 1
+    COST_EXCEEDS_BURST = 2
+    QUEUE_TIMEOUT = 3
+    BACKEND_UNAVAILABLE = 4
+    QUEUE_FULL = 5
+    FAIL_OPEN = 6
+    SHUTTING_DOWN = 7
+
+
+class Outcome(enum.IntEnum):
+    UNSPECIFIED = 0
+    OK = 1
+    ERROR = 2
+    CANCELLED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSpec:
+    """What a store needs to create a lease for one admission."""
+
+    lease_id: str
+    request_id: str
+    tenant: str
+    input_tokens: int
+    output_tokens: int
+    weight: float
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketDecision:
+    """A store's answer to one take attempt."""
+
+    admitted: bool
+    reason: Reason
+    lease_id: str
+    charged: float
+    remaining: float
+    retry_after_ms: int
+    lease_ttl_ms: int
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """The result of releasing a lease."""
+
+    already_released: bool
+    charged: float
+    adjustment: float
+    remaining: float
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    """Actual usage of a leased request. None keeps the estimate for that part."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+    outcome: Outcome
+    output_weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One validated latency sample, ready to store. Latencies are in milliseconds."""
+
+    pool: str
+    qos_class: str
+    tenant: str
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    input_tokens: int
+    output_tokens: int
+    status: Outcome
+
+    def encode(self) -> str:
+        """Compact form stored in window lists: ``ttft|tpot|e2e|in|out|status|tenant``.
+
+        Stores prefix it with their own timestamp (``ms|``); empty means not measured.
+        """
+        return "|".join(
+            (
+                _fmt(self.ttft_ms),
+                _fmt(self.tpot_ms),
+                _fmt(self.e2e_ms),
+                str(self.input_tokens),
+                str(self.output_tokens),
+                str(int(self.status)),
+                self.tenant,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSample:
+    """A sample read back from a window, with the store's timestamp."""
+
+    at_ms: int
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    input_tokens: int
+    output_tokens: int
+    status: Outcome
+    tenant: str
+
+    @classmethod
+    def decode(cls, raw: str) -> StoredSample:
+        at, ttft, tpot, e2e, inp, out, status, tenant = raw.split("|", 7)
+        return cls(
+            at_ms=int(at),
+            ttft_ms=_parse(ttft),
+            tpot_ms=_parse(tpot),
+            e2e_ms=_parse(e2e),
+            input_tokens=int(inp),
+            output_tokens=int(out),
+            status=Outcome(int(status)),
+            tenant=tenant,
+        )
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _parse(raw: str) -> float | None:
+    return None if raw == "" else float(raw)
+
+
+class LeaseNotFound(LookupError):
+    """The lease id is unknown: never issued, or forgotten after its tombstone time."""
+
+
+class LeaseExpired(LookupError):
+    """The lease outlived its TTL; its estimated charge stood as the final charge."""
+
+    def __init__(self, lease_id: str, charged: float) -> None:
+        super().__init__(
+            f"lease {lease_id} expired before it was released; its estimated charge of "
+            f"{charged:g} tokens stood as the final charge"
+        )
+        self.charged = charged
+
+
+class StoreUnavailable(ConnectionError):
+    """The shared store did not answer within its timeout, or is known to be down."""

@@ -1,0 +1,148 @@
+"""Daemon assembly: store, admission, gRPC server, health, reflection, drain.
+
+``serve`` runs until SIGTERM or SIGINT, then drains: health turns NOT_SERVING, the
+server refuses new calls (clients see UNAVAILABLE), waiters answer at once, and
+in-flight calls get ``server.drain_grace_s`` to finish before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from qosd.admission import Admission
+from qosd.config import Config, parse_listen_address
+from qosd.service import QoSService
+from qosd.store.base import BucketStore
+from qosd.store.embedded import EmbeddedStore
+from qosd.store.redis import RedisStore
+from qosd.v1 import qosd_pb2, qosd_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+QOS_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start as configured (for example, a port is taken)."""
+
+
+def make_store(config: Config) -> BucketStore:
+    tombstone_ms = int(config.lease.tombstone_s * 1000)
+    if config.redis.url is None:
+        return EmbeddedStore(tombstone_ms=tombstone_ms)
+    return RedisStore(config.redis, tombstone_ms=tombstone_ms)
+
+
+@dataclass
+class Daemon:
+    """A started daemon; ``addresses`` are the bound listen addresses (ports resolved)."""
+
+    config: Config
+    server: grpc.aio.Server
+    admission: Admission
+    health: health.aio.HealthServicer
+    addresses: list[str] = field(default_factory=list)
+    unix_paths: list[str] = field(default_factory=list)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.config.server.drain_grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        self.admission.begin_drain()
+        await self.server.stop(grace)
+        await self.admission.store.close()
+        for path in self.unix_paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _remove_stale_socket(path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"listen address unix:{path} exists and is not a socket")
+    os.unlink(path)
+
+
+async def start(config: Config, store: BucketStore | None = None) -> Daemon:
+    store = store or make_store(config)
+    await store.start()
+    admission = Admission(config, store)
+    max_bytes = config.limits.max_message_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            # Two daemons on one port would silently split traffic; fail instead.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    qosd_pb2_grpc.add_QoSServicer_to_server(QoSService(admission), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (QOS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    daemon = Daemon(config=config, server=server, admission=admission, health=health_servicer)
+    for address in config.server.listen:
+        parsed = parse_listen_address(address)
+        if parsed.unix_path is not None:
+            Path(parsed.unix_path).parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_socket(parsed.unix_path)
+        try:
+            port = server.add_insecure_port(parsed.target)
+        except RuntimeError as exc:
+            await store.close()
+            raise StartupError(f"cannot listen on {address}: {exc}") from exc
+        if parsed.unix_path is not None:
+            daemon.unix_paths.append(parsed.unix_path)
+            daemon.addresses.append(parsed.target)
+        else:
+            host = parsed.target.rpartition(":")[0]
+            daemon.addresses.append(f"{host}:{port}")
+    await server.start()
+    for service in ("", QOS_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "qosd serving on %s with the %s store, fail mode %s",
+        ", ".join(daemon.addresses),
+        "redis" if config.redis.url else "embedded",
+        config.fail_mode.value,
+    )
+    return daemon
+
+
+async def serve(config: Config, ready_file: str | None = None) -> None:
+    """Runs the daemon until SIGTERM/SIGINT, then drains within the configured grace."""
+    daemon = await start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if ready_file:
+        _write_ready_file(ready_file, daemon.addresses)
+    await stop.wait()
+    log.info("draining: refusing new calls, %.1fs grace", config.server.drain_grace_s)
+    await daemon.stop()
+    log.info("stopped")
+
+
+def _write_ready_file(path: str, addresses: Sequence[str]) -> None:
+    """Tells a supervisor (or a test) the bound addresses, atomically."""
+    temporary = f"{path}.tmp"
+    Path(temporary).write_text(json.dumps({"pid": os.getpid(), "addresses": list(addresses)}))
+    os.replace(temporary, path)

@@ -1,0 +1,186 @@
+"""In-process store: the same semantics as the Redis store, for one daemon alone.
+
+It lets a newcomer run ``qosd serve`` on a bare machine, and it is the reference the
+conformance suite holds the Lua scripts to. Every operation runs without an await
+in the middle, so on one event loop it is atomic exactly as a Redis script is.
+Nothing is shared between processes and nothing survives a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from qosd import bucket
+from qosd.config import ClassPolicy
+from qosd.model import (
+    BucketDecision,
+    LeaseExpired,
+    LeaseNotFound,
+    LeaseSpec,
+    Reason,
+    Sample,
+    Settlement,
+    StoredSample,
+    UsageReport,
+)
+
+_SWEEP_INTERVAL_US = 1_000_000
+
+
+def monotonic_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+@dataclass(slots=True)
+class _Lease:
+    pool: str
+    weight: float
+    input_tokens: int
+    output_tokens: int
+    charged: float
+    expires_us: int
+    forget_us: int
+    released: bool = False
+    final: float = 0.0
+    adjustment: float = 0.0
+
+
+class EmbeddedStore:
+    def __init__(self, tombstone_ms: int, clock: Callable[[], int] = monotonic_us) -> None:
+        self._tombstone_us = tombstone_ms * 1000
+        self._clock = clock
+        self._buckets: dict[tuple[str, str], bucket.BucketState] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._requests: dict[tuple[str, str], tuple[str, int]] = {}
+        self._windows: dict[tuple[str, str], deque[str]] = {}
+        self._next_sweep_us = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def ping(self) -> None:
+        return None
+
+    def _bucket(self, policy: ClassPolicy, now_us: int) -> bucket.BucketState:
+        key = (policy.pool, policy.name)
+        state = bucket.refilled(self._buckets.get(key), now_us, policy.rate, policy.burst)
+        self._buckets[key] = state
+        return state
+
+    async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
+        now_us = self._clock()
+        if now_us >= self._next_sweep_us:
+            self._sweep(now_us)
+        if lease.request_id:
+            prior = self._requests.get((policy.pool, lease.request_id))
+            if prior is not None and prior[1] > now_us:
+                prior_id = prior[0]
+                record = self._leases[prior_id]
+                state = self._bucket(policy, now_us)
+                return BucketDecision(
+                    admitted=True,
+                    reason=Reason.NONE,
+                    lease_id=prior_id,
+                    charged=record.charged,
+                    remaining=state.tokens,
+                    retry_after_ms=0,
+                    lease_ttl_ms=(record.expires_us - now_us) // 1000,
+                    replayed=True,
+                )
+        state = self._bucket(policy, now_us)
+        result = bucket.take(state, cost, policy.rate, policy.burst, policy.max_cost)
+        if not result.admitted:
+            return BucketDecision(
+                admitted=False,
+                reason=result.reason,
+                lease_id="",
+                charged=cost,
+                remaining=state.tokens,
+                retry_after_ms=result.retry_after_ms,
+                lease_ttl_ms=0,
+            )
+        expires_us = now_us + lease.ttl_ms * 1000
+        self._leases[lease.lease_id] = _Lease(
+            pool=policy.pool,
+            weight=lease.weight,
+            input_tokens=lease.input_tokens,
+            output_tokens=lease.output_tokens,
+            charged=cost,
+            expires_us=expires_us,
+            forget_us=expires_us,
+        )
+        if lease.request_id:
+            self._requests[(policy.pool, lease.request_id)] = (lease.lease_id, expires_us)
+        return BucketDecision(
+            admitted=True,
+            reason=Reason.NONE,
+            lease_id=lease.lease_id,
+            charged=cost,
+            remaining=state.tokens,
+            retry_after_ms=0,
+            lease_ttl_ms=lease.ttl_ms,
+        )
+
+    async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
+        now_us = self._clock()
+        record = self._leases.get(lease_id)
+        if record is None or record.forget_us + self._tombstone_us <= now_us:
+            raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
+        if record.released:
+            state = self._bucket(policy, now_us)
+            return Settlement(True, record.final, record.adjustment, state.tokens)
+        if now_us >= record.expires_us:
+            raise LeaseExpired(lease_id, record.charged)
+        input_tokens = record.input_tokens if usage.input_tokens is None else usage.input_tokens
+        output_tokens = record.output_tokens if usage.output_tokens is None else usage.output_tokens
+        actual = (input_tokens + usage.output_weight * output_tokens) * record.weight
+        state = self._bucket(policy, now_us)
+        applied = bucket.settle(state, actual - record.charged, policy.burst)
+        record.released = True
+        record.final = record.charged + applied
+        record.adjustment = applied
+        record.forget_us = now_us
+        return Settlement(False, record.final, applied, state.tokens)
+
+    async def report(self, samples: Sequence[Sample], window_size: int) -> None:
+        now_ms = self._clock() // 1000
+        for sample in samples:
+            key = (sample.pool, sample.qos_class)
+            window = self._windows.get(key)
+            if window is None or window.maxlen != window_size:
+                window = deque(window or (), maxlen=window_size)
+                self._windows[key] = window
+            window.appendleft(f"{now_ms}|{sample.encode()}")
+
+    async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
+        return [StoredSample.decode(raw) for raw in self._windows.get((pool, qos_class), ())]
+
+    async def active_leases(self, pool: str) -> int:
+        now_us = self._clock()
+        return sum(
+            1
+            for lease in self._leases.values()
+            if lease.pool == pool and not lease.released and lease.expires_us > now_us
+        )
+
+    async def bucket_tokens(self, policy: ClassPolicy) -> float:
+        state = self._buckets.get((policy.pool, policy.name))
+        return bucket.refilled(state, self._clock(), policy.rate, policy.burst).tokens
+
+    def _sweep(self, now_us: int) -> None:
+        """Forgets leases and request ids long past use, so memory stays bounded."""
+        self._next_sweep_us = now_us + _SWEEP_INTERVAL_US
+        stale = [
+            k for k, lease in self._leases.items() if lease.forget_us + self._tombstone_us <= now_us
+        ]
+        for lease_id in stale:
+            del self._leases[lease_id]
+        gone = [k for k, (_, expires) in self._requests.items() if expires <= now_us]
+        for key in gone:
+            del self._requests[key]

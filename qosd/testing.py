@@ -1,0 +1,249 @@
+"""Throwaway Redis servers and daemon processes for tests and benchmarks.
+
+Everything here starts its own processes on free ports in a temporary directory and
+kills them afterwards, so no test ever touches a Redis it did not start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not installed; install it (apt-get install redis-server) — "
+            "tests start their own Redis servers and never use an existing one"
+        )
+    return binary
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server on port {port} exited with {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(64).startswith(b"+PONG"):
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"redis-server on port {port} did not answer within {timeout_s}s")
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process that this code started and owns."""
+
+    port: int
+    directory: Path
+    extra_args: Sequence[str] = ()
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [
+                redis_server_binary(),
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.directory),
+                "--logfile", str(self.directory / "redis.log"),
+                *self.extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        _wait_for_port(self.port, self.process)
+        return self
+
+    def kill(self) -> None:
+        """Kills the server abruptly, as a crash or a network cut would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+        self.process = None
+
+    def restart(self) -> RedisServer:
+        self.kill()
+        return self.start()
+
+
+@contextlib.contextmanager
+def redis_server(extra_args: Sequence[str] = ()) -> Iterator[RedisServer]:
+    with tempfile.TemporaryDirectory(prefix="qosd-redis-") as directory:
+        server = RedisServer(free_port(), Path(directory), extra_args).start()
+        try:
+            yield server
+        finally:
+            server.kill()
+
+
+@dataclass
+class RedisCluster:
+    """A 3-master Redis Cluster with no replicas, started from scratch."""
+
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+
+@contextlib.contextmanager
+def redis_cluster(size: int = 3) -> Iterator[RedisCluster]:
+    with tempfile.TemporaryDirectory(prefix="qosd-cluster-") as directory:
+        cluster = RedisCluster()
+        try:
+            for index in range(size):
+                node_dir = Path(directory) / f"node{index}"
+                node = RedisServer(
+                    free_port(),
+                    node_dir,
+                    (
+                        "--cluster-enabled", "yes",
+                        "--cluster-config-file", str(node_dir / "nodes.conf"),
+                        "--cluster-port", str(free_port()),
+                        "--cluster-node-timeout", "2000",
+                    ),
+                )  # fmt: skip
+                cluster.nodes.append(node.start())
+            cli = shutil.which("redis-cli")
+            if cli is None:
+                raise RuntimeError("redis-cli is not installed (it ships with redis-server)")
+            subprocess.run(
+                [cli, "--cluster", "create"]
+                + [f"127.0.0.1:{node.port}" for node in cluster.nodes]
+                + ["--cluster-replicas", "0", "--cluster-yes"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=30,
+            )
+            _wait_for_cluster_ok(cli, cluster)
+            yield cluster
+        finally:
+            for node in cluster.nodes:
+                node.kill()
+
+
+def _wait_for_cluster_ok(cli: str, cluster: RedisCluster, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [
+            subprocess.run(
+                [cli, "-p", str(node.port), "cluster", "info"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout
+            for node in cluster.nodes
+        ]
+        if all("cluster_state:ok" in state for state in states):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("redis cluster did not reach cluster_state:ok")
+
+
+@dataclass
+class DaemonProcess:
+    """A ``qosd serve`` process started with a config written to a temporary file."""
+
+    config: dict[str, Any]
+    directory: Path
+    process: subprocess.Popen[bytes] | None = None
+    addresses: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.addresses[0]
+
+    def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config_path = self.directory / "qosd.yaml"
+        ready = self.directory / "ready.json"
+        ready.unlink(missing_ok=True)
+        config_path.write_text(yaml.safe_dump(self.config))
+        log = (self.directory / "qosd.log").open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "qosd.cli", "serve", "--config", str(config_path),
+             "--ready-file", str(ready), "--log-level", "WARNING"],
+            stdout=log,
+            stderr=log,
+        )  # fmt: skip
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"qosd exited with {self.process.returncode}: "
+                    + (self.directory / "qosd.log").read_text()[-2000:]
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError("qosd did not become ready in time")
+            time.sleep(0.02)
+        self.addresses = json.loads(ready.read_text())["addresses"]
+        return self
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """Sends SIGTERM and waits for the drain to finish; returns the exit code."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.process = None
+        return code
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+@contextlib.contextmanager
+def daemon_processes(config: dict[str, Any], count: int = 1) -> Iterator[list[DaemonProcess]]:
+    """Starts ``count`` daemons on free ports, all with ``config``; stops them after."""
+    with tempfile.TemporaryDirectory(prefix="qosd-daemons-") as directory:
+        daemons: list[DaemonProcess] = []
+        try:
+            for index in range(count):
+                node_config = json.loads(json.dumps(config))
+                node_config.setdefault("server", {})["listen"] = [f"127.0.0.1:{free_port()}"]
+                daemons.append(DaemonProcess(node_config, Path(directory) / f"qosd{index}").start())
+            yield daemons
+        finally:
+            for daemon in daemons:
+                daemon.kill()

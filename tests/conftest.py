@@ -1,0 +1,110 @@
+"""Shared fixtures: real Redis servers (standalone and a 3-node cluster) started by the
+tests themselves, and in-process daemons serving gRPC on real sockets."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from qosd_client import QosdClient
+
+from qosd.config import Config
+from qosd.server import Daemon, start
+from qosd.testing import RedisCluster, RedisServer, redis_cluster, redis_server
+
+
+@pytest.fixture(scope="session")
+def redis_standalone() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster3() -> Iterator[RedisCluster]:
+    with redis_cluster(3) as cluster:
+        yield cluster
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    redis: dict[str, Any] | None
+
+
+BACKENDS = ["embedded", "redis", "cluster"]
+
+
+def backend_settings(name: str, request: pytest.FixtureRequest) -> dict[str, Any] | None:
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    if name == "embedded":
+        return None
+    if name == "redis":
+        server: RedisServer = request.getfixturevalue("redis_standalone")
+        return {"url": server.url, "mode": "standalone", "key_prefix": prefix}
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster3")
+    return {"url": cluster.url, "mode": "cluster", "key_prefix": prefix}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return Backend(request.param, backend_settings(request.param, request))
+
+
+# Rates are easy to reason about: pool capacity 10,000 tokens/s, so P0 refills at
+# 6,000/s (burst 3,000), P1 at 3,000/s (burst 1,500), P2 at 1,000/s (burst 500).
+BASE_CONFIG: dict[str, Any] = {
+    "server": {"listen": ["127.0.0.1:0"], "drain_grace_s": 2},
+    "pools": {"default": {"capacity_tokens_s": 10_000, "models": ["llama-3-8b"]}},
+    "classes": {
+        "P0": {"priority": 0, "share": 0.6, "max_wait_ms": 200},
+        "P1": {"priority": 1, "share": 0.3, "max_wait_ms": 2_000},
+        "P2": {"priority": 2, "share": 0.1, "max_wait_ms": 5_000},
+    },
+}
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    result = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merge(result[key], value)
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+@dataclass
+class RunningDaemon:
+    daemon: Daemon
+    client: QosdClient
+
+    @property
+    def address(self) -> str:
+        return self.daemon.addresses[0]
+
+
+DaemonFactory = Callable[..., Awaitable[RunningDaemon]]
+
+
+@pytest.fixture
+async def make_daemon(backend: Backend) -> AsyncIterator[DaemonFactory]:
+    """Starts in-process daemons on the test's backend; extra config merges over BASE."""
+    running: list[RunningDaemon] = []
+
+    async def factory(extra: dict[str, Any] | None = None) -> RunningDaemon:
+        tree = merge(BASE_CONFIG, extra or {})
+        if backend.redis is not None:
+            tree["redis"] = merge(backend.redis, tree.get("redis", {}))
+        daemon = await start(Config.model_validate(tree))
+        item = RunningDaemon(daemon, QosdClient(daemon.addresses[0]))
+        running.append(item)
+        return item
+
+    yield factory
+    for item in running:
+        await item.client.close()
+        await item.daemon.stop(0)
