@@ -192,9 +192,10 @@ def _print_summary(config: Config, tallies: dict[str, ClassTally]) -> None:
 def run_demo(config: Config, *, seconds: float, speedup: float) -> int:
     """Starts ``qosd serve`` as a child process, replays the workload, prints a summary."""
     tree = config.model_dump(mode="json")
+    store = f"redis {config.redis.url}" if config.redis.url else "embedded store"
     print(
-        f"starting qosd ({'redis ' + str(config.redis.url) if config.redis.url else 'embedded store'})"
-        f" and replaying {seconds:.0f}s of the Azure conversation trace at {speedup:.0f}x ..."
+        f"starting qosd ({store}) and replaying {seconds:.0f}s of the Azure conversation "
+        f"trace at {speedup:.0f}x ..."
     )
     with daemon_processes(tree) as (daemon,):
         print(f"qosd pid {daemon.process.pid if daemon.process else '?'} on {daemon.address}")

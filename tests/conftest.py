@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from qosd_client import QosdClient
 
 from qosd.config import Config
 from qosd.server import Daemon, start
 from qosd.testing import RedisCluster, RedisServer, redis_cluster, redis_server
+from qosd_client import QosdClient
 
 
 @pytest.fixture(scope="session")

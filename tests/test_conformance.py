@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+
 from qosd_client import (
     InvalidRequest,
     LatencySample,
@@ -21,7 +22,6 @@ from qosd_client import (
     Reason,
     Rejected,
 )
-
 from tests.conftest import DaemonFactory
 
 
