@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from qosd.model import (
     Settlement,
     StoreUnavailable,
     UsageReport,
+    new_lease_token,
 )
 from qosd.store.base import BucketStore
 
@@ -175,12 +175,15 @@ class Admission:
         max_wait_ms: int | None,
         deadline_s: float | None,
     ) -> AcquireOutcome:
-        pool = self.resolve_pool(model)
-        policy = self._class_policy(pool, qos_class)
-        self._tokens(input_tokens, "input_tokens", 1)
-        self._tokens(expected_output_tokens, "expected_output_tokens", 0)
-        self._identifier(request_id, "request_id")
-        self._identifier(tenant, "tenant")
+        pool = self._pool_of.get(model) or self.resolve_pool(model)
+        policy = self._policies.get((pool, qos_class)) or self._class_policy(pool, qos_class)
+        max_tokens = self._max_tokens
+        if not (1 <= input_tokens <= max_tokens and 0 <= expected_output_tokens <= max_tokens):
+            self._tokens(input_tokens, "input_tokens", 1)
+            self._tokens(expected_output_tokens, "expected_output_tokens", 0)
+        if len(request_id) > MAX_ID_LENGTH or len(tenant) > MAX_ID_LENGTH:
+            self._identifier(request_id, "request_id")
+            self._identifier(tenant, "tenant")
         if max_wait_ms is None:
             wait_ms = policy.max_wait_ms
         elif max_wait_ms < 0:
@@ -190,7 +193,7 @@ class Admission:
 
         cost = (input_tokens + self._output_weight * expected_output_tokens) * policy.weight
         lease = LeaseSpec(
-            lease_id=f"{pool}:{policy.name}:{os.urandom(12).hex()}",
+            lease_id=f"{pool}:{policy.name}:{new_lease_token()}",
             request_id=request_id,
             tenant=tenant,
             input_tokens=input_tokens,
@@ -281,7 +284,7 @@ class Admission:
             return BucketDecision(
                 admitted=True,
                 reason=Reason.FAIL_OPEN,
-                lease_id=f"{policy.pool}:{policy.name}:{FAIL_OPEN_MARK}{os.urandom(12).hex()}",
+                lease_id=f"{policy.pool}:{policy.name}:{FAIL_OPEN_MARK}{new_lease_token()}",
                 charged=0.0,
                 remaining=0.0,
                 retry_after_ms=0,

@@ -86,7 +86,8 @@ class RedisConfig(_Strict):
     key_prefix: str = "qosd"
     timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 100
     connect_timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 250
-    max_connections: Annotated[int, Field(ge=1, le=10_000)] = 64
+    # Each connection pipelines every command in flight, so a few per node suffice.
+    connections_per_node: Annotated[int, Field(ge=1, le=64)] = 2
     # After a failure, calls fail fast for this long before one probe tries again,
     # so an outage costs one timeout per interval instead of one per request.
     retry_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 500

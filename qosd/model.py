@@ -7,6 +7,9 @@ gRPC layer passes them through as plain integers with no translation table.
 from __future__ import annotations
 
 import enum
+import itertools
+import os
+import time
 from dataclasses import dataclass
 
 
@@ -26,6 +29,22 @@ class Outcome(enum.IntEnum):
     OK = 1
     ERROR = 2
     CANCELLED = 3
+
+
+# 64 random bits per process keep tokens of different replicas apart; a counter keeps
+# this process's tokens apart. Cheaper than fresh randomness on every Acquire.
+_TOKEN_PROCESS = os.urandom(8).hex()
+_token_counter = itertools.count()
+
+
+def new_lease_token() -> str:
+    """A unique lease token: epoch second (8 hex digits), process id (16), counter.
+
+    The second lets the Redis store file leases into one hash per second (see
+    acquire.lua); it is a filing label only, never used in budget arithmetic, so a
+    replica's clock skew cannot change a decision.
+    """
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}{_TOKEN_PROCESS}{next(_token_counter):x}"
 
 
 @dataclass(frozen=True, slots=True)

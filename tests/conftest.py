@@ -3,6 +3,7 @@ tests themselves, and in-process daemons serving gRPC on real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -10,11 +11,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import uvloop
 
 from qosd.config import Config
 from qosd.server import Daemon, start
 from qosd.testing import RedisCluster, RedisServer, redis_cluster, redis_server
 from qosd_client import QosdClient
+
+
+@pytest.fixture(scope="session")
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    """Tests run on uvloop, the loop the daemon runs on in production."""
+    policy: asyncio.AbstractEventLoopPolicy = uvloop.EventLoopPolicy()
+    return policy
 
 
 @pytest.fixture(scope="session")

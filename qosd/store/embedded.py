@@ -56,6 +56,10 @@ class EmbeddedStore:
         self._leases: dict[str, _Lease] = {}
         self._requests: dict[tuple[str, str], tuple[str, int]] = {}
         self._windows: dict[tuple[str, str], deque[str]] = {}
+        # Every lease has the same TTL, so creation order is expiry order: the sweep
+        # only ever looks at the front of these queues.
+        self._lease_order: deque[tuple[int, str]] = deque()
+        self._request_order: deque[tuple[int, tuple[str, str]]] = deque()
         self._next_sweep_us = 0
 
     async def start(self) -> None:
@@ -115,8 +119,11 @@ class EmbeddedStore:
             expires_us=expires_us,
             forget_us=expires_us,
         )
+        self._lease_order.append((expires_us + self._tombstone_us, lease.lease_id))
         if lease.request_id:
-            self._requests[(policy.pool, lease.request_id)] = (lease.lease_id, expires_us)
+            key = (policy.pool, lease.request_id)
+            self._requests[key] = (lease.lease_id, expires_us)
+            self._request_order.append((expires_us, key))
         return BucketDecision(
             admitted=True,
             reason=Reason.NONE,
@@ -174,13 +181,18 @@ class EmbeddedStore:
         return bucket.refilled(state, self._clock(), policy.rate, policy.burst).tokens
 
     def _sweep(self, now_us: int) -> None:
-        """Forgets leases and request ids long past use, so memory stays bounded."""
+        """Forgets leases and request ids past use, so memory stays bounded.
+
+        A lease released early is forgotten at the latest when its TTL plus the
+        tombstone time has passed, like its Redis counterpart.
+        """
         self._next_sweep_us = now_us + _SWEEP_INTERVAL_US
-        stale = [
-            k for k, lease in self._leases.items() if lease.forget_us + self._tombstone_us <= now_us
-        ]
-        for lease_id in stale:
-            del self._leases[lease_id]
-        gone = [k for k, (_, expires) in self._requests.items() if expires <= now_us]
-        for key in gone:
-            del self._requests[key]
+        leases, lease_order = self._leases, self._lease_order
+        while lease_order and lease_order[0][0] <= now_us:
+            leases.pop(lease_order.popleft()[1], None)
+        requests, request_order = self._requests, self._request_order
+        while request_order and request_order[0][0] <= now_us:
+            _, key = request_order.popleft()
+            entry = requests.get(key)
+            if entry is not None and entry[1] <= now_us:
+                del requests[key]

@@ -14,14 +14,12 @@ import asyncio
 import hashlib
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
-from redis.asyncio.cluster import RedisCluster
 
 from qosd.config import ClassPolicy, RedisConfig, RedisMode
 from qosd.model import (
@@ -36,23 +34,10 @@ from qosd.model import (
     StoreUnavailable,
     UsageReport,
 )
+from qosd.store.batching import ScriptBatcher
+from qosd.store.resp import RespClient
 
 log = logging.getLogger(__name__)
-
-# Errors that mean "the store is not usable right now" rather than "a bug".
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    redis_errors.ConnectionError,
-    redis_errors.TimeoutError,
-    redis_errors.BusyLoadingError,
-    redis_errors.ReadOnlyError,
-    redis_errors.ClusterDownError,
-    redis_errors.ClusterError,
-    redis_errors.TryAgainError,
-    redis_errors.MasterDownError,
-    redis_errors.OutOfMemoryError,
-    TimeoutError,
-    OSError,
-)
 
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
 
@@ -72,38 +57,27 @@ class RedisStore:
     def __init__(self, config: RedisConfig, tombstone_ms: int) -> None:
         assert config.url is not None
         self._config = config
-        self._timeout_s = config.timeout_ms / 1000
-        self._tombstone_ms = str(tombstone_ms)
-        self._client: Any = self._make_client(config)
+        # A lease hash must outlive its newest lease's TTL by the tombstone time, plus
+        # its one-second filing width and some clock skew between replicas.
+        self._keep_extra_ms = tombstone_ms + 5_000
+        self._client = RespClient(
+            config.url,
+            cluster=config.mode is RedisMode.CLUSTER,
+            timeout_s=config.timeout_ms / 1000,
+            connect_timeout_s=config.connect_timeout_ms / 1000,
+            connections_per_node=config.connections_per_node,
+        )
         self._scripts = {
             name: _Script.load(name)
             for name in ("acquire", "release", "report", "leases", "tokens")
         }
-        self._acquire = self._scripts["acquire"]
-        self._release = self._scripts["release"]
         self._pool_prefixes: dict[str, str] = {}
-
-    @staticmethod
-    def _make_client(config: RedisConfig) -> Any:
-        assert config.url is not None
-        common: dict[str, Any] = {
-            "socket_timeout": config.timeout_ms / 1000,
-            "socket_connect_timeout": config.connect_timeout_ms / 1000,
-            "decode_responses": True,
-        }
-        if config.mode is RedisMode.CLUSTER:
-            return RedisCluster.from_url(
-                config.url, max_connections=config.max_connections, **common
-            )
-        # A blocking pool waits (within the call's timeout) for a free connection
-        # instead of failing at once with MaxConnectionsError under a burst.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.url,
-            max_connections=config.max_connections,
-            timeout=config.timeout_ms / 1000,
-            **common,
+        self._policy_cache: dict[ClassPolicy, tuple[str, str, str, str, str, str]] = {}
+        self._acquires = ScriptBatcher(
+            self._runner(self._scripts["acquire"]), fields=8, on_orphan=self._undo_admission
         )
-        return aioredis.Redis(connection_pool=pool)
+        self._releases = ScriptBatcher(self._runner(self._scripts["release"]), fields=4)
+        self._orphans: set[asyncio.Task[Any]] = set()
 
     def _prefix(self, pool: str) -> str:
         prefix = self._pool_prefixes.get(pool)
@@ -115,65 +89,79 @@ class RedisStore:
     async def start(self) -> None:
         """Loads the scripts. A store that is down now is not fatal: calls recover later."""
         try:
-            await self._load_scripts()
+            for script in self._scripts.values():
+                await self._client.execute_on_primaries("SCRIPT", "LOAD", script.source)
         except StoreUnavailable as exc:
             log.warning("redis not reachable at start (%s); will retry on demand", exc)
 
-    async def _load_scripts(self) -> None:
-        try:
-            async with asyncio.timeout(self._config.connect_timeout_ms / 1000 + self._timeout_s):
-                for script in self._scripts.values():
-                    await self._client.script_load(script.source)
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"redis: {exc or type(exc).__name__}") from exc
-
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._acquires.drain()
+        await self._releases.drain()
+        if self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
+        await self._client.close()
 
     async def ping(self) -> None:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await self._client.ping()
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"redis: {exc or type(exc).__name__}") from exc
+        await self._client.execute_on_primaries("PING")
 
     async def _run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        route = keys[0]
         try:
-            async with asyncio.timeout(self._timeout_s):
-                try:
-                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
-                except redis_errors.NoScriptError:
-                    await self._client.script_load(script.source)
-                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"redis: {exc or type(exc).__name__}") from exc
+            return await self._client.execute(route, "EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            # The server lost its scripts (restart, failover, SCRIPT FLUSH): load, retry.
+            await self._client.execute(route, "SCRIPT", "LOAD", script.source)
+            return await self._client.execute(route, "EVALSHA", script.sha, len(keys), *keys, *args)
 
-    async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
-        prefix = self._prefix(policy.pool)
-        keys = [
-            f"{prefix}bucket:{policy.name}",
-            f"{prefix}lease:{lease.lease_id}",
-            f"{prefix}leases",
-        ]
-        if lease.request_id:
-            keys.append(f"{prefix}req:{lease.request_id}")
-        reply = await self._run(
-            self._acquire,
-            keys,
-            (
-                repr(cost),
+    def _runner(self, script: _Script) -> Callable[[Sequence[str], Sequence[Any]], Any]:
+        async def run(keys: Sequence[str], args: Sequence[Any]) -> Any:
+            return await self._run(script, keys, args)
+
+        return run
+
+    def _policy_args(self, policy: ClassPolicy) -> tuple[str, str, str, str, str, str]:
+        """Per-(pool, class) strings every Acquire sends, computed once."""
+        cached = self._policy_cache.get(policy)
+        if cached is None:
+            prefix = self._prefix(policy.pool)
+            cached = (
+                prefix,
+                f"{prefix}bucket:{policy.name}",
                 repr(policy.rate),
                 repr(policy.burst),
                 repr(policy.max_cost),
-                lease.lease_id,
-                lease.ttl_ms,
-                lease.ttl_ms + int(self._tombstone_ms),
-                repr(lease.weight),
-                lease.input_tokens,
-                lease.output_tokens,
-                lease.tenant,
-            ),
+                repr(policy.weight),
+            )
+            self._policy_cache[policy] = cached
+        return cached
+
+    def _lease_location(self, prefix: str, lease_id: str) -> tuple[str, str]:
+        """The lease hash (one per pool and epoch second) and field of a lease."""
+        token = lease_id.rpartition(":")[2]
+        return f"{prefix}leases:{token[:8]}", token
+
+    async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
+        prefix, bucket_key, rate, burst, max_cost, weight = self._policy_args(policy)
+        lease_hash, field = self._lease_location(prefix, lease.lease_id)
+        if lease.request_id:
+            keys: tuple[str, ...] = (bucket_key, lease_hash, f"{prefix}req:{lease.request_id}")
+        else:
+            keys = (bucket_key, lease_hash)
+        args = (
+            repr(cost),
+            rate,
+            burst,
+            max_cost,
+            lease.lease_id,
+            field,
+            lease.ttl_ms,
+            lease.ttl_ms + self._keep_extra_ms,
+            weight,
+            lease.input_tokens,
+            lease.output_tokens,
+            1 if lease.request_id else 0,
         )
+        reply = await self._acquires.submit(prefix, keys, args)
         admitted, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed = reply
         return BucketDecision(
             admitted=admitted == 1,
@@ -186,21 +174,34 @@ class RedisStore:
             replayed=replayed == 1,
         )
 
+    def _undo_admission(self, args: Sequence[Any], reply: list[Any]) -> None:
+        """Refunds an admission whose caller was cancelled while the batch was in flight.
+
+        Nobody will ever use or release that lease, so it is settled at once as a
+        cancelled request that used nothing: the whole charge goes back.
+        """
+        admitted, lease_id, replayed = reply[0], reply[2], reply[7]
+        if admitted != 1 or replayed == 1:  # nothing new was charged
+            return
+        pool, qos_class, _token = lease_id.split(":")
+        rate, burst = float(args[1]), float(args[2])
+        task = asyncio.get_running_loop().create_task(
+            self._release_raw(pool, qos_class, lease_id, rate, burst, 0, 0, 0.0, 3)
+        )
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
     async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
-        prefix = self._prefix(policy.pool)
-        status, charged, adjustment, remaining = await self._run(
-            self._release,
-            (f"{prefix}lease:{lease_id}", f"{prefix}bucket:{policy.name}", f"{prefix}leases"),
-            (
-                lease_id,
-                "" if usage.input_tokens is None else usage.input_tokens,
-                "" if usage.output_tokens is None else usage.output_tokens,
-                repr(usage.output_weight),
-                repr(policy.rate),
-                repr(policy.burst),
-                int(usage.outcome),
-                self._tombstone_ms,
-            ),
+        status, charged, adjustment, remaining = await self._release_raw(
+            policy.pool,
+            policy.name,
+            lease_id,
+            policy.rate,
+            policy.burst,
+            "" if usage.input_tokens is None else usage.input_tokens,
+            "" if usage.output_tokens is None else usage.output_tokens,
+            usage.output_weight,
+            int(usage.outcome),
         )
         if status == "unknown":
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
@@ -211,6 +212,34 @@ class RedisStore:
             charged=float(charged),
             adjustment=float(adjustment),
             remaining=float(remaining),
+        )
+
+    async def _release_raw(
+        self,
+        pool: str,
+        qos_class: str,
+        lease_id: str,
+        rate: float,
+        burst: float,
+        input_tokens: int | str,
+        output_tokens: int | str,
+        output_weight: float,
+        outcome: int,
+    ) -> list[Any]:
+        prefix = self._prefix(pool)
+        lease_hash, field = self._lease_location(prefix, lease_id)
+        return await self._releases.submit(
+            prefix,
+            (lease_hash, f"{prefix}bucket:{qos_class}"),
+            (
+                field,
+                input_tokens,
+                output_tokens,
+                repr(output_weight),
+                repr(rate),
+                repr(burst),
+                outcome,
+            ),
         )
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
@@ -229,18 +258,24 @@ class RedisStore:
 
     async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
         key = f"{self._prefix(pool)}window:{qos_class}"
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                raw = await self._client.lrange(key, 0, -1)
-        except _UNAVAILABLE as exc:
-            raise StoreUnavailable(f"redis: {exc or type(exc).__name__}") from exc
+        raw = await self._client.execute(key, "LRANGE", key, 0, -1)
         return [StoredSample.decode(item) for item in raw]
 
     async def active_leases(self, pool: str) -> int:
-        active, _forgotten = await self._run(
-            self._scripts["leases"], (f"{self._prefix(pool)}leases",), ()
-        )
-        return int(active)
+        """Counts live leases by scanning the pool's lease hashes: an admin query."""
+        prefix = self._prefix(pool)
+        pattern = f"{prefix}leases:*"
+        cursor, hashes = "0", []
+        while True:
+            cursor, found = await self._client.execute(
+                pattern, "SCAN", cursor, "MATCH", pattern, "COUNT", 1000
+            )
+            hashes.extend(found)
+            if cursor == "0":
+                break
+        if not hashes:
+            return 0
+        return int(await self._run(self._scripts["leases"], hashes, ()))
 
     async def bucket_tokens(self, policy: ClassPolicy) -> float:
         reply = await self._run(

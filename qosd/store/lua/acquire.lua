@@ -1,76 +1,137 @@
--- Take `cost` tokens from one (pool, class) bucket and create a lease, atomically.
--- Mirrors qosd/bucket.py (take, refilled) and qosd/store/embedded.py (acquire).
+-- Take tokens from (pool, class) buckets and create leases, for a batch of requests
+-- of one pool, in order, atomically. One request is a batch of one.
+-- Mirrors qosd/bucket.py (refilled, take) and qosd/store/embedded.py (acquire).
 --
--- KEYS[1] bucket hash {t = tokens, u = last update, microseconds of Redis TIME}
--- KEYS[2] lease hash for ARGV[5]
--- KEYS[3] active-lease sorted set (member lease id, score expiry in microseconds)
--- KEYS[4] request-id key (optional): "lease_id|charged|expiry_us", for replays
--- ARGV: cost, rate, burst, max_cost, lease_id, ttl_ms, forget_ms (ttl + tombstone),
---       weight, input_tokens, output_tokens, tenant
--- Returns {admitted, reason, lease_id, charged, remaining, retry_after_ms, ttl_ms, replayed}
--- with floats as strings (Redis truncates Lua numbers to integers).
-local cost = tonumber(ARGV[1])
-local rate = tonumber(ARGV[2])
-local burst = tonumber(ARGV[3])
-local max_cost = tonumber(ARGV[4])
-local ttl_ms = tonumber(ARGV[6])
-
+-- Commands issued inside a script cost far more than Lua arithmetic, so a batch
+-- reads and writes each bucket once and writes all its leases with one HSET per
+-- lease hash, whatever its size.
+--
+-- KEYS per request: bucket, lease hash, then the request-id key if it has one
+-- ARGV[1]          number of requests
+-- ARGV per request (12): cost, rate, burst, max_cost, lease_id, lease field, ttl_ms,
+--                  keep_ms (how long the lease hash must live), weight,
+--                  input_tokens, output_tokens, has_request_id (0/1)
+--
+-- Bucket string:     "tokens|updated_us" (Redis TIME); absent means full.
+-- Lease hash field:  "expiry_us|charged|weight|input|output" while active.
+-- Request-id string: "lease_id|charged|expiry_us".
+-- Returns 8 values per request: admitted, reason, lease_id, charged, remaining,
+-- retry_after_ms, lease_ttl_ms, replayed. Floats travel as strings (Redis would
+-- truncate Lua numbers to integers).
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
+local reply = {}
+local n = 0
+local buckets = {}       -- key -> {tokens, rate, burst, changed}
+local lease_writes = {}  -- lease hash key -> {field, value, ...}
+local lease_keep = {}    -- lease hash key -> ms it must live
 
-local function refilled()
-  local state = redis.call('HMGET', KEYS[1], 't', 'u')
-  local tokens = tonumber(state[1])
-  if tokens == nil then
-    return burst
+local function bucket(key, rate, burst)
+  local b = buckets[key]
+  if b == nil then
+    local tokens = burst
+    local state = redis.call('GET', key)
+    if state then
+      local stored, updated = string.match(state, '^([^|]*)|(.*)$')
+      tokens = tonumber(stored)
+      local elapsed = now - tonumber(updated)
+      if elapsed > 0 then
+        tokens = math.min(burst, tokens + elapsed * rate / 1000000)
+      end
+    end
+    b = {tokens, rate, burst, false}
+    buckets[key] = b
   end
-  local elapsed = now - tonumber(state[2])
-  if elapsed > 0 then
-    tokens = math.min(burst, tokens + elapsed * rate / 1000000)
-  end
-  return tokens
+  return b
 end
 
-if KEYS[4] then
-  local prior = redis.call('GET', KEYS[4])
-  if prior then
-    local prior_id, prior_charged, prior_expiry = string.match(prior, '^(.*)|([^|]*)|([^|]*)$')
-    local left_ms = math.floor((tonumber(prior_expiry) - now) / 1000)
-    if left_ms > 0 then
-      return {1, 0, prior_id, prior_charged, tostring(refilled()), 0, left_ms, 1}
+local function answer(admitted, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
+  reply[n + 1] = admitted
+  reply[n + 2] = reason
+  reply[n + 3] = lease_id
+  reply[n + 4] = charged
+  reply[n + 5] = remaining
+  reply[n + 6] = retry_ms
+  reply[n + 7] = ttl_ms
+  reply[n + 8] = replayed
+  n = n + 8
+end
+
+local k = 1
+local a = 2
+for _ = 1, tonumber(ARGV[1]) do
+  local cost = tonumber(ARGV[a])
+  local rate = tonumber(ARGV[a + 1])
+  local burst = tonumber(ARGV[a + 2])
+  local ttl_ms = tonumber(ARGV[a + 6])
+  local b = bucket(KEYS[k], rate, burst)
+  local lease_key = KEYS[k + 1]
+  local request_key = nil
+  if ARGV[a + 11] == '1' then
+    request_key = KEYS[k + 2]
+    k = k + 3
+  else
+    k = k + 2
+  end
+
+  local replayed = false
+  if request_key then
+    local prior = redis.call('GET', request_key)
+    if prior then
+      local prior_id, prior_charged, prior_expiry = string.match(prior, '^(.*)|([^|]*)|([^|]*)$')
+      local left_ms = math.floor((tonumber(prior_expiry) - now) / 1000)
+      if left_ms > 0 then
+        answer(1, 0, prior_id, prior_charged, tostring(b[1]), 0, left_ms, 1)
+        replayed = true
+      end
     end
   end
-end
 
-local tokens = refilled()
-if cost > max_cost then
-  return {0, 2, '', tostring(cost), tostring(tokens), 0, 0, 0}
-end
-local needed = math.min(cost, burst)
-if tokens < needed then
-  local wait_ms = 0
-  if rate > 0 then
-    wait_ms = math.ceil((needed - tokens) * 1000 / rate)
+  if not replayed then
+    local needed = math.min(cost, burst)
+    if cost > tonumber(ARGV[a + 3]) then
+      answer(0, 2, '', ARGV[a], tostring(b[1]), 0, 0, 0)
+    elseif b[1] < needed then
+      local retry_ms = 0
+      if rate > 0 then
+        retry_ms = math.max(1, math.ceil((needed - b[1]) * 1000 / rate))
+      end
+      answer(0, 1, '', ARGV[a], tostring(b[1]), retry_ms, 0, 0)
+    else
+      b[1] = b[1] - cost
+      b[4] = true
+      local lease_id = ARGV[a + 4]
+      local expiry = string.format('%.0f', now + ttl_ms * 1000)
+      local writes = lease_writes[lease_key]
+      if writes == nil then
+        writes = {}
+        lease_writes[lease_key] = writes
+      end
+      writes[#writes + 1] = ARGV[a + 5]
+      writes[#writes + 1] = expiry .. '|' .. ARGV[a] .. '|' .. ARGV[a + 8] .. '|' ..
+        ARGV[a + 9] .. '|' .. ARGV[a + 10]
+      lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(ARGV[a + 7]))
+      if request_key then
+        redis.call('SET', request_key, lease_id .. '|' .. ARGV[a] .. '|' .. expiry, 'PX', ttl_ms)
+      end
+      answer(1, 0, lease_id, ARGV[a], tostring(b[1]), 0, ttl_ms, 0)
+    end
   end
-  return {0, 1, '', tostring(cost), tostring(tokens), math.max(wait_ms, 1), 0, 0}
+  a = a + 12
 end
 
-tokens = tokens - cost
-redis.call('HSET', KEYS[1], 't', tokens, 'u', now)
-local full_in_ms = 86400000
-if rate > 0 then
-  full_in_ms = math.ceil(math.max(0, burst - tokens) * 1000 / rate)
+for key, writes in pairs(lease_writes) do
+  redis.call('HSET', key, unpack(writes))
+  redis.call('PEXPIRE', key, lease_keep[key])
 end
-redis.call('PEXPIRE', KEYS[1], full_in_ms + 1000)
-
-local lease_id = ARGV[5]
-local expiry = now + ttl_ms * 1000
-redis.call('HSET', KEYS[2], 'x', expiry, 'c', cost, 'w', ARGV[8], 'i', ARGV[9],
-  'o', ARGV[10], 'n', ARGV[11])
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[7]))
-redis.call('ZADD', KEYS[3], expiry, lease_id)
-if KEYS[4] then
-  redis.call('SET', KEYS[4], lease_id .. '|' .. ARGV[1] .. '|' .. string.format('%.0f', expiry),
-    'PX', ttl_ms)
+for key, b in pairs(buckets) do
+  if b[4] then
+    local full_in_ms = 86400000
+    if b[2] > 0 then
+      full_in_ms = math.ceil(math.max(0, b[3] - b[1]) * 1000 / b[2])
+    end
+    redis.call('SET', key, tostring(b[1]) .. '|' .. string.format('%.0f', now),
+      'PX', full_in_ms + 1000)
+  end
 end
-return {1, 0, lease_id, ARGV[1], tostring(tokens), 0, ttl_ms, 0}
+return reply

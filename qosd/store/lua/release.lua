@@ -1,57 +1,120 @@
--- Settle a lease: move the bucket by (actual cost - charged), bounded by one burst.
+-- Settle leases of one pool, for a batch of releases, in order, atomically: move
+-- each lease's bucket by (actual cost - charged), bounded by one burst.
 -- Mirrors qosd/bucket.py (settle) and qosd/store/embedded.py (release).
 --
--- KEYS[1] lease hash, KEYS[2] bucket hash, KEYS[3] active-lease sorted set
--- ARGV: lease_id, actual_input ('' = keep estimate), actual_output ('' = keep),
---       output_weight, rate, burst, outcome, tombstone_ms
--- Returns {status, charged, adjustment, remaining}; status is 'released' (settled now),
--- 'again' (settled before), 'expired' or 'unknown'.
-local lease = redis.call('HMGET', KEYS[1], 'x', 'c', 'w', 'i', 'o', 'f', 'a')
-if lease[1] == false then
-  return {'unknown', '0', '0', '0'}
-end
-local rate = tonumber(ARGV[5])
-local burst = tonumber(ARGV[6])
+-- KEYS per release: lease hash, bucket
+-- ARGV[1]           number of releases
+-- ARGV per release (7): lease field, actual_input ('' keeps the estimate),
+--                   actual_output ('' keeps it), output_weight, rate, burst, outcome
+--
+-- An active lease field is "expiry_us|charged|weight|input|output" (acquire.lua);
+-- settling turns it into "R|final|adjustment|outcome", which stays until the lease
+-- hash expires, so a repeated release gets the first answer.
+-- Returns 4 values per release: status ('released' now, 'again' if settled before,
+-- 'expired' or 'unknown'), final charge, adjustment, bucket tokens after.
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
+local reply = {}
+local n = 0
+local buckets = {}
+local leases = {}   -- lease hash key -> field -> value (read once, updated in place)
+local changed = {}  -- lease hash key -> {field, value, ...}
 
-local state = redis.call('HMGET', KEYS[2], 't', 'u')
-local tokens = tonumber(state[1])
-if tokens == nil then
-  tokens = burst
-else
-  local elapsed = now - tonumber(state[2])
-  if elapsed > 0 then
-    tokens = math.min(burst, tokens + elapsed * rate / 1000000)
+local function bucket(key, rate, burst)
+  local b = buckets[key]
+  if b == nil then
+    local tokens = burst
+    local state = redis.call('GET', key)
+    if state then
+      local stored, updated = string.match(state, '^([^|]*)|(.*)$')
+      tokens = tonumber(stored)
+      local elapsed = now - tonumber(updated)
+      if elapsed > 0 then
+        tokens = math.min(burst, tokens + elapsed * rate / 1000000)
+      end
+    end
+    b = {tokens, rate, burst, false}
+    buckets[key] = b
+  end
+  return b
+end
+
+local function lease(key, field)
+  local fields = leases[key]
+  if fields == nil then
+    fields = {}
+    leases[key] = fields
+  end
+  local value = fields[field]
+  if value == nil then
+    value = redis.call('HGET', key, field) or ''
+    fields[field] = value
+  end
+  return value
+end
+
+local function answer(status, charged, adjustment, tokens)
+  reply[n + 1] = status
+  reply[n + 2] = charged
+  reply[n + 3] = adjustment
+  reply[n + 4] = tokens
+  n = n + 4
+end
+
+local k = 1
+local a = 2
+for _ = 1, tonumber(ARGV[1]) do
+  local lease_key = KEYS[k]
+  local field = ARGV[a]
+  local rate = tonumber(ARGV[a + 4])
+  local burst = tonumber(ARGV[a + 5])
+  local value = lease(lease_key, field)
+  if value == '' then
+    answer('unknown', '0', '0', '0')
+  elseif string.sub(value, 1, 2) == 'R|' then
+    local final, adjustment = string.match(value, '^R|([^|]*)|([^|]*)|')
+    answer('again', final, adjustment, tostring(bucket(KEYS[k + 1], rate, burst)[1]))
+  else
+    local expiry, charged, weight, input, output =
+      string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+    if now >= tonumber(expiry) then
+      answer('expired', charged, '0', '0')
+    else
+      local b = bucket(KEYS[k + 1], rate, burst)
+      if ARGV[a + 1] ~= '' then input = ARGV[a + 1] end
+      if ARGV[a + 2] ~= '' then output = ARGV[a + 2] end
+      local actual = (tonumber(input) + tonumber(ARGV[a + 3]) * tonumber(output)) * tonumber(weight)
+      local delta = math.max(-burst, math.min(burst, actual - tonumber(charged)))
+      b[1] = math.min(burst, b[1] - delta)
+      b[4] = true
+      local final = tostring(tonumber(charged) + delta)
+      local settled = 'R|' .. final .. '|' .. tostring(delta) .. '|' .. ARGV[a + 6]
+      leases[lease_key][field] = settled
+      local writes = changed[lease_key]
+      if writes == nil then
+        writes = {}
+        changed[lease_key] = writes
+      end
+      writes[#writes + 1] = field
+      writes[#writes + 1] = settled
+      answer('released', final, tostring(delta), tostring(b[1]))
+    end
+  end
+  k = k + 2
+  a = a + 7
+end
+
+for key, writes in pairs(changed) do
+  redis.call('HSET', key, unpack(writes))
+end
+for key, b in pairs(buckets) do
+  if b[4] then
+    local full_in_ms = 86400000
+    if b[2] > 0 then
+      full_in_ms = math.ceil(math.max(0, b[3] - b[1]) * 1000 / b[2])
+    end
+    redis.call('SET', key, tostring(b[1]) .. '|' .. string.format('%.0f', now),
+      'PX', full_in_ms + 1000)
   end
 end
-
-if lease[6] ~= false then
-  return {'again', lease[6], lease[7], tostring(tokens)}
-end
-if now >= tonumber(lease[1]) then
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  return {'expired', lease[2], '0', tostring(tokens)}
-end
-
-local charged = tonumber(lease[2])
-local input = tonumber(lease[4])
-local output = tonumber(lease[5])
-if ARGV[2] ~= '' then input = tonumber(ARGV[2]) end
-if ARGV[3] ~= '' then output = tonumber(ARGV[3]) end
-local actual = (input + tonumber(ARGV[4]) * output) * tonumber(lease[3])
-local delta = math.max(-burst, math.min(burst, actual - charged))
-tokens = math.min(burst, tokens - delta)
-
-redis.call('HSET', KEYS[2], 't', tokens, 'u', now)
-local full_in_ms = 86400000
-if rate > 0 then
-  full_in_ms = math.ceil(math.max(0, burst - tokens) * 1000 / rate)
-end
-redis.call('PEXPIRE', KEYS[2], full_in_ms + 1000)
-
-local final = tostring(charged + delta)
-redis.call('HSET', KEYS[1], 'f', final, 'a', tostring(delta), 'r', ARGV[7])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[8]))
-redis.call('ZREM', KEYS[3], ARGV[1])
-return {'released', final, tostring(delta), tostring(tokens)}
+return reply

@@ -1,0 +1,134 @@
+"""Group commit of script calls: one EVALSHA carries every call that queued meanwhile.
+
+Sending each Acquire's script call on its own costs a Redis round trip, a connection
+checkout, a command encoding and a script invocation per request: most of what an
+Acquire costs. A batcher sends a call at once when no call of its group (pool) is in
+flight, so an uncontended Acquire still costs exactly one round trip and waits for
+nobody. While a call is in flight, new calls queue; when it returns, everything
+queued goes out as one call of a script that processes a list, in order, atomically.
+The batch size therefore adapts to the load with no timer and no tuning, and each
+request waits at most one extra round trip. This is the group commit of databases,
+or the auto-pipelining of ioredis and rueidis, done at the script level, where it
+also saves the per-call overhead inside Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qosd.model import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+Runner = Callable[[Sequence[str], Sequence[Any]], Awaitable[list[Any]]]
+
+
+@dataclass(slots=True)
+class _Group:
+    queue: list[_Call] = field(default_factory=list)
+    in_flight: int = 0
+    flush_scheduled: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    keys: Sequence[str]
+    args: Sequence[Any]
+    future: asyncio.Future[list[Any]]
+
+
+class ScriptBatcher:
+    """Batches calls to one list-processing script, per group (a pool: one hash slot).
+
+    The script takes each call's keys in order, ``ARGV[1]`` the number of calls, then
+    each call's arguments in order, and returns ``fields`` values per call.
+    """
+
+    def __init__(
+        self,
+        run: Runner,
+        fields: int,
+        *,
+        max_batch: int = 256,
+        max_in_flight: int = 1,
+        on_orphan: Callable[[Sequence[Any], list[Any]], None] | None = None,
+    ) -> None:
+        self._run = run
+        self._fields = fields
+        self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
+        self._on_orphan = on_orphan
+        self._groups: dict[str, _Group] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(
+        self, group_key: str, keys: Sequence[str], args: Sequence[Any]
+    ) -> asyncio.Future[list[Any]]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        group = self._groups.get(group_key)
+        if group is None:
+            group = self._groups[group_key] = _Group()
+        group.queue.append(_Call(keys, args, future))
+        if group.in_flight < self._max_in_flight and not group.flush_scheduled:
+            # Send after the loop's next turn, so that calls arriving with the same
+            # poll of gRPC's completion queue join this batch (measured: a third more
+            # requests per batch under load, microseconds when idle).
+            group.flush_scheduled = True
+            loop.call_soon(loop.call_soon, self._flush, group_key, group)
+        return future
+
+    def _flush(self, group_key: str, group: _Group) -> None:
+        group.flush_scheduled = False
+        while group.queue and group.in_flight < self._max_in_flight:
+            batch = group.queue[: self._max_batch]
+            del group.queue[: self._max_batch]
+            group.in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._call(group_key, batch))
+            self._tasks.add(task)
+            task.add_done_callback(lambda done: self._done(done, group_key, group))
+
+    def _done(self, task: asyncio.Task[None], group_key: str, group: _Group) -> None:
+        self._tasks.discard(task)
+        group.in_flight -= 1
+        if group.queue:
+            self._flush(group_key, group)
+        elif group.in_flight == 0 and self._groups.get(group_key) is group:
+            del self._groups[group_key]
+
+    async def _call(self, group_key: str, batch: list[_Call]) -> None:
+        keys: list[str] = []
+        args: list[Any] = [len(batch)]
+        for call in batch:
+            keys.extend(call.keys)
+            args.extend(call.args)
+        try:
+            reply = await self._run(keys, args)
+        except asyncio.CancelledError:
+            for call in batch:
+                if not call.future.done():
+                    call.future.set_exception(StoreUnavailable("store call cancelled"))
+            raise
+        except Exception as exc:
+            for call in batch:
+                if not call.future.done():
+                    call.future.set_exception(exc)
+            return
+        fields = self._fields
+        for index, call in enumerate(batch):
+            values = reply[index * fields : (index + 1) * fields]
+            if not call.future.done():
+                call.future.set_result(values)
+            elif self._on_orphan is not None:
+                # The caller went away while its call was in flight; the store still
+                # acted on it. Let the owner undo what must not stay (an admission).
+                self._on_orphan(call.args, values)
+
+    async def drain(self) -> None:
+        """Waits for batches already sent (used at shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
