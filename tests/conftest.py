@@ -19,11 +19,11 @@ from qosd.testing import RedisCluster, RedisServer, redis_cluster, redis_server
 from qosd_client import QosdClient
 
 
-@pytest.fixture(scope="session")
-def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Tests run on uvloop, the loop the daemon runs on in production."""
-    policy: asyncio.AbstractEventLoopPolicy = uvloop.EventLoopPolicy()
-    return policy
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture(scope="session")

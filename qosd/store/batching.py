@@ -109,14 +109,19 @@ class ScriptBatcher:
         try:
             reply = await self._run(keys, args)
         except asyncio.CancelledError:
-            for call in batch:
-                if not call.future.done():
-                    call.future.set_exception(StoreUnavailable("store call cancelled"))
+            _fail(batch, StoreUnavailable("store call cancelled"))
             raise
+        except StoreUnavailable as exc:
+            _fail(batch, exc)
+            # Calls queued behind this one would go to the same broken store and wait
+            # out a second timeout: fail them now, so no caller waits longer than one.
+            group = self._groups.get(group_key)
+            if group is not None:
+                queued, group.queue = group.queue, []
+                _fail(queued, exc)
+            return
         except Exception as exc:
-            for call in batch:
-                if not call.future.done():
-                    call.future.set_exception(exc)
+            _fail(batch, exc)
             return
         fields = self._fields
         for index, call in enumerate(batch):
@@ -132,3 +137,9 @@ class ScriptBatcher:
         """Waits for batches already sent (used at shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _fail(calls: list[_Call], error: BaseException) -> None:
+    for call in calls:
+        if not call.future.done():
+            call.future.set_exception(error)
