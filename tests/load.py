@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from multiprocessing.synchronize import Event
+from threading import Event
 
 import uvloop
 
@@ -63,6 +63,6 @@ def hammer(
     input_tokens: int,
     start: Event,
 ) -> WorkerResult:
-    """Waits for ``start``, then keeps ``clients`` concurrent Acquire loops busy."""
+    """Waits for ``start`` (a Manager's Event proxy), then keeps ``clients`` Acquire loops busy."""
     start.wait()
     return uvloop.run(_hammer(addresses, clients, seconds, qos_class, input_tokens))

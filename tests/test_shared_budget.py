@@ -42,7 +42,7 @@ def redis_time(url: str, key: str | None = None) -> float:
     else:
         cluster = redis.cluster.RedisCluster.from_url(url)
         try:
-            node = cluster.get_node_from_key(key)
+            node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
             seconds, micros = cluster.time(target_nodes=node)
         finally:
             cluster.close()
