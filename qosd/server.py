@@ -24,11 +24,11 @@ from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
-from qosd.service import QoSService
+from qosd.service import QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.redis import RedisStore
-from qosd.v1 import qosd_pb2, qosd_pb2_grpc
+from qosd.v1 import qosd_pb2
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             ("grpc.so_reuseport", 0),
         ]
     )
-    qosd_pb2_grpc.add_QoSServicer_to_server(QoSService(admission), server)
+    add_to_server(QoSService(admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -7,8 +7,11 @@ or expired leases, and store outages on Release/Report become error statuses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from qosd.admission import Admission, InvalidArgument
 from qosd.model import LeaseExpired, LeaseNotFound, Outcome, Sample, StoreUnavailable
@@ -117,3 +120,50 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
         return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
+
+
+def add_to_server(service: QoSService, server: grpc.aio.Server) -> None:
+    """Registers the QoS service so that an undecodable request is INVALID_ARGUMENT.
+
+    The generated registration lets grpc.aio decode requests before any servicer
+    code runs, and it answers a malformed message with UNKNOWN. Decoding inside the
+    handler instead costs nothing extra and gives the caller a status that says what
+    is wrong.
+    """
+    methods: dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]] = {
+        "Acquire": (qosd_pb2.AcquireRequest, service.Acquire),
+        "Release": (qosd_pb2.ReleaseRequest, service.Release),
+        "Report": (qosd_pb2.ReportRequest, service.Report),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _decoding(message_type, method),
+            request_deserializer=None,
+            response_serializer=_serialize,
+        )
+        for name, (message_type, method) in methods.items()
+    }
+    service_name = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+def _decoding(
+    message_type: type[Message], method: Callable[..., Awaitable[Any]]
+) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    parse = message_type.FromString
+    full_name = message_type.DESCRIPTOR.full_name
+
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = parse(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {full_name}: {exc}"
+            )
+        return await method(request, context)
+
+    return handler

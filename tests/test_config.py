@@ -1,0 +1,105 @@
+"""Configuration loading: precedence, and errors that name the field and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qosd.config import ConfigError, FailMode, load_config, resolve_policies
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "qosd.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_follow_the_brief() -> None:
+    config = load_config(env={})
+    assert config.redis.url is None  # embedded store
+    assert config.fail_mode is FailMode.CLOSED
+    assert config.server.listen == ["127.0.0.1:50051"]
+    policies = resolve_policies(config)
+    shares = {name: policies[("default", name)].rate / 100_000 for name in ("P0", "P1", "P2")}
+    assert shares == pytest.approx({"P0": 0.60, "P1": 0.35, "P2": 0.05})
+    p1 = policies[("default", "P1")]
+    assert p1.burst == pytest.approx(0.5 * p1.rate)
+    assert p1.max_cost == p1.burst
+    assert all(p.max_wait_ms > 0 for p in policies.values())
+
+
+def test_file_then_environment_then_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, "fail_mode: open\nredis: {url: 'redis://file:1/0', timeout_ms: 7}\n")
+    from_file = load_config(path, env={})
+    assert (from_file.fail_mode, from_file.redis.url) == (FailMode.OPEN, "redis://file:1/0")
+    env = {"QOSD_REDIS_URL": "redis://env:2/0", "QOSD_LISTEN": "127.0.0.1:1, unix:/tmp/q.sock"}
+    from_env = load_config(path, env=env)
+    assert from_env.redis.url == "redis://env:2/0"
+    assert from_env.redis.timeout_ms == 7  # untouched keys keep the file's value
+    assert from_env.server.listen == ["127.0.0.1:1", "unix:/tmp/q.sock"]
+    from_flags = load_config(path, env=env, overrides={("redis", "url"): "redis://flag:3/0"})
+    assert from_flags.redis.url == "redis://flag:3/0"
+
+
+def test_explicit_burst_and_max_cost(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "pools: {default: {capacity_tokens_s: 1000}}\n"
+        "classes:\n"
+        "  hi: {priority: 0, share: 0.5, burst_tokens: 300, max_cost_tokens: 900, weight: 2}\n"
+        "  lo: {priority: 1, share: 0.5}\n",
+    )
+    policy = resolve_policies(load_config(path, env={}))[("default", "hi")]
+    assert (policy.rate, policy.burst, policy.max_cost, policy.weight) == (500, 300, 900, 2)
+
+
+BAD_CONFIGS = [
+    ("classes:\n  P0: {priority: 0, share: 1.5}\n", "classes.P0.share"),
+    ("classes:\n  P0: {priority: 0, share: 0.5, colour: red}\n", "classes.P0.colour"),
+    ("bogus: 1\n", "bogus: Extra inputs are not permitted"),
+    ("server: {listen: ['nowhere']}\n", "expected HOST:PORT or unix:PATH"),
+    ("server: {listen: []}\n", "needs at least one address"),
+    ("redis: {url: 'http://x'}\n", "redis.url: must start with redis://"),
+    ("fail_mode: sideways\n", "fail_mode"),
+    (
+        "classes:\n  A: {priority: 0, share: 0.5}\n  B: {priority: 0, share: 0.5}\n",
+        "distinct priority",
+    ),
+    (
+        "classes:\n  A: {priority: 0, share: 0.7}\n  B: {priority: 1, share: 0.7}\n",
+        "shares add up to 1.400",
+    ),
+    (
+        "pools:\n  a: {capacity_tokens_s: 1, models: [m]}\n"
+        "  b: {capacity_tokens_s: 1, models: [m]}\ndefault_pool: a\n",
+        "model 'm' is already served by pool 'a'",
+    ),
+    ("default_pool: elsewhere\n", "default_pool: no pool named 'elsewhere'"),
+    ("pools: {'bad{name}': {capacity_tokens_s: 1}}\ndefault_pool: null\n", "name must match"),
+    (
+        "classes:\n  P0: {priority: 0, share: 0.5, max_cost_tokens: 10}\n",
+        "max_cost_tokens: 10 is below the burst",
+    ),
+    ("classes: [1, 2]\n", "classes"),
+    ("- just\n- a list\n", "top level must be a mapping"),
+    ("classes: {P0: {priority: 0, share: 0.5\n", "not valid YAML"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS)
+def test_bad_config_names_the_field(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=r"invalid configuration|config file") as info:
+        load_config(write(tmp_path, text), env={})
+    assert message in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.yaml", env={})
+
+
+def test_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"\$QOSD_REDIS_TIMEOUT_MS") as info:
+        load_config(env={"QOSD_REDIS_TIMEOUT_MS": "soon"})
+    assert "redis.timeout_ms" in str(info.value)

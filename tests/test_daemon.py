@@ -1,0 +1,230 @@
+"""The daemon as a process and a server: health, reflection, listen addresses,
+message limits, drain on SIGTERM, deadlines, cancellation and the sync client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import qosd_client
+from qosd import model
+from qosd.config import Config
+from qosd.server import StartupError, start
+from qosd.testing import DaemonProcess, free_port
+from qosd.v1 import qosd_pb2
+from qosd_client import (
+    InvalidRequest,
+    LatencySample,
+    QosdClient,
+    QosdError,
+    Reason,
+    Rejected,
+    SyncQosdClient,
+    Unavailable,
+)
+from tests.conftest import BASE_CONFIG, DaemonFactory, merge
+
+
+def test_domain_enums_match_the_wire() -> None:
+    """Reasons and outcomes cross the wire as plain integers, so the values must agree."""
+    for wire, prefix, enums in (
+        (qosd_pb2.Reason, "REASON_", (model.Reason, qosd_client.Reason)),
+        (qosd_pb2.Outcome, "OUTCOME_", (model.Outcome, qosd_client.Outcome)),
+    ):
+        for python_enum in enums:
+            assert sorted(m.value for m in python_enum) == sorted(wire.values())
+            for member in python_enum:
+                name = "UNSPECIFIED" if member.name == "NONE" else member.name
+                assert wire.Name(member.value) == prefix + name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_health_and_reflection(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon()
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "qosd.v1.QoS"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for reply in reflection.ServerReflectionInfo(iter([request])):
+            names = {service.name for service in reply.list_services_response.service}
+        assert {"qosd.v1.QoS", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_unix_socket_and_tcp_together(make_daemon: DaemonFactory) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = f"{directory}/sub/qosd.sock"
+        port = free_port()
+        running = await make_daemon({"server": {"listen": [f"127.0.0.1:{port}", f"unix:{path}"]}})
+        assert running.daemon.addresses == [f"127.0.0.1:{port}", f"unix:{path}"]
+        async with QosdClient(f"unix:{path}") as over_socket:
+            assert (await over_socket.acquire("P1", 10)).admitted
+        async with QosdClient(f"127.0.0.1:{port}") as over_tcp:
+            assert (await over_tcp.acquire("P1", 10)).admitted
+
+
+async def test_port_in_use_stops_start_up() -> None:
+    port = free_port()
+    listen = {"server": {"listen": [f"127.0.0.1:{port}"]}}
+    config = Config.model_validate(merge(BASE_CONFIG, listen))
+    first = await start(config)
+    try:
+        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+            await start(config)
+    finally:
+        await first.stop(0)
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_oversized_fields_and_messages(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon({"limits": {"max_message_bytes": 64 * 1024}})
+    qos = running.client
+    with pytest.raises(InvalidRequest, match="tenant is 10000 characters"):
+        await qos.acquire("P1", 10, tenant="x" * 10_000)
+    # Above the transport limit gRPC itself refuses the message.
+    with pytest.raises(QosdError, match="RESOURCE_EXHAUSTED"):
+        await qos.acquire("P1", 10, tenant="x" * 100_000)
+    # The daemon is unharmed.
+    assert (await qos.acquire("P1", 10)).admitted
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_garbage_bytes_get_a_status_not_a_crash(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon()
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        raw = channel.unary_unary("/qosd.v1.QoS/Acquire")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(b"\xff\xff\xff\xff not a protobuf", timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid qosd.v1.AcquireRequest" in (info.value.details() or "")
+    assert (await running.client.acquire("P1", 10)).admitted
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"], indirect=True)
+async def test_deadline_shorter_than_max_wait_gets_an_answer(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon()).client
+    await qos.acquire("P2", 500, max_wait_ms=0)  # drain P2 (burst 500, 1,000/s)
+    began = time.monotonic()
+    result = await qos.acquire("P2", 400, max_wait_ms=5_000, timeout_s=0.2)
+    elapsed = time.monotonic() - began
+    # 400 tokens need ~400 ms; the caller gives 200 ms: qosd answers before the deadline.
+    assert not result.admitted
+    assert result.reason in (Reason.RATE_LIMITED, Reason.QUEUE_TIMEOUT)
+    assert elapsed < 0.2
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis", "cluster"], indirect=True)
+async def test_cancelled_waiter_holds_nothing(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon()
+    qos = running.client
+    store = running.daemon.admission.store
+    first = await qos.acquire("P2", 500, max_wait_ms=0)
+    await qos.release(first.lease_id, input_tokens=500)  # settle so only waiters remain
+    before = await store.active_leases("default")
+    waiter = asyncio.create_task(qos.acquire("P2", 300, max_wait_ms=5_000))
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.sleep(0.5)  # past the moment it would have been admitted
+    assert await store.active_leases("default") == before == 0
+    policy = running.daemon.admission.policy("default", "P2")
+    assert await store.bucket_tokens(policy) == pytest.approx(500)  # full again, nothing held
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_sync_client(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon()
+
+    def use_sync_client() -> None:
+        with SyncQosdClient(running.address) as qos:
+            with qos.lease("P1", 1000, max_wait_ms=0) as lease:
+                lease.set_usage(input_tokens=100, output_tokens=7)
+            assert lease.release_result is not None
+            assert lease.release_result.adjustment == pytest.approx(-900)
+            with pytest.raises(Rejected) as info, qos.lease("P2", 10_000):
+                pass
+            assert info.value.reason is Reason.COST_EXCEEDS_BURST
+            with pytest.raises(InvalidRequest):
+                qos.acquire("nope", 1)
+            assert qos.report([LatencySample("llama-3-8b", "P1", e2e_ms=3.0)]).accepted == 1
+
+    await asyncio.to_thread(use_sync_client)
+
+
+def test_unreachable_daemon_is_unavailable() -> None:
+    with (
+        SyncQosdClient(f"127.0.0.1:{free_port()}", timeout_s=0.5) as qos,
+        pytest.raises((Unavailable, qosd_client.DeadlineExceeded)),
+    ):
+        qos.acquire("P1", 10)
+
+
+def test_sigterm_drains_waiters_and_exits(tmp_path: Path) -> None:
+    config = merge(BASE_CONFIG, {"server": {"listen": [f"127.0.0.1:{free_port()}"],
+                                            "drain_grace_s": 5}})  # fmt: skip
+    daemon = DaemonProcess(config, tmp_path).start()
+
+    async def scenario() -> tuple[qosd_client.AcquireResult, float, int]:
+        async with QosdClient(daemon.address) as qos:
+            await qos.acquire("P2", 500, max_wait_ms=0)  # drain the bucket
+            waiter = asyncio.create_task(qos.acquire("P2", 500, max_wait_ms=4_000))
+            await asyncio.sleep(0.2)
+            assert daemon.process is not None
+            began = time.monotonic()
+            daemon.process.send_signal(15)
+            result = await waiter
+            answered = time.monotonic() - began
+            code = await asyncio.to_thread(daemon.process.wait, 10)
+            return result, answered, code
+
+    result, answered_after, code = asyncio.run(scenario())
+    assert not result.admitted and result.reason is Reason.SHUTTING_DOWN
+    assert result.retry_after_s == 0
+    assert answered_after < 1.0
+    assert code == 0
+    with SyncQosdClient(daemon.address, timeout_s=1) as qos, pytest.raises(QosdError):
+        qos.acquire("P1", 10)  # nobody listens any more
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qosd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_bad_config_stops_start_up_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("classes:\n  P0: {priority: 0, share: 1.5}\n")
+    result = run_cli("serve", "--config", str(bad))
+    assert result.returncode == 2
+    assert "classes.P0.share" in result.stderr
+    assert "less than or equal to 1" in result.stderr
+
+
+def test_config_check_prints_the_resolved_config(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("pools:\n  gpu-a: {capacity_tokens_s: 50000, models: [llama]}\n"
+                    "default_pool: gpu-a\n")  # fmt: skip
+    result = run_cli("config", "check", str(good))
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert resolved["pools"]["gpu-a"]["capacity_tokens_s"] == 50000
+    assert resolved["fail_mode"] == "closed"
