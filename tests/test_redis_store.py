@@ -41,7 +41,7 @@ class Monitor:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with self._client.monitor() as monitor:
+        with self._client.monitor() as monitor:  # type: ignore[no-untyped-call]
             self._ready.set()
             for event in monitor.listen():
                 if self._stop and "PING" in event["command"]:
@@ -208,10 +208,11 @@ async def test_admission_of_a_departed_caller_is_undone(backend: Any) -> None:
         # And it really had been admitted: the lease exists, settled as cancelled (3).
         token = spec.lease_id.rpartition(":")[2]
         lease_hash = f"{config.redis.key_prefix}:{{default}}:leases:{token[:8]}"
+        url = str(config.redis.url)
         client: Any = (
-            redis.cluster.RedisCluster.from_url(config.redis.url)
+            redis.cluster.RedisCluster.from_url(url)
             if backend.name == "cluster"
-            else redis.Redis.from_url(config.redis.url)
+            else redis.Redis.from_url(url)
         )
         settled = client.hget(lease_hash, token).decode()
         client.close()
