@@ -209,7 +209,14 @@ class Admission:
         if deadline_s is not None:
             # Answer before the caller's deadline: a late admission would leak a lease.
             wait_s = min(wait_s, deadline_s - min(0.05, deadline_s * 0.1))
-        if wait_s <= 0 or self._draining.is_set():
+        if self._draining.is_set():
+            return AcquireOutcome(
+                _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0),
+                pool,
+                0,
+                "daemon is draining; retry on another replica",
+            )
+        if wait_s <= 0:
             return AcquireOutcome(decision, pool, 0)
         return await self._wait_for_budget(policy, cost, lease, decision, wait_s, pool)
 

@@ -2,7 +2,7 @@
 
 The file is validated as a whole on load, so a daemon never starts half-configured:
 a bad value stops start-up with a message that names the field path and the reason
-(`classes.P1.share: must be between 0 and 1`). Precedence, lowest first:
+(`classes.P1.share: Input should be less than or equal to 1`). Precedence, lowest first:
 built-in defaults < YAML file < ``QOSD_*`` environment variables < command-line flags.
 """
 

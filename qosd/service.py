@@ -67,7 +67,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                 request.lease_id,
                 request.actual_input_tokens if request.HasField("actual_input_tokens") else None,
                 request.actual_output_tokens if request.HasField("actual_output_tokens") else None,
-                Outcome(request.outcome),
+                Outcome(request.outcome) or Outcome.OK,  # UNSPECIFIED means OK
             )
         except InvalidArgument as exc:
             code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -110,16 +110,23 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                         e2e_ms=item.e2e_ms if item.HasField("e2e_ms") else None,
                         input_tokens=item.input_tokens,
                         output_tokens=item.output_tokens,
-                        status=Outcome(item.status),
+                        status=_sample_status(item.status),
                     )
                 )
-            except (InvalidArgument, ValueError) as exc:
+            except InvalidArgument as exc:
                 rejected.append(qosd_pb2.RejectedSample(index=index, reason=str(exc)))
         try:
             await admission.report(accepted)
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
         return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
+
+
+def _sample_status(value: int) -> Outcome:
+    try:
+        return Outcome(value) or Outcome.OK
+    except ValueError:
+        raise InvalidArgument(f"status {value} is not a known Outcome") from None
 
 
 def add_to_server(service: QoSService, server: grpc.aio.Server) -> None:

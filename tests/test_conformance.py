@@ -282,11 +282,13 @@ async def test_report_stores_valid_samples_and_names_bad_ones(make_daemon: Daemo
         LatencySample("llama-3-8b", "P0", ttft_ms=float("nan")),
         LatencySample("llama-3-8b", "P0"),
         LatencySample("llama-3-8b", "P1", e2e_ms=50, status=Outcome.ERROR),
+        LatencySample("llama-3-8b", "P1", e2e_ms=50, status=8),  # type: ignore[arg-type]
     ]  # fmt: skip
     result = await qos.report(samples)
     assert result.accepted == 2
-    assert [index for index, _ in result.rejected] == [1, 2, 3, 4]
+    assert [index for index, _ in result.rejected] == [1, 2, 3, 4, 6]
     reasons = dict(result.rejected)
+    assert reasons[6] == "status 8 is not a known Outcome"
     assert "P9" in reasons[1]
     assert "ttft_ms" in reasons[2] and "ttft_ms" in reasons[3]
     assert "at least one of" in reasons[4]

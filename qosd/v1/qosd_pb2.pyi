@@ -85,19 +85,26 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     than its configured `max_cost_tokens` when that is larger). Retrying cannot help.
     """
     REASON_QUEUE_TIMEOUT: _Reason.ValueType  # 3
-    """The request waited for budget for its whole max wait and was not admitted."""
+    """The request waited for budget, and the rest of its max wait could not cover the
+    refill it still needed. `waited_ms` says how long it waited.
+    """
     REASON_BACKEND_UNAVAILABLE: _Reason.ValueType  # 4
     """The shared store (Redis) could not be reached within its timeout and the daemon
     runs with `fail_mode: closed`.
     """
     REASON_QUEUE_FULL: _Reason.ValueType  # 5
-    """The class's waiting room is full."""
+    """The class's waiting room is full. Reserved for the fleet-wide waiting room; this
+    version does not produce it.
+    """
     REASON_FAIL_OPEN: _Reason.ValueType  # 6
     """Admitted without a budget check because the store is unreachable and the daemon
     runs with `fail_mode: open`. The lease is local and settles nothing.
     """
     REASON_SHUTTING_DOWN: _Reason.ValueType  # 7
-    """The daemon is draining (SIGTERM). Retry at once on another replica."""
+    """The daemon is draining (SIGTERM) and the request could not be admitted at once.
+    Retry at once on another replica. Calls that arrive after the drain began are
+    refused by gRPC itself with status UNAVAILABLE.
+    """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
     """Reason qualifies a decision."""
@@ -113,19 +120,26 @@ REASON_COST_EXCEEDS_BURST: Reason.ValueType  # 2
 than its configured `max_cost_tokens` when that is larger). Retrying cannot help.
 """
 REASON_QUEUE_TIMEOUT: Reason.ValueType  # 3
-"""The request waited for budget for its whole max wait and was not admitted."""
+"""The request waited for budget, and the rest of its max wait could not cover the
+refill it still needed. `waited_ms` says how long it waited.
+"""
 REASON_BACKEND_UNAVAILABLE: Reason.ValueType  # 4
 """The shared store (Redis) could not be reached within its timeout and the daemon
 runs with `fail_mode: closed`.
 """
 REASON_QUEUE_FULL: Reason.ValueType  # 5
-"""The class's waiting room is full."""
+"""The class's waiting room is full. Reserved for the fleet-wide waiting room; this
+version does not produce it.
+"""
 REASON_FAIL_OPEN: Reason.ValueType  # 6
 """Admitted without a budget check because the store is unreachable and the daemon
 runs with `fail_mode: open`. The lease is local and settles nothing.
 """
 REASON_SHUTTING_DOWN: Reason.ValueType  # 7
-"""The daemon is draining (SIGTERM). Retry at once on another replica."""
+"""The daemon is draining (SIGTERM) and the request could not be admitted at once.
+Retry at once on another replica. Calls that arrive after the drain began are
+refused by gRPC itself with status UNAVAILABLE.
+"""
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
 class _Outcome:
@@ -169,8 +183,10 @@ class AcquireRequest(_message.Message):
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen idempotency key, unique per pool, at most 128 characters. Repeating
-    an Acquire with the same `request_id` while its lease lives returns the same
-    admission (same lease, no second charge, `replayed` = true). Empty: no idempotency.
+    an Acquire with the same `request_id` within the lease TTL of its first admission
+    returns that admission (same lease, no second charge, `replayed` = true), even
+    if the lease was released meanwhile. Rejections are not remembered. Empty: no
+    idempotency.
     """
     tenant: _builtins.str
     """Tenant (customer, API key, team) the request is billed to; at most 128
@@ -233,7 +249,7 @@ class AcquireResponse(_message.Message):
     """Opaque lease handle to pass to Release. Set when admitted."""
     tokens_charged: _builtins.float
     """Tokens charged to the class's bucket at admission: the request's cost,
-    (input_tokens + output_cost_weight * expected_output_tokens) * class weight.
+    (input_tokens + cost.output_weight * expected_output_tokens) * class weight.
     On REJECTED, the cost that was asked for.
     """
     remaining_tokens: _builtins.float
@@ -294,7 +310,7 @@ class ReleaseRequest(_message.Message):
     actual_output_tokens: _builtins.int
     """Real generated tokens. Absent: the estimate stands for the output part."""
     outcome: Global___Outcome.ValueType
-    """How the request ended. Recorded for accounting and metrics."""
+    """How the request ended. Stored with the settled lease."""
     def __init__(
         self,
         *,
@@ -327,8 +343,9 @@ class ReleaseResponse(_message.Message):
     ADJUSTMENT_FIELD_NUMBER: _builtins.int
     REMAINING_TOKENS_FIELD_NUMBER: _builtins.int
     already_released: _builtins.bool
-    """True when the lease had already been released; the fields below then repeat
-    the first settlement and nothing is charged or refunded again.
+    """True when the lease had already been released. `tokens_charged` and `adjustment`
+    then repeat the first settlement, `remaining_tokens` is the bucket's level now,
+    and nothing is charged or refunded again.
     """
     tokens_charged: _builtins.float
     """Final cost of the request, after settlement."""
@@ -357,8 +374,8 @@ Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
 @_typing.final
 class LatencySample(_message.Message):
     """One completed (or failed) inference request, as measured by the model server or
-    the gateway. Latencies are optional: leave a field unset when it was not measured
-    (TTFT and TPOT do not exist for non-streaming calls).
+    the gateway. Leave a latency unset when it was not measured (TTFT and TPOT do not
+    exist for non-streaming calls), but set at least one of the three.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -374,7 +391,9 @@ class LatencySample(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """Model or pool name, resolved like AcquireRequest.model. Required."""
+    """Model or pool name, resolved like AcquireRequest.model: required unless the
+    config names a default pool.
+    """
     qos_class: _builtins.str
     """QoS class name. Required."""
     tenant: _builtins.str
@@ -392,7 +411,7 @@ class LatencySample(_message.Message):
     status: Global___Outcome.ValueType
     """How the request ended."""
     lease_id: _builtins.str
-    """The lease the request ran under, when known; for correlation only."""
+    """The lease the request ran under, when known. Accepted for correlation; not stored."""
     def __init__(
         self,
         *,

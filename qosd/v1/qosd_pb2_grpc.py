@@ -75,8 +75,8 @@ class QoSServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """Report delivers a batch of measured latencies. Samples feed the per-(pool, class)
-        sliding windows that the SLO loop reads.
+        """Report delivers a batch of measured latencies. Valid samples are stored in bounded
+        per-(pool, class) sliding windows, shared by every replica, for latency control.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

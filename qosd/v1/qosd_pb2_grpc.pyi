@@ -61,8 +61,8 @@ class QoSStub:
     returns the first settlement.
     """
     Report: _grpc.UnaryUnaryMultiCallable[_qosd_pb2.ReportRequest, _qosd_pb2.ReportResponse]
-    """Report delivers a batch of measured latencies. Samples feed the per-(pool, class)
-    sliding windows that the SLO loop reads.
+    """Report delivers a batch of measured latencies. Valid samples are stored in bounded
+    per-(pool, class) sliding windows, shared by every replica, for latency control.
     """
 
 @_typing.type_check_only
@@ -81,8 +81,8 @@ class QoSAsyncStub(QoSStub):
     returns the first settlement.
     """
     Report: _aio.UnaryUnaryMultiCallable[_qosd_pb2.ReportRequest, _qosd_pb2.ReportResponse]  # type: ignore[assignment]
-    """Report delivers a batch of measured latencies. Samples feed the per-(pool, class)
-    sliding windows that the SLO loop reads.
+    """Report delivers a batch of measured latencies. Valid samples are stored in bounded
+    per-(pool, class) sliding windows, shared by every replica, for latency control.
     """
 
 class QoSServicer(metaclass=_abc_1.ABCMeta):
@@ -116,8 +116,8 @@ class QoSServicer(metaclass=_abc_1.ABCMeta):
         request: _qosd_pb2.ReportRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_qosd_pb2.ReportResponse, _abc.Awaitable[_qosd_pb2.ReportResponse]]:
-        """Report delivers a batch of measured latencies. Samples feed the per-(pool, class)
-        sliding windows that the SLO loop reads.
+        """Report delivers a batch of measured latencies. Valid samples are stored in bounded
+        per-(pool, class) sliding windows, shared by every replica, for latency control.
         """
 
 def add_QoSServicer_to_server(servicer: QoSServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

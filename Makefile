@@ -1,0 +1,37 @@
+# Developer entry points. `make demo` and `make test` work on a fresh machine with
+# Python 3.11+, make and redis-server (tests start their own Redis servers).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint unit bench proto clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "qosd needs Python 3.11+"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(BIN)/.installed  ## the daemon on the embedded store, with a demo workload
+	$(BIN)/qosd demo
+
+test: lint unit  ## everything CI checks
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh --check
+
+unit: $(BIN)/.installed
+	$(BIN)/pytest
+
+bench: $(BIN)/.installed  ## needs h2load (apt-get install nghttp2-client)
+	$(BIN)/python benchmarks/decisions.py --json results/decisions.json
+
+proto: $(BIN)/.installed
+	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache results
