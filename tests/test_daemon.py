@@ -228,3 +228,33 @@ def test_config_check_prints_the_resolved_config(tmp_path: Path) -> None:
     resolved = json.loads(result.stdout)
     assert resolved["pools"]["gpu-a"]["capacity_tokens_s"] == 50000
     assert resolved["fail_mode"] == "closed"
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_grpcurl_lists_and_calls(make_daemon: DaemonFactory) -> None:
+    """Reflection is enough for grpcurl: no .proto file on the caller's side."""
+    running = await make_daemon()
+    grpcurl = str(Path(sys.executable).parent / "grpcurl")
+
+    def call(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=30, check=False
+        )
+
+    listed = await asyncio.to_thread(call, running.address, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert {"qosd.v1.QoS", "grpc.health.v1.Health"} <= set(listed.stdout.split())
+    request = '{"qosClass": "P1", "model": "llama-3-8b", "inputTokens": 1200}'
+    acquired = await asyncio.to_thread(call, "-d", request, running.address, "qosd.v1.QoS/Acquire")
+    assert acquired.returncode == 0, acquired.stderr
+    answer = json.loads(acquired.stdout)
+    assert answer["decision"] == "DECISION_ADMITTED"
+    assert answer["tokens_charged"] == 1200  # grpcurl prints the proto field names
+    invalid = await asyncio.to_thread(
+        call, "-d", '{"qosClass": "P1", "inputTokens": -1}', running.address,
+        "qosd.v1.QoS/Acquire",
+    )  # fmt: skip
+    assert invalid.returncode != 0
+    assert (
+        "InvalidArgument" in invalid.stderr and "input_tokens must be at least 1" in invalid.stderr
+    )
