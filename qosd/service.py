@@ -171,6 +171,16 @@ def _decoding(
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {full_name}: {exc}"
             )
-        return await method(request, context)
+        try:
+            return await method(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            # A bug, not a policy answer: say so with INTERNAL rather than grpc.aio's
+            # UNKNOWN, and keep the traceback in the log.
+            log.exception("%s failed", full_name)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            )
 
     return handler

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ import qosd_client
 from qosd import model
 from qosd.config import Config
 from qosd.server import StartupError, start
+from qosd.store.embedded import EmbeddedStore
 from qosd.testing import DaemonProcess, free_port
 from qosd.v1 import qosd_pb2
 from qosd_client import (
@@ -258,3 +260,22 @@ async def test_grpcurl_lists_and_calls(make_daemon: DaemonFactory) -> None:
     assert (
         "InvalidArgument" in invalid.stderr and "input_tokens must be at least 1" in invalid.stderr
     )
+
+
+class BrokenStore(EmbeddedStore):
+    """A store with a bug: what callers see must be INTERNAL, and the daemon survives."""
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bucket arithmetic exploded")
+
+
+async def test_a_bug_is_internal_not_unknown() -> None:
+    config = Config.model_validate(merge(BASE_CONFIG, {}))
+    daemon = await start(config, store=BrokenStore(tombstone_ms=1000))
+    try:
+        async with QosdClient(daemon.addresses[0]) as qos:
+            with pytest.raises(QosdError, match="INTERNAL: internal error: RuntimeError"):
+                await qos.acquire("P1", 10)
+            assert (await qos.report([LatencySample("llama-3-8b", "P1", e2e_ms=1.0)])).accepted
+    finally:
+        await daemon.stop(0)

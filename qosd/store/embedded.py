@@ -42,7 +42,6 @@ class _Lease:
     output_tokens: int
     charged: float
     expires_us: int
-    forget_us: int
     released: bool = False
     final: float = 0.0
     adjustment: float = 0.0
@@ -117,7 +116,6 @@ class EmbeddedStore:
             output_tokens=lease.output_tokens,
             charged=cost,
             expires_us=expires_us,
-            forget_us=expires_us,
         )
         self._lease_order.append((expires_us + self._tombstone_us, lease.lease_id))
         if lease.request_id:
@@ -137,7 +135,9 @@ class EmbeddedStore:
     async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
         now_us = self._clock()
         record = self._leases.get(lease_id)
-        if record is None or record.forget_us + self._tombstone_us <= now_us:
+        # Like a Redis lease hash, a lease is remembered until its TTL and the tombstone
+        # time have passed, released or not.
+        if record is None or record.expires_us + self._tombstone_us <= now_us:
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
         if record.released:
             state = self._bucket(policy, now_us)
@@ -152,7 +152,6 @@ class EmbeddedStore:
         record.released = True
         record.final = record.charged + applied
         record.adjustment = applied
-        record.forget_us = now_us
         return Settlement(False, record.final, applied, state.tokens)
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
@@ -181,11 +180,7 @@ class EmbeddedStore:
         return bucket.refilled(state, self._clock(), policy.rate, policy.burst).tokens
 
     def _sweep(self, now_us: int) -> None:
-        """Forgets leases and request ids past use, so memory stays bounded.
-
-        A lease released early is forgotten at the latest when its TTL plus the
-        tombstone time has passed, like its Redis counterpart.
-        """
+        """Forgets leases and request ids past use, so memory stays bounded."""
         self._next_sweep_us = now_us + _SWEEP_INTERVAL_US
         leases, lease_order = self._leases, self._lease_order
         while lease_order and lease_order[0][0] <= now_us:
