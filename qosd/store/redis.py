@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
 
 
+# Scripts that start with the shared bucket helpers of _buckets.lua.
+_WITH_BUCKETS = frozenset({"acquire", "release", "tokens"})
+
+
 @dataclass(frozen=True, slots=True)
 class _Script:
     source: str
@@ -49,7 +53,10 @@ class _Script:
 
     @classmethod
     def load(cls, name: str) -> _Script:
-        source = resources.files("qosd.store").joinpath(f"lua/{name}.lua").read_text("utf-8")
+        folder = resources.files("qosd.store").joinpath("lua")
+        source = folder.joinpath(f"{name}.lua").read_text("utf-8")
+        if name in _WITH_BUCKETS:
+            source = folder.joinpath("_buckets.lua").read_text("utf-8") + source
         return cls(source=source, sha=hashlib.sha1(source.encode("utf-8")).hexdigest())
 
 

@@ -1,6 +1,7 @@
 -- Take tokens from (pool, class) buckets and create leases, for a batch of requests
 -- of one pool, in order, atomically. One request is a batch of one.
 -- Mirrors qosd/bucket.py (refilled, take) and qosd/store/embedded.py (acquire).
+-- bucket(), save_buckets() and `now` come from _buckets.lua, prepended at load.
 --
 -- Commands issued inside a script cost far more than Lua arithmetic, so a batch
 -- reads and writes each bucket once and writes all its leases with one HSET per
@@ -18,32 +19,10 @@
 -- Returns 8 values per request: admitted, reason, lease_id, charged, remaining,
 -- retry_after_ms, lease_ttl_ms, replayed. Floats travel as strings (Redis would
 -- truncate Lua numbers to integers).
-local now_parts = redis.call('TIME')
-local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
 local reply = {}
 local n = 0
-local buckets = {}       -- key -> {tokens, rate, burst, changed}
 local lease_writes = {}  -- lease hash key -> {field, value, ...}
 local lease_keep = {}    -- lease hash key -> ms it must live
-
-local function bucket(key, rate, burst)
-  local b = buckets[key]
-  if b == nil then
-    local tokens = burst
-    local state = redis.call('GET', key)
-    if state then
-      local stored, updated = string.match(state, '^([^|]*)|(.*)$')
-      tokens = tonumber(stored)
-      local elapsed = now - tonumber(updated)
-      if elapsed > 0 then
-        tokens = math.min(burst, tokens + elapsed * rate / 1000000)
-      end
-    end
-    b = {tokens, rate, burst, false}
-    buckets[key] = b
-  end
-  return b
-end
 
 local function answer(admitted, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
   reply[n + 1] = admitted
@@ -124,14 +103,5 @@ for key, writes in pairs(lease_writes) do
   redis.call('HSET', key, unpack(writes))
   redis.call('PEXPIRE', key, lease_keep[key])
 end
-for key, b in pairs(buckets) do
-  if b[4] then
-    local full_in_ms = 86400000
-    if b[2] > 0 then
-      full_in_ms = math.ceil(math.max(0, b[3] - b[1]) * 1000 / b[2])
-    end
-    redis.call('SET', key, tostring(b[1]) .. '|' .. string.format('%.0f', now),
-      'PX', full_in_ms + 1000)
-  end
-end
+save_buckets()
 return reply

@@ -1,6 +1,7 @@
 -- Settle leases of one pool, for a batch of releases, in order, atomically: move
 -- each lease's bucket by (actual cost - charged), bounded by one burst.
 -- Mirrors qosd/bucket.py (settle) and qosd/store/embedded.py (release).
+-- bucket(), save_buckets() and `now` come from _buckets.lua, prepended at load.
 --
 -- KEYS per release: lease hash, bucket
 -- ARGV[1]           number of releases
@@ -12,32 +13,10 @@
 -- hash expires, so a repeated release gets the first answer.
 -- Returns 4 values per release: status ('released' now, 'again' if settled before,
 -- 'expired' or 'unknown'), final charge, adjustment, bucket tokens after.
-local now_parts = redis.call('TIME')
-local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
 local reply = {}
 local n = 0
-local buckets = {}
 local leases = {}   -- lease hash key -> field -> value (read once, updated in place)
 local changed = {}  -- lease hash key -> {field, value, ...}
-
-local function bucket(key, rate, burst)
-  local b = buckets[key]
-  if b == nil then
-    local tokens = burst
-    local state = redis.call('GET', key)
-    if state then
-      local stored, updated = string.match(state, '^([^|]*)|(.*)$')
-      tokens = tonumber(stored)
-      local elapsed = now - tonumber(updated)
-      if elapsed > 0 then
-        tokens = math.min(burst, tokens + elapsed * rate / 1000000)
-      end
-    end
-    b = {tokens, rate, burst, false}
-    buckets[key] = b
-  end
-  return b
-end
 
 local function lease(key, field)
   local fields = leases[key]
@@ -107,14 +86,5 @@ end
 for key, writes in pairs(changed) do
   redis.call('HSET', key, unpack(writes))
 end
-for key, b in pairs(buckets) do
-  if b[4] then
-    local full_in_ms = 86400000
-    if b[2] > 0 then
-      full_in_ms = math.ceil(math.max(0, b[3] - b[1]) * 1000 / b[2])
-    end
-    redis.call('SET', key, tostring(b[1]) .. '|' .. string.format('%.0f', now),
-      'PX', full_in_ms + 1000)
-  end
-end
+save_buckets()
 return reply

@@ -1,0 +1,44 @@
+-- Shared by acquire.lua, release.lua and tokens.lua: qosd prepends this file to each
+-- of them when it loads them (a script cannot import another). Mirrors
+-- qosd/bucket.py: refill on read, full when absent, expire once full again.
+--
+-- Bucket string: "tokens|updated_us", times from Redis TIME in microseconds.
+local now_parts = redis.call('TIME')
+local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
+local buckets = {}  -- key -> {tokens, rate, burst, changed}; read once per script call
+
+-- The bucket at `key`, refilled up to now; read from Redis at most once per call.
+local function bucket(key, rate, burst)
+  local b = buckets[key]
+  if b == nil then
+    local tokens = burst
+    local state = redis.call('GET', key)
+    if state then
+      local stored, updated = string.match(state, '^([^|]*)|(.*)$')
+      tokens = tonumber(stored)
+      local elapsed = now - tonumber(updated)
+      if elapsed > 0 then
+        tokens = math.min(burst, tokens + elapsed * rate / 1000000)
+      end
+    end
+    b = {tokens, rate, burst, false}
+    buckets[key] = b
+  end
+  return b
+end
+
+-- Writes every changed bucket once, set to expire 1 s after it would be full again
+-- (an absent bucket reads as full, so expiry loses nothing).
+local function save_buckets()
+  for key, b in pairs(buckets) do
+    if b[4] then
+      local full_in_ms = 86400000
+      if b[2] > 0 then
+        full_in_ms = math.ceil(math.max(0, b[3] - b[1]) * 1000 / b[2])
+      end
+      redis.call('SET', key, tostring(b[1]) .. '|' .. string.format('%.0f', now),
+        'PX', full_in_ms + 1000)
+    end
+  end
+end
+
