@@ -112,7 +112,7 @@ class RedisConfig(_Strict):
 
 class LeaseConfig(_Strict):
     # A lease never released expires after this long; its estimated charge stands.
-    ttl_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    ttl_s: Annotated[float, Field(ge=0.001, le=86_400)] = 300.0
     # How long a lease is remembered after its TTL, so that a repeated Release gets
     # the first answer and a late one gets "expired" rather than "unknown".
     tombstone_s: Annotated[float, Field(ge=1, le=86_400)] = 120.0

@@ -162,6 +162,18 @@ async def test_expired_lease_keeps_its_charge(make_daemon: DaemonFactory) -> Non
     assert await store.active_leases("default") == 0
 
 
+async def test_a_lease_id_edited_to_another_class_is_unknown(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon()).client
+    await qos.acquire("P0", 3000, max_wait_ms=0)  # drain P0
+    p2 = await qos.acquire("P2", 400, max_wait_ms=0)
+    forged = p2.lease_id.replace(":P2:", ":P0:")
+    with pytest.raises(LeaseNotFound):
+        await qos.release(forged, input_tokens=0)  # would move 400 tokens into P0
+    assert not (await qos.acquire("P0", 300, max_wait_ms=0)).admitted
+    settled = await qos.release(p2.lease_id, input_tokens=0)
+    assert not settled.already_released and settled.adjustment == pytest.approx(-400)
+
+
 async def test_unknown_and_malformed_leases(make_daemon: DaemonFactory) -> None:
     qos = (await make_daemon()).client
     with pytest.raises(LeaseNotFound, match="unknown"):

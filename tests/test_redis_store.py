@@ -1,10 +1,14 @@
 """What only the Redis store has to get right: one round trip, one hash slot per pool,
-scripts that come back after a flush, cluster redirects, and admissions whose caller
-went away while the script was in flight."""
+scripts that come back after a flush, cluster redirects, admissions whose caller went
+away while the script was in flight, batches Redis runs too late, clean closing, and
+clocks that step back."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,7 +20,7 @@ import redis.cluster
 from redis.crc import key_slot
 
 from qosd.config import Config, RedisConfig, RedisMode, resolve_policies
-from qosd.model import LeaseSpec, new_lease_token
+from qosd.model import LeaseSpec, Outcome, StoreUnavailable, UsageReport, new_lease_token
 from qosd.server import start
 from qosd.store.redis import RedisStore
 from qosd.testing import RedisCluster, RedisServer, redis_server
@@ -186,36 +190,161 @@ async def test_cluster_follows_moved_redirects(cluster_store: RedisStore) -> Non
     assert client._slot_owner[slot] is owner
 
 
-@pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
-async def test_admission_of_a_departed_caller_is_undone(backend: Any) -> None:
-    config = Config.model_validate(merge(BASE_CONFIG, {"redis": backend.redis}))
+BUSY_SCRIPT = """
+local started = redis.call('TIME')
+local until_us = started[1] * 1000000 + started[2] + tonumber(ARGV[1]) * 1000
+repeat
+  local now = redis.call('TIME')
+until now[1] * 1000000 + now[2] >= until_us
+return 1
+"""
+
+
+def block_redis(url: str, milliseconds: int) -> None:
+    """Keeps a Redis server busy for a while, as a slow command or a pause would."""
+    client = redis.Redis.from_url(url)
+    try:
+        client.eval(BUSY_SCRIPT, 0, milliseconds)
+    finally:
+        client.close()
+
+
+def read_lease(url: str, cluster: bool, prefix: str, lease_id: str) -> str | None:
+    _, qos_class, token = lease_id.split(":")
+    lease_hash = f"{prefix}:{{default}}:leases:{token[:8]}"
+    client: Any = redis.cluster.RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    try:
+        value = client.hget(lease_hash, f"{qos_class}:{token}")
+    finally:
+        client.close()
+    return None if value is None else str(value.decode())
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+async def test_admission_of_a_departed_caller_is_refunded_exactly(backend: Any) -> None:
+    """A caller cancelled while its script call is in flight: the admission is undone,
+    refunding the whole charge, even one above the burst."""
+    settings = {**backend.redis, "timeout_ms": 2_000}
+    extra = {"redis": settings, "classes": {"P1": {"max_cost_tokens": 3_000}}}
+    config = Config.model_validate(merge(BASE_CONFIG, extra))
     store = RedisStore(config.redis, tombstone_ms=60_000)
     await store.start()
     try:
         policy = resolve_policies(config)[("default", "P1")]
+        warm = await store.acquire(policy, 10, lease_spec("default", "P1"))
+        await store.release(policy, warm.lease_id, UsageReport(10, 0, Outcome.OK, 0.0))
+        blocker = asyncio.create_task(asyncio.to_thread(block_redis, settings["url"], 300))
+        await asyncio.sleep(0.1)  # Redis is busy now
         spec = lease_spec("default", "P1")
-        call = asyncio.create_task(store.acquire(policy, 1000, spec))
-        await asyncio.sleep(0)  # queued in the batcher; the script will admit it
+        call = asyncio.create_task(store.acquire(policy, 2_500, spec))  # burst is 1,500
+        await asyncio.sleep(0.05)  # sent: waiting behind the busy script
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
+        await blocker
         for _ in range(50):
             await asyncio.sleep(0.02)
-            if await store.active_leases("default") == 0:
+            if read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id):
                 break
-        assert await store.active_leases("default") == 0
-        assert await store.bucket_tokens(policy) == pytest.approx(1500)  # refunded in full
-        # And it really had been admitted: the lease exists, settled as cancelled (3).
-        token = spec.lease_id.rpartition(":")[2]
-        lease_hash = f"{config.redis.key_prefix}:{{default}}:leases:{token[:8]}"
-        url = str(config.redis.url)
-        client: Any = (
-            redis.cluster.RedisCluster.from_url(url)
-            if backend.name == "cluster"
-            else redis.Redis.from_url(url)
-        )
-        settled = client.hget(lease_hash, token).decode()
-        client.close()
-        assert settled == "R|0|-1000|3"  # final charge 0, adjustment -1000, cancelled
+        settled = read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id)
+        # It really was admitted, then settled as cancelled with the whole charge back.
+        assert settled == "R|0|-2500|3"
+        assert await store.bucket_tokens(policy) == pytest.approx(1500)
     finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+async def test_departed_caller_with_request_id_keeps_its_admission(backend: Any) -> None:
+    """With a request id the caller will retry: the retry must find what it paid for."""
+    settings = {**backend.redis, "timeout_ms": 2_000}
+    config = Config.model_validate(merge(BASE_CONFIG, {"redis": settings}))
+    store = RedisStore(config.redis, tombstone_ms=60_000)
+    await store.start()
+    try:
+        policy = resolve_policies(config)[("default", "P1")]
+        blocker = asyncio.create_task(asyncio.to_thread(block_redis, settings["url"], 300))
+        await asyncio.sleep(0.1)
+        spec = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
+        call = asyncio.create_task(store.acquire(policy, 600, spec))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await blocker
+        await asyncio.sleep(0.1)
+        retry = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
+        replay = await store.acquire(policy, 600, retry)
+        assert replay.replayed and replay.lease_id == spec.lease_id
+        settled = await store.release(policy, replay.lease_id, UsageReport(600, 0, Outcome.OK, 0))
+        # Not refunded behind its back: the retry's release is the first, at full charge.
+        assert not settled.already_released and settled.charged == 600
+    finally:
+        await store.close()
+
+
+async def test_a_batch_redis_runs_after_its_timeout_charges_nothing(own_redis: RedisServer) -> None:
+    """Redis paused past the callers' timeout, then resumed: the batch it then runs
+    must not charge the budget of callers that were already told it failed."""
+    config = Config.model_validate(
+        merge(BASE_CONFIG, {"redis": {"url": own_redis.url, "timeout_ms": 100}})
+    )
+    store = RedisStore(config.redis, tombstone_ms=60_000)
+    await store.start()
+    assert own_redis.process is not None
+    try:
+        policy = resolve_policies(config)[("default", "P1")]
+        await store.acquire(policy, 1, lease_spec("default", "P1"))  # learns Redis time
+        await asyncio.sleep(0.4)  # refill to full
+        os.kill(own_redis.process.pid, signal.SIGSTOP)
+        try:
+            calls = [store.acquire(policy, 100, lease_spec("default", "P1")) for _ in range(5)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            os.kill(own_redis.process.pid, signal.SIGCONT)
+        assert all(isinstance(result, StoreUnavailable) for result in results)
+        await asyncio.sleep(0.3)
+        assert await store.bucket_tokens(policy) == pytest.approx(1500)
+        assert await store.active_leases("default") == 1  # the first one only
+    finally:
+        await store.close()
+
+
+async def test_close_answers_queued_calls_and_refuses_new_ones(own_redis: RedisServer) -> None:
+    config = Config.model_validate(merge(BASE_CONFIG, {"redis": {"url": own_redis.url}}))
+    store = RedisStore(config.redis, tombstone_ms=60_000)
+    await store.start()
+    policy = resolve_policies(config)[("default", "P1")]
+    queued = asyncio.create_task(store.acquire(policy, 10, lease_spec("default", "P1")))
+    await asyncio.sleep(0)  # queued in the batcher, not sent yet
+    await store.close()
+    assert queued.done()
+    assert queued.result().admitted  # answered before the connections closed
+    with pytest.raises(StoreUnavailable, match="closed"):
+        await store.acquire(policy, 10, lease_spec("default", "P1"))
+
+
+async def test_a_bucket_stamped_in_the_future_is_not_refilled_twice(
+    own_redis: RedisServer,
+) -> None:
+    """After a failover to a primary whose clock is behind, the bucket's last update
+    is in that primary's future: no refill until its clock passes it, and the stamp
+    must not move back (or the skew would be refilled again later)."""
+    config = Config.model_validate(
+        merge(BASE_CONFIG, {"redis": {"url": own_redis.url, "key_prefix": "skew"}})
+    )
+    store = RedisStore(config.redis, tombstone_ms=60_000)
+    await store.start()
+    client = redis.Redis.from_url(own_redis.url)
+    try:
+        seconds, micros = client.time()
+        future_us = (seconds + 5) * 1_000_000 + micros
+        client.set("skew:{default}:bucket:P1", f"100|{future_us}", px=60_000)
+        policy = resolve_policies(config)[("default", "P1")]
+        decision = await store.acquire(policy, 10, lease_spec("default", "P1"))
+        assert decision.admitted and decision.remaining == pytest.approx(90)
+        stored = client.get("skew:{default}:bucket:P1")
+        assert stored == f"90|{future_us}".encode()
+    finally:
+        client.close()
         await store.close()

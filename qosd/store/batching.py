@@ -44,8 +44,10 @@ class _Call:
 class ScriptBatcher:
     """Batches calls to one list-processing script, per group (a pool: one hash slot).
 
-    The script takes each call's keys in order, ``ARGV[1]`` the number of calls, then
-    each call's arguments in order, and returns ``fields`` values per call.
+    The script takes each call's keys in order; ``ARGV[1]`` is the number of calls,
+    then come the batch's own arguments (``batch_args()``, evaluated when the batch
+    is sent), then each call's arguments in order. It returns ``header`` values for
+    the batch (handed to ``on_header``), then ``fields`` values per call.
     """
 
     def __init__(
@@ -55,19 +57,28 @@ class ScriptBatcher:
         *,
         max_batch: int = 256,
         max_in_flight: int = 1,
+        batch_args: Callable[[], Sequence[Any]] | None = None,
+        header: int = 0,
+        on_header: Callable[[list[Any]], None] | None = None,
         on_orphan: Callable[[Sequence[Any], list[Any]], None] | None = None,
     ) -> None:
         self._run = run
         self._fields = fields
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
+        self._batch_args = batch_args
+        self._header = header
+        self._on_header = on_header
         self._on_orphan = on_orphan
         self._groups: dict[str, _Group] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def submit(
         self, group_key: str, keys: Sequence[str], args: Sequence[Any]
     ) -> asyncio.Future[list[Any]]:
+        if self._closed:
+            raise StoreUnavailable("store closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Any]] = loop.create_future()
         group = self._groups.get(group_key)
@@ -84,6 +95,8 @@ class ScriptBatcher:
 
     def _flush(self, group_key: str, group: _Group) -> None:
         group.flush_scheduled = False
+        # A caller that left before its call was sent is not sent at all.
+        group.queue = [call for call in group.queue if not call.future.done()]
         while group.queue and group.in_flight < self._max_in_flight:
             batch = group.queue[: self._max_batch]
             del group.queue[: self._max_batch]
@@ -91,26 +104,37 @@ class ScriptBatcher:
             task = asyncio.get_running_loop().create_task(self._call(group_key, batch))
             self._tasks.add(task)
             task.add_done_callback(lambda done: self._done(done, group_key, group))
+        if not group.queue and group.in_flight == 0 and self._groups.get(group_key) is group:
+            del self._groups[group_key]
 
     def _done(self, task: asyncio.Task[None], group_key: str, group: _Group) -> None:
         self._tasks.discard(task)
         group.in_flight -= 1
-        if group.queue:
-            self._flush(group_key, group)
-        elif group.in_flight == 0 and self._groups.get(group_key) is group:
-            del self._groups[group_key]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("script batch failed unexpectedly", exc_info=task.exception())
+        self._flush(group_key, group)
 
     async def _call(self, group_key: str, batch: list[_Call]) -> None:
         keys: list[str] = []
         args: list[Any] = [len(batch)]
+        if self._batch_args is not None:
+            args.extend(self._batch_args())
         for call in batch:
             keys.extend(call.keys)
             args.extend(call.args)
         try:
             reply = await self._run(keys, args)
-        except asyncio.CancelledError:
-            _fail(batch, StoreUnavailable("store call cancelled"))
-            raise
+            if self._on_header is not None:
+                self._on_header(reply[: self._header])
+            fields, start = self._fields, self._header
+            for index, call in enumerate(batch):
+                values = reply[start + index * fields : start + (index + 1) * fields]
+                if not call.future.done():
+                    call.future.set_result(values)
+                elif self._on_orphan is not None:
+                    # The caller went away while its call was in flight; the store
+                    # still acted on it. The owner undoes what must not stay.
+                    self._on_orphan(call.args, values)
         except StoreUnavailable as exc:
             _fail(batch, exc)
             # Calls queued behind this one would go to the same broken store and wait
@@ -119,27 +143,25 @@ class ScriptBatcher:
             if group is not None:
                 queued, group.queue = group.queue, []
                 _fail(queued, exc)
-            return
+        except asyncio.CancelledError:
+            _fail(batch, StoreUnavailable("store call cancelled"))
+            raise
         except Exception as exc:
             _fail(batch, exc)
-            return
-        fields = self._fields
-        for index, call in enumerate(batch):
-            values = reply[index * fields : (index + 1) * fields]
-            if not call.future.done():
-                call.future.set_result(values)
-            elif self._on_orphan is not None:
-                # The caller went away while its call was in flight; the store still
-                # acted on it. Let the owner undo what must not stay (an admission).
-                self._on_orphan(call.args, values)
+            raise
 
-    async def drain(self) -> None:
-        """Waits for batches already sent (used at shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    async def close(self) -> None:
+        """Refuses new calls, then waits until every queued and sent call is answered."""
+        self._closed = True
+        while self._tasks or any(group.queue for group in self._groups.values()):
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            else:
+                await asyncio.sleep(0)  # a flush is scheduled: let it run
 
 
 def _fail(calls: list[_Call], error: BaseException) -> None:
+    """Fails every call not answered yet (an answered one is left as it is)."""
     for call in calls:
         if not call.future.done():
             call.future.set_exception(error)

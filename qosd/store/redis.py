@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
-
-import redis.exceptions as redis_errors
 
 from qosd.config import ClassPolicy, RedisConfig, RedisMode
 from qosd.model import (
@@ -80,8 +79,19 @@ class RedisStore:
         }
         self._pool_prefixes: dict[str, str] = {}
         self._policy_cache: dict[ClassPolicy, tuple[str, str, str, str, str, str]] = {}
+        # Redis time minus this process's monotonic clock, in microseconds, learned
+        # from every acquire reply; None until the first one.
+        self._redis_clock_offset_us: float | None = None
+        # A batch must have run this long before its callers' timeout, so that its
+        # reply still finds them waiting.
+        self._deadline_budget_us = max(config.timeout_ms * 1000 - 10_000, config.timeout_ms * 500)
         self._acquires = ScriptBatcher(
-            self._runner(self._scripts["acquire"]), fields=8, on_orphan=self._undo_admission
+            self._runner(self._scripts["acquire"]),
+            fields=8,
+            batch_args=self._acquire_deadline,
+            header=1,
+            on_header=self._learn_redis_clock,
+            on_orphan=self._undo_admission,
         )
         self._releases = ScriptBatcher(self._runner(self._scripts["release"]), fields=4)
         self._orphans: set[asyncio.Task[Any]] = set()
@@ -102,8 +112,8 @@ class RedisStore:
             log.warning("redis not reachable at start (%s); will retry on demand", exc)
 
     async def close(self) -> None:
-        await self._acquires.drain()
-        await self._releases.drain()
+        await self._acquires.close()
+        await self._releases.close()
         if self._orphans:
             await asyncio.gather(*self._orphans, return_exceptions=True)
         await self._client.close()
@@ -112,13 +122,9 @@ class RedisStore:
         await self._client.execute_on_primaries("PING")
 
     async def _run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        route = keys[0]
-        try:
-            return await self._client.execute(route, "EVALSHA", script.sha, len(keys), *keys, *args)
-        except redis_errors.NoScriptError:
-            # The server lost its scripts (restart, failover, SCRIPT FLUSH): load, retry.
-            await self._client.execute(route, "SCRIPT", "LOAD", script.source)
-            return await self._client.execute(route, "EVALSHA", script.sha, len(keys), *keys, *args)
+        return await self._client.execute(
+            keys[0], "EVALSHA", script.sha, len(keys), *keys, *args, script_source=script.source
+        )
 
     def _runner(self, script: _Script) -> Callable[[Sequence[str], Sequence[Any]], Any]:
         async def run(keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -143,9 +149,29 @@ class RedisStore:
         return cached
 
     def _lease_location(self, prefix: str, lease_id: str) -> tuple[str, str]:
-        """The lease hash (one per pool and epoch second) and field of a lease."""
-        token = lease_id.rpartition(":")[2]
-        return f"{prefix}leases:{token[:8]}", token
+        """The lease hash (one per pool and epoch second) and field (``class:token``).
+
+        The field names the class, so a lease id edited to name another class finds
+        no lease instead of settling against the other class's bucket.
+        """
+        field = lease_id.partition(":")[2]
+        return f"{prefix}leases:{field.rpartition(':')[2][:8]}", field
+
+    def _acquire_deadline(self) -> tuple[str]:
+        """The Redis time after which a batch sent now must not charge anything.
+
+        Its callers stop waiting after ``redis.timeout_ms`` and are told the store is
+        unavailable (or admitted, failing open). A batch that Redis runs later, say
+        after a pause, must therefore change nothing. Replica clocks enter only as a
+        duration; 0 (no deadline) until the offset to Redis time is known.
+        """
+        offset = self._redis_clock_offset_us
+        if offset is None:
+            return ("0",)
+        return (f"{time.monotonic_ns() / 1000 + offset + self._deadline_budget_us:.0f}",)
+
+    def _learn_redis_clock(self, header: list[Any]) -> None:
+        self._redis_clock_offset_us = float(header[0]) - time.monotonic_ns() / 1000
 
     async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
         prefix, bucket_key, rate, burst, max_cost, weight = self._policy_args(policy)
@@ -169,6 +195,8 @@ class RedisStore:
             1 if lease.request_id else 0,
         )
         reply = await self._acquires.submit(prefix, keys, args)
+        if reply[1] == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
+            raise StoreUnavailable("redis ran the request after its timeout; nothing charged")
         admitted, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed = reply
         return BucketDecision(
             admitted=admitted == 1,
@@ -182,21 +210,33 @@ class RedisStore:
         )
 
     def _undo_admission(self, args: Sequence[Any], reply: list[Any]) -> None:
-        """Refunds an admission whose caller was cancelled while the batch was in flight.
+        """Refunds an admission whose caller left while the batch was in flight.
 
-        Nobody will ever use or release that lease, so it is settled at once as a
-        cancelled request that used nothing: the whole charge goes back.
+        Nobody will use or release that lease, so it is settled at once as a
+        cancelled request that used nothing, refunding the whole charge. Not so for
+        a request with a request id: its caller will retry, and the retry must find
+        the admission it was charged for (unused, it expires with its estimate).
         """
         admitted, lease_id, replayed = reply[0], reply[2], reply[7]
-        if admitted != 1 or replayed == 1:  # nothing new was charged
+        has_request_id = args[11] == 1
+        if admitted != 1 or replayed == 1 or has_request_id:
             return
         pool, qos_class, _token = lease_id.split(":")
         rate, burst = float(args[1]), float(args[2])
         task = asyncio.get_running_loop().create_task(
-            self._release_raw(pool, qos_class, lease_id, rate, burst, 0, 0, 0.0, 3)
+            self._release_raw(pool, qos_class, lease_id, rate, burst, 0, 0, 0.0, 3, exact=True)
         )
         self._orphans.add(task)
-        task.add_done_callback(self._orphans.discard)
+        task.add_done_callback(self._undo_done)
+
+    def _undo_done(self, task: asyncio.Task[Any]) -> None:
+        self._orphans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "could not refund an admission whose caller left (its estimate stands "
+                "until the lease expires): %s",
+                task.exception(),
+            )
 
     async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
         status, charged, adjustment, remaining = await self._release_raw(
@@ -232,6 +272,8 @@ class RedisStore:
         output_tokens: int | str,
         output_weight: float,
         outcome: int,
+        *,
+        exact: bool = False,
     ) -> list[Any]:
         prefix = self._prefix(pool)
         lease_hash, field = self._lease_location(prefix, lease_id)
@@ -246,6 +288,7 @@ class RedisStore:
                 repr(rate),
                 repr(burst),
                 outcome,
+                1 if exact else 0,
             ),
         )
 

@@ -143,6 +143,7 @@ class NodeClient:
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         settings = self._settings
+        protocol: _Protocol | None = None
         try:
             async with asyncio.timeout(settings.connect_timeout_s):
                 if self._unix_path is not None:
@@ -160,9 +161,12 @@ class NodeClient:
                     [future] = protocol.send(pack(*command))
                     reply = await future
                     if isinstance(reply, hiredis.ReplyError):
-                        protocol.fail(StoreUnavailable(f"redis {command[0]} failed: {reply}"))
                         raise StoreUnavailable(f"redis {command[0]} failed: {reply}")
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, StoreUnavailable) as exc:
+            if protocol is not None:  # opened, but not usable: do not leak the socket
+                protocol.fail(StoreUnavailable("redis connection setup failed"))
+            if isinstance(exc, StoreUnavailable):
+                raise
             raise StoreUnavailable(
                 f"cannot connect to redis at {self.describe()}: {exc or type(exc).__name__}"
             ) from exc
@@ -198,7 +202,7 @@ class NodeClient:
         futures = protocol.send(packed, replies)
         last = futures[-1]
         timer = asyncio.get_running_loop().call_later(
-            timeout_s, _expire, protocol, last, self.describe(), timeout_s
+            timeout_s, _expire, protocol, last, self, timeout_s
         )
         try:
             reply = await last
@@ -221,10 +225,14 @@ class NodeClient:
                 task.cancel()
 
 
-def _expire(protocol: _Protocol, future: asyncio.Future[Any], node: str, timeout_s: float) -> None:
+def _expire(
+    protocol: _Protocol, future: asyncio.Future[Any], node: NodeClient, timeout_s: float
+) -> None:
     if not future.done():
         protocol.fail(
-            StoreUnavailable(f"redis at {node} did not answer within {timeout_s * 1000:.0f} ms")
+            StoreUnavailable(
+                f"redis at {node.describe()} did not answer within {timeout_s * 1000:.0f} ms"
+            )
         )
 
 
@@ -260,6 +268,7 @@ class RespClient:
         )
         self._slot_owner: list[NodeClient | None] = [None] * 16384
         self._refreshing: asyncio.Task[None] | None = None
+        self._closed = False
 
     def _node(self, host: str, port: int, unix_path: str | None = None) -> NodeClient:
         node = self._nodes.get((host, port))
@@ -306,22 +315,34 @@ class RespClient:
                 raise StoreUnavailable(f"redis cluster: no node serves slot {slot}")
         return node
 
-    async def execute(self, route_key: str, *args: Any) -> Any:
-        """Runs one command on the node that owns ``route_key``."""
+    async def execute(self, route_key: str, *args: Any, script_source: str | None = None) -> Any:
+        """Runs one command on the node that owns ``route_key``.
+
+        With ``script_source``, the command is an EVALSHA: a NOSCRIPT reply (restart,
+        failover, SCRIPT FLUSH, a node that joined later) loads the script on the
+        node that gave it, and the call is retried once.
+        """
+        if self._closed:
+            raise StoreUnavailable("redis client closed")
         packed = pack(*args)
         node = await self._owner(route_key)
-        for _ in range(_MAX_REDIRECTS):
+        asking = False
+        for _ in range(_MAX_REDIRECTS + 1):
             try:
+                if asking:
+                    return await node.execute(pack("ASKING") + packed, self._timeout_s, 2)
                 return await node.execute(packed, self._timeout_s)
             except Redirect as redirect:
-                target = self._node(*redirect.address)
-                if redirect.kind == "MOVED":
-                    self._slot_owner[redirect.slot] = target
-                    node = target
+                node = self._node(*redirect.address)
+                asking = redirect.kind == "ASK"
+                if not asking:
+                    self._slot_owner[redirect.slot] = node
                     self._schedule_refresh()
-                    continue
-                asking = pack("ASKING") + packed
-                return await target.execute(asking, self._timeout_s, replies=2)
+            except redis_errors.NoScriptError:
+                if script_source is None:
+                    raise
+                await node.execute(pack("SCRIPT", "LOAD", script_source), self._timeout_s)
+                script_source = None
             except StoreUnavailable:
                 if self._cluster:
                     self._schedule_refresh()  # a primary may have moved
@@ -347,6 +368,7 @@ class RespClient:
             self._refreshing.add_done_callback(_quiet)
 
     async def close(self) -> None:
+        self._closed = True
         if self._refreshing is not None:
             self._refreshing.cancel()
             with contextlib.suppress(BaseException):

@@ -9,6 +9,9 @@
 --
 -- KEYS per request: bucket, lease hash, then the request-id key if it has one
 -- ARGV[1]          number of requests
+-- ARGV[2]          deadline in microseconds of Redis time (0: none). A batch that
+--                  runs later than this was given up by its callers (their store
+--                  timeout passed): it changes nothing and answers BACKEND_UNAVAILABLE.
 -- ARGV per request (12): cost, rate, burst, max_cost, lease_id, lease field, ttl_ms,
 --                  keep_ms (how long the lease hash must live), weight,
 --                  input_tokens, output_tokens, has_request_id (0/1)
@@ -16,11 +19,10 @@
 -- Bucket string:     "tokens|updated_us" (Redis TIME); absent means full.
 -- Lease hash field:  "expiry_us|charged|weight|input|output" while active.
 -- Request-id string: "lease_id|charged|expiry_us".
--- Returns 8 values per request: admitted, reason, lease_id, charged, remaining,
--- retry_after_ms, lease_ttl_ms, replayed. Floats travel as strings (Redis would
--- truncate Lua numbers to integers).
-local reply = {}
-local n = 0
+-- Returns Redis time (us, as a string), then 8 values per request: admitted, reason,
+-- lease_id, charged, remaining, retry_after_ms, lease_ttl_ms, replayed.
+local reply = {string.format('%.0f', now)}
+local n = 1
 local lease_writes = {}  -- lease hash key -> {field, value, ...}
 local lease_keep = {}    -- lease hash key -> ms it must live
 
@@ -36,9 +38,18 @@ local function answer(admitted, reason, lease_id, charged, remaining, retry_ms, 
   n = n + 8
 end
 
+local count = tonumber(ARGV[1])
+local deadline = tonumber(ARGV[2])
+if deadline > 0 and now > deadline then
+  for _ = 1, count do
+    answer(0, 4, '', '0', '0', 0, 0, 0)
+  end
+  return reply
+end
+
 local k = 1
-local a = 2
-for _ = 1, tonumber(ARGV[1]) do
+local a = 3
+for _ = 1, count do
   local cost = tonumber(ARGV[a])
   local rate = tonumber(ARGV[a + 1])
   local burst = tonumber(ARGV[a + 2])
@@ -60,7 +71,7 @@ for _ = 1, tonumber(ARGV[1]) do
       local prior_id, prior_charged, prior_expiry = string.match(prior, '^(.*)|([^|]*)|([^|]*)$')
       local left_ms = math.floor((tonumber(prior_expiry) - now) / 1000)
       if left_ms > 0 then
-        answer(1, 0, prior_id, prior_charged, tostring(b[1]), 0, left_ms, 1)
+        answer(1, 0, prior_id, prior_charged, num(b[1]), 0, left_ms, 1)
         replayed = true
       end
     end
@@ -69,13 +80,13 @@ for _ = 1, tonumber(ARGV[1]) do
   if not replayed then
     local needed = math.min(cost, burst)
     if cost > tonumber(ARGV[a + 3]) then
-      answer(0, 2, '', ARGV[a], tostring(b[1]), 0, 0, 0)
+      answer(0, 2, '', ARGV[a], num(b[1]), 0, 0, 0)
     elseif b[1] < needed then
       local retry_ms = 0
       if rate > 0 then
         retry_ms = math.max(1, math.ceil((needed - b[1]) * 1000 / rate))
       end
-      answer(0, 1, '', ARGV[a], tostring(b[1]), retry_ms, 0, 0)
+      answer(0, 1, '', ARGV[a], num(b[1]), retry_ms, 0, 0)
     else
       b[1] = b[1] - cost
       b[4] = true
@@ -93,7 +104,7 @@ for _ = 1, tonumber(ARGV[1]) do
       if request_key then
         redis.call('SET', request_key, lease_id .. '|' .. ARGV[a] .. '|' .. expiry, 'PX', ttl_ms)
       end
-      answer(1, 0, lease_id, ARGV[a], tostring(b[1]), 0, ttl_ms, 0)
+      answer(1, 0, lease_id, ARGV[a], num(b[1]), 0, ttl_ms, 0)
     end
   end
   a = a + 12

@@ -5,8 +5,10 @@
 --
 -- KEYS per release: lease hash, bucket
 -- ARGV[1]           number of releases
--- ARGV per release (7): lease field, actual_input ('' keeps the estimate),
---                   actual_output ('' keeps it), output_weight, rate, burst, outcome
+-- ARGV per release (8): lease field, actual_input ('' keeps the estimate),
+--                   actual_output ('' keeps it), output_weight, rate, burst, outcome,
+--                   exact (1: undo an admission, refunding the whole charge; 0: a
+--                   release, whose settlement is bounded by one burst)
 --
 -- An active lease field is "expiry_us|charged|weight|input|output" (acquire.lua);
 -- settling turns it into "R|final|adjustment|outcome", which stays until the lease
@@ -52,7 +54,7 @@ for _ = 1, tonumber(ARGV[1]) do
     answer('unknown', '0', '0', '0')
   elseif string.sub(value, 1, 2) == 'R|' then
     local final, adjustment = string.match(value, '^R|([^|]*)|([^|]*)|')
-    answer('again', final, adjustment, tostring(bucket(KEYS[k + 1], rate, burst)[1]))
+    answer('again', final, adjustment, num(bucket(KEYS[k + 1], rate, burst)[1]))
   else
     local expiry, charged, weight, input, output =
       string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
@@ -63,11 +65,14 @@ for _ = 1, tonumber(ARGV[1]) do
       if ARGV[a + 1] ~= '' then input = ARGV[a + 1] end
       if ARGV[a + 2] ~= '' then output = ARGV[a + 2] end
       local actual = (tonumber(input) + tonumber(ARGV[a + 3]) * tonumber(output)) * tonumber(weight)
-      local delta = math.max(-burst, math.min(burst, actual - tonumber(charged)))
+      local delta = actual - tonumber(charged)
+      if ARGV[a + 7] ~= '1' then
+        delta = math.max(-burst, math.min(burst, delta))
+      end
       b[1] = math.min(burst, b[1] - delta)
       b[4] = true
-      local final = tostring(tonumber(charged) + delta)
-      local settled = 'R|' .. final .. '|' .. tostring(delta) .. '|' .. ARGV[a + 6]
+      local final = num(tonumber(charged) + delta)
+      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + 6]
       leases[lease_key][field] = settled
       local writes = changed[lease_key]
       if writes == nil then
@@ -76,11 +81,11 @@ for _ = 1, tonumber(ARGV[1]) do
       end
       writes[#writes + 1] = field
       writes[#writes + 1] = settled
-      answer('released', final, tostring(delta), tostring(b[1]))
+      answer('released', final, num(delta), num(b[1]))
     end
   end
   k = k + 2
-  a = a + 7
+  a = a + 8
 end
 
 for key, writes in pairs(changed) do
