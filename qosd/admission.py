@@ -1,7 +1,8 @@
 """Admission logic between the wire API and a bucket store.
 
-It validates requests, prices them, waits for budget within the caller's max wait,
-and turns store outages into the configured fail mode. It knows nothing of gRPC
+It validates requests, prices them, lets them wait in the fleet-wide waiting room
+(``qosd.waiting``) within the caller's max wait, and turns store outages into the
+configured fail mode. It knows nothing of gRPC
 (the service module maps it onto the wire) and nothing of Redis (the store does).
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from qosd.config import ClassPolicy, Config, FailMode, resolve_policies
+from qosd.config import ClassPolicy, Config, FailMode, PoolPolicy, resolve_pools
 from qosd.model import (
     BucketDecision,
     LeaseNotFound,
@@ -25,9 +27,11 @@ from qosd.model import (
     Settlement,
     StoreUnavailable,
     UsageReport,
+    Waiter,
     new_lease_token,
 )
 from qosd.store.base import BucketStore
+from qosd.waiting import WaitingRoom
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,10 @@ class Admission:
     def __init__(self, config: Config, store: BucketStore) -> None:
         self._config = config
         self._store = store
-        self._policies = resolve_policies(config)
+        self._pools = resolve_pools(config)
+        self._policies = {
+            (pool.name, cls.name): cls for pool in self._pools.values() for cls in pool.classes
+        }
         self._class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
         self._pool_of: dict[str, str] = {name: name for name in config.pools}
         for pool_name, pool in config.pools.items():
@@ -104,7 +111,17 @@ class Admission:
         self._fail_open = config.fail_mode is FailMode.OPEN
         self._retry_interval_ms = config.redis.retry_interval_ms
         self.guard = StoreGuard(config.redis.retry_interval_ms / 1000)
-        self._draining = asyncio.Event()
+        self._draining = False
+        # Names this process's waiters in the shared queues, and proves it alive.
+        self.daemon_id = os.urandom(6).hex()
+        self._waiting = WaitingRoom(
+            store,
+            self.daemon_id,
+            config.waiting.poll_ms / 1000,
+            lambda pool, waiter: self._store_down_decision(
+                self._policies[(pool.name, waiter.qos_class)], waiter.cost
+            ),
+        )
 
     @property
     def store(self) -> BucketStore:
@@ -113,9 +130,17 @@ class Admission:
     def policy(self, pool: str, qos_class: str) -> ClassPolicy:
         return self._policies[(pool, qos_class)]
 
+    @property
+    def waiting_room(self) -> WaitingRoom:
+        return self._waiting
+
+    def pool(self, name: str) -> PoolPolicy:
+        return self._pools[name]
+
     def begin_drain(self) -> None:
-        """Wakes every waiter so it answers now; new waits are not started."""
-        self._draining.set()
+        """Answers every waiter now (SHUTTING_DOWN); new requests no longer wait."""
+        self._draining = True
+        self._waiting.drain()
 
     # -- validation -------------------------------------------------------------
 
@@ -191,6 +216,12 @@ class Admission:
         else:
             wait_ms = min(max_wait_ms, policy.max_wait_ms)
 
+        wait_s = wait_ms / 1000
+        if deadline_s is not None:
+            # Answer before the caller's deadline: a late admission would leak a lease.
+            wait_s = min(wait_s, deadline_s - min(0.05, deadline_s * 0.1))
+        if self._draining:
+            wait_s = 0.0
         cost = (input_tokens + self._output_weight * expected_output_tokens) * policy.weight
         lease = LeaseSpec(
             lease_id=f"{pool}:{policy.name}:{new_lease_token()}",
@@ -201,80 +232,39 @@ class Admission:
             weight=policy.weight,
             ttl_ms=self._lease_ttl_ms,
         )
-        decision = await self._take(policy, cost, lease)
-        if decision.admitted or decision.reason is not Reason.RATE_LIMITED:
-            return AcquireOutcome(decision, pool, 0)
-
-        wait_s = wait_ms / 1000
-        if deadline_s is not None:
-            # Answer before the caller's deadline: a late admission would leak a lease.
-            wait_s = min(wait_s, deadline_s - min(0.05, deadline_s * 0.1))
-        if self._draining.is_set():
+        pool_policy = self._pools[pool]
+        decision = await self._take(pool_policy, policy, cost, lease, max(0, int(wait_s * 1000)))
+        if decision.queued:
+            loop = asyncio.get_running_loop()
+            queued_at = loop.time()
+            decision = await self._waiting.wait(
+                pool_policy, Waiter(policy.name, cost, lease), wait_s
+            )
+            waited_ms = _ms(loop.time() - queued_at)
+            message = ""
+            if decision.reason is Reason.QUEUE_TIMEOUT:
+                message = "max wait exhausted"
+            elif decision.reason is Reason.SHUTTING_DOWN:
+                message = "daemon is draining; retry on another replica"
+            return AcquireOutcome(decision, pool, waited_ms, message)
+        if self._draining and not decision.admitted and decision.reason is Reason.RATE_LIMITED:
             return AcquireOutcome(
                 _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0),
                 pool,
                 0,
                 "daemon is draining; retry on another replica",
             )
-        if wait_s <= 0:
-            return AcquireOutcome(decision, pool, 0)
-        return await self._wait_for_budget(policy, cost, lease, decision, wait_s, pool)
+        return AcquireOutcome(decision, pool, 0)
 
-    async def _wait_for_budget(
-        self,
-        policy: ClassPolicy,
-        cost: float,
-        lease: LeaseSpec,
-        decision: BucketDecision,
-        wait_s: float,
-        pool: str,
-    ) -> AcquireOutcome:
-        """Retries at the bucket's own retry-after until admitted or out of time.
-
-        A local, per-request wait: it honours deadlines and never holds tokens while
-        waiting, but it does not order waiters by class across the fleet.
-        """
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        give_up_at = started + wait_s
-        first = True
-        while True:
-            now = loop.time()
-            pause_s = decision.retry_after_ms / 1000
-            if now + pause_s > give_up_at:
-                if first:
-                    # The whole wait could not cover the refill: say so at once.
-                    return AcquireOutcome(decision, pool, 0)
-                return AcquireOutcome(
-                    _with_reason(decision, Reason.QUEUE_TIMEOUT),
-                    pool,
-                    _ms(now - started),
-                    "max wait exhausted",
-                )
-            try:
-                await asyncio.wait_for(self._draining.wait(), timeout=pause_s)
-            except TimeoutError:
-                pass
-            else:
-                waited = _ms(loop.time() - started)
-                return AcquireOutcome(
-                    _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0),
-                    pool,
-                    waited,
-                    "daemon is draining; retry on another replica",
-                )
-            first = False
-            decision = await self._take(policy, cost, lease)
-            if decision.admitted or decision.reason is not Reason.RATE_LIMITED:
-                return AcquireOutcome(decision, pool, _ms(loop.time() - started))
-
-    async def _take(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
+    async def _take(
+        self, pool: PoolPolicy, policy: ClassPolicy, cost: float, lease: LeaseSpec, wait_ms: int
+    ) -> BucketDecision:
         guard = self.guard
         probe = False
         try:
             if guard.down:
                 probe = guard.enter()
-            decision = await self._store.acquire(policy, cost, lease)
+            decision = await self._store.acquire(pool, policy, cost, lease, wait_ms, self.daemon_id)
         except StoreUnavailable as error:
             if probe or not guard.down:
                 guard.failed(error)
@@ -347,7 +337,10 @@ class Admission:
             outcome=outcome,
             output_weight=self._output_weight,
         )
-        return await self._store.release(policy, lease_id, usage)
+        settlement = await self._store.release(self._pools[policy.pool], policy, lease_id, usage)
+        if settlement.adjustment < 0:
+            self._waiting.nudge(policy.pool)  # tokens came back: a waiter may fit now
+        return settlement
 
     # -- report -----------------------------------------------------------------
 

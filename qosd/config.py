@@ -61,7 +61,12 @@ class SloConfig(_Strict):
 
 
 class ClassConfig(_Strict):
-    """One QoS class. Its bucket in each pool refills at ``share x pool capacity``."""
+    """One QoS class. Its bucket in each pool refills at ``share x pool capacity``.
+
+    The share is assured: no other class can take it. What the class leaves unused
+    overflows into the pool's shared tokens, which classes that may borrow use in
+    priority order (docs/design.md, "Budgets").
+    """
 
     priority: Annotated[int, Field(ge=0, le=15)]
     weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
@@ -69,7 +74,16 @@ class ClassConfig(_Strict):
     burst_s: Annotated[float, Field(gt=0, le=3600)] = 0.5
     burst_tokens: Annotated[float, Field(gt=0)] | None = None
     max_cost_tokens: Annotated[float, Field(gt=0)] | None = None
+    # Longest a request of this class may wait for budget; every class has one.
     max_wait_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    # May take the pool's shared (unused) tokens when its own share runs out.
+    can_borrow: bool = True
+    # Most requests of this class that may wait in one pool, fleet-wide.
+    max_queue: Annotated[int, Field(ge=0, le=100_000)] = 1_000
+    # A waiter moves up one priority rank for each aging_ms it waits (0: never).
+    aging_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    # Most of the pool's capacity one tenant of this class may use (None: no limit).
+    tenant_max_share: Annotated[float, Field(gt=0, le=1)] | None = None
     slo: SloConfig = SloConfig()
 
 
@@ -78,6 +92,15 @@ class PoolConfig(_Strict):
 
     capacity_tokens_s: Annotated[float, Field(gt=0, le=1e9)]
     models: list[str] = Field(default_factory=list)
+    # How much unused capacity the shared tokens hold, in seconds of capacity.
+    burst_s: Annotated[float, Field(gt=0, le=3600)] = 0.5
+
+
+class WaitingConfig(_Strict):
+    # How often a daemon with waiters looks for grants (and admits heads itself).
+    poll_ms: Annotated[int, Field(ge=1, le=1_000)] = 5
+    # Waiters of a daemon not heard from for this long are dropped (a dead replica).
+    stale_after_ms: Annotated[int, Field(ge=50, le=600_000)] = 2_000
 
 
 class RedisConfig(_Strict):
@@ -164,7 +187,7 @@ def _default_classes() -> dict[str, ClassConfig]:
             max_wait_ms=3_000,
             slo=SloConfig(ttft_ms=2_000, tpot_ms=100),
         ),
-        "P2": ClassConfig(priority=2, share=0.05, max_wait_ms=30_000),
+        "P2": ClassConfig(priority=2, share=0.05, max_wait_ms=30_000, aging_ms=5_000),
     }
 
 
@@ -184,6 +207,7 @@ class Config(_Strict):
     cost: CostConfig = CostConfig()
     limits: LimitsConfig = LimitsConfig()
     report: ReportConfig = ReportConfig()
+    waiting: WaitingConfig = WaitingConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -232,36 +256,81 @@ class Config(_Strict):
 
 @dataclass(frozen=True, slots=True)
 class ClassPolicy:
-    """A class's resolved parameters in one pool: everything a bucket call needs."""
+    """A class's resolved parameters in one pool: everything a budget call needs."""
 
     pool: str
     name: str
     priority: int
+    rank: int  # 0 for the highest-priority class, then 1, 2, ...
     weight: float
-    rate: float  # tokens per second
+    rate: float  # assured tokens per second
     burst: float  # bucket capacity, tokens
     max_cost: float  # largest admissible cost; > burst means borrowing is allowed
     max_wait_ms: int
+    can_borrow: bool
+    max_queue: int
+    aging_ms: int
+    tenant_rate: float  # tokens per second one tenant may use; 0: no tenant limit
+    tenant_burst: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    """A pool's resolved budget: its classes in priority order and its shared tokens."""
+
+    name: str
+    capacity: float  # tokens per second
+    free_rate: float  # capacity no class is assured: it refills the shared tokens
+    shared_burst: float  # most unused tokens the shared pool holds
+    classes: tuple[ClassPolicy, ...]
+
+
+def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
+    """Precomputes every pool's policy so the hot path does dict lookups only."""
+    ordered = sorted(config.classes.items(), key=lambda item: item[1].priority)
+    pools: dict[str, PoolPolicy] = {}
+    for pool_name, pool in config.pools.items():
+        classes: list[ClassPolicy] = []
+        for rank, (class_name, cls) in enumerate(ordered):
+            rate = cls.share * pool.capacity_tokens_s
+            burst = cls.burst_tokens or cls.burst_s * rate
+            tenant_rate = (cls.tenant_max_share or 0.0) * pool.capacity_tokens_s
+            classes.append(
+                ClassPolicy(
+                    pool=pool_name,
+                    name=class_name,
+                    priority=cls.priority,
+                    rank=rank,
+                    weight=cls.weight,
+                    rate=rate,
+                    burst=burst,
+                    max_cost=max(burst, cls.max_cost_tokens or burst),
+                    max_wait_ms=cls.max_wait_ms,
+                    can_borrow=cls.can_borrow,
+                    max_queue=cls.max_queue,
+                    aging_ms=cls.aging_ms,
+                    tenant_rate=tenant_rate,
+                    tenant_burst=tenant_rate * cls.burst_s,
+                )
+            )
+        assured = sum(c.share for c in config.classes.values())
+        pools[pool_name] = PoolPolicy(
+            name=pool_name,
+            capacity=pool.capacity_tokens_s,
+            free_rate=max(0.0, 1.0 - assured) * pool.capacity_tokens_s,
+            shared_burst=pool.burst_s * pool.capacity_tokens_s,
+            classes=tuple(classes),
+        )
+    return pools
 
 
 def resolve_policies(config: Config) -> dict[tuple[str, str], ClassPolicy]:
-    """Precomputes every (pool, class) policy so the hot path does dict lookups only."""
-    policies: dict[tuple[str, str], ClassPolicy] = {}
-    for pool_name, pool in config.pools.items():
-        for class_name, cls in config.classes.items():
-            rate = cls.share * pool.capacity_tokens_s
-            burst = cls.burst_tokens or cls.burst_s * rate
-            policies[(pool_name, class_name)] = ClassPolicy(
-                pool=pool_name,
-                name=class_name,
-                priority=cls.priority,
-                weight=cls.weight,
-                rate=rate,
-                burst=burst,
-                max_cost=max(burst, cls.max_cost_tokens or burst),
-                max_wait_ms=cls.max_wait_ms,
-            )
-    return policies
+    """Every (pool, class) policy, keyed for lookup on the hot path."""
+    return {
+        (pool.name, cls.name): cls
+        for pool in resolve_pools(config).values()
+        for cls in pool.classes
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,11 @@ class LeaseSpec:
 
 @dataclass(frozen=True, slots=True)
 class BucketDecision:
-    """A store's answer to one take attempt."""
+    """A store's answer to one take attempt.
+
+    ``queued`` means neither admitted nor rejected: the request now waits in its
+    class's queue (see ``qosd.waiting``), under the id ``lease_field``.
+    """
 
     admitted: bool
     reason: Reason
@@ -72,6 +76,50 @@ class BucketDecision:
     retry_after_ms: int
     lease_ttl_ms: int
     replayed: bool = False
+    queued: bool = False
+
+
+def lease_field(lease_id: str) -> str:
+    """``class:token`` of a lease id ``pool:class:token``: a lease's (and waiter's) id."""
+    return lease_id.partition(":")[2]
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A queued request, as its daemon holds it while it waits."""
+
+    qos_class: str
+    cost: float
+    lease: LeaseSpec
+
+    @property
+    def id(self) -> str:
+        return lease_field(self.lease.lease_id)
+
+
+class WaiterState(enum.IntEnum):
+    ADMITTED = 1
+    WAITING = 3
+    GONE = 4  # dropped by the store: taken for a dead daemon's, or long expired
+
+
+@dataclass(frozen=True, slots=True)
+class PumpResult:
+    state: WaiterState
+    decision: BucketDecision | None  # set when ADMITTED
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStatus:
+    tokens: float
+    waiting: int
+    oldest_wait_ms: int  # how long the longest waiter has waited; 0 when none
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    shared_tokens: float
+    classes: dict[str, ClassStatus]
 
 
 @dataclass(frozen=True, slots=True)

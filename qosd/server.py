@@ -41,9 +41,10 @@ class StartupError(RuntimeError):
 
 def make_store(config: Config) -> BucketStore:
     tombstone_ms = int(config.lease.tombstone_s * 1000)
+    stale_after_ms = config.waiting.stale_after_ms
     if config.redis.url is None:
-        return EmbeddedStore(tombstone_ms=tombstone_ms)
-    return RedisStore(config.redis, tombstone_ms=tombstone_ms)
+        return EmbeddedStore(tombstone_ms=tombstone_ms, stale_after_ms=stale_after_ms)
+    return RedisStore(config.redis, tombstone_ms=tombstone_ms, stale_after_ms=stale_after_ms)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         self.admission.begin_drain()
         await self.server.stop(grace)
+        await self.admission.waiting_room.close()
         await self.admission.store.close()
         for path in self.unix_paths:
             with contextlib.suppress(FileNotFoundError):

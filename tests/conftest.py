@@ -65,15 +65,18 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 # Rates are easy to reason about: pool capacity 10,000 tokens/s, so P0 refills at
 # 6,000/s (burst 3,000), P1 at 3,000/s (burst 1,500), P2 at 1,000/s (burst 500).
+# Borrowing is off: these are the semantics of one class's bucket. Tests of the
+# shared pool and the waiting room turn it on (BORROWING).
 BASE_CONFIG: dict[str, Any] = {
     "server": {"listen": ["127.0.0.1:0"], "drain_grace_s": 2},
     "pools": {"default": {"capacity_tokens_s": 10_000, "models": ["llama-3-8b"]}},
     "classes": {
-        "P0": {"priority": 0, "share": 0.6, "max_wait_ms": 200},
-        "P1": {"priority": 1, "share": 0.3, "max_wait_ms": 2_000},
-        "P2": {"priority": 2, "share": 0.1, "max_wait_ms": 5_000},
+        "P0": {"priority": 0, "share": 0.6, "max_wait_ms": 200, "can_borrow": False},
+        "P1": {"priority": 1, "share": 0.3, "max_wait_ms": 2_000, "can_borrow": False},
+        "P2": {"priority": 2, "share": 0.1, "max_wait_ms": 5_000, "can_borrow": False},
     },
 }
+BORROWING: dict[str, Any] = {"classes": {name: {"can_borrow": True} for name in ("P0", "P1", "P2")}}
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -143,8 +143,9 @@ async def test_cancelled_waiter_holds_nothing(make_daemon: DaemonFactory) -> Non
         await waiter
     await asyncio.sleep(0.5)  # past the moment it would have been admitted
     assert await store.active_leases("default") == before == 0
-    policy = running.daemon.admission.policy("default", "P2")
-    assert await store.bucket_tokens(policy) == pytest.approx(500)  # full again, nothing held
+    status = await store.status(running.daemon.admission.pool("default"))
+    assert status.classes["P2"].tokens == pytest.approx(500)  # full again, nothing held
+    assert status.classes["P2"].waiting == 0  # and no queue entry left behind
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)

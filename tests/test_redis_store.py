@@ -19,7 +19,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from qosd.config import Config, RedisConfig, RedisMode, resolve_policies
+from qosd.config import ClassPolicy, Config, PoolPolicy, RedisConfig, RedisMode, resolve_pools
 from qosd.model import LeaseSpec, Outcome, StoreUnavailable, UsageReport, new_lease_token
 from qosd.server import start
 from qosd.store.redis import RedisStore
@@ -127,7 +127,7 @@ async def test_every_key_of_a_pool_shares_one_slot(backend: Any) -> None:
         by_pool.setdefault(pool, set()).add(key_slot(key.encode()))
     kinds = sorted({key.split("}:", 1)[1].split(":", 1)[0] for key in keys})
     print(f"\n{len(keys)} keys, kinds {kinds}, slots per pool {by_pool}")
-    assert kinds == ["bucket", "leases", "req", "window"]
+    assert kinds == ["leases", "req", "state", "window"]
     assert set(by_pool) == {"alpha", "beta"}
     assert all(len(slots) == 1 for slots in by_pool.values())
 
@@ -164,6 +164,18 @@ async def cluster_store(redis_cluster3: RedisCluster) -> AsyncIterator[RedisStor
     await store.close()
 
 
+DAEMON = "test-daemon"
+
+
+def policies(config: Config, qos_class: str) -> tuple[PoolPolicy, ClassPolicy]:
+    pool = resolve_pools(config)["default"]
+    return pool, next(cls for cls in pool.classes if cls.name == qos_class)
+
+
+async def class_tokens(store: RedisStore, pool: PoolPolicy, qos_class: str) -> float:
+    return (await store.status(pool)).classes[qos_class].tokens
+
+
 def lease_spec(pool: str, qos_class: str) -> LeaseSpec:
     return LeaseSpec(
         lease_id=f"{pool}:{qos_class}:{new_lease_token()}",
@@ -177,14 +189,18 @@ def lease_spec(pool: str, qos_class: str) -> LeaseSpec:
 
 
 async def test_cluster_follows_moved_redirects(cluster_store: RedisStore) -> None:
-    policy = resolve_policies(Config.model_validate(BASE_CONFIG))[("default", "P1")]
-    assert (await cluster_store.acquire(policy, 100, lease_spec("default", "P1"))).admitted
+    pool, policy = policies(Config.model_validate(BASE_CONFIG), "P1")
+    first = await cluster_store.acquire(pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON)
+    assert first.admitted
+    # Corrupt the client's slot map on purpose: the next call goes to the wrong node.
     client = cluster_store._client
-    slot = key_slot(f"{cluster_store._prefix('default')}bucket:P1".encode())
+    slot = key_slot(cluster_store._args_for(pool).keys[0].encode())
     owner = client._slot_owner[slot]
     wrong = next(node for node in client.nodes() if node is not owner)
     client._slot_owner[slot] = wrong
-    decision = await cluster_store.acquire(policy, 100, lease_spec("default", "P1"))
+    decision = await cluster_store.acquire(
+        pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON
+    )
     assert decision.admitted
     assert decision.remaining == pytest.approx(1500 - 200, abs=30)  # the same bucket
     assert client._slot_owner[slot] is owner
@@ -230,13 +246,13 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(backend: Any) 
     store = RedisStore(config.redis, tombstone_ms=60_000)
     await store.start()
     try:
-        policy = resolve_policies(config)[("default", "P1")]
-        warm = await store.acquire(policy, 10, lease_spec("default", "P1"))
-        await store.release(policy, warm.lease_id, UsageReport(10, 0, Outcome.OK, 0.0))
+        pool, policy = policies(config, "P1")
+        warm = await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
+        await store.release(pool, policy, warm.lease_id, UsageReport(10, 0, Outcome.OK, 0.0))
         blocker = asyncio.create_task(asyncio.to_thread(block_redis, settings["url"], 300))
         await asyncio.sleep(0.1)  # Redis is busy now
         spec = lease_spec("default", "P1")
-        call = asyncio.create_task(store.acquire(policy, 2_500, spec))  # burst is 1,500
+        call = asyncio.create_task(store.acquire(pool, policy, 2_500, spec, 0, DAEMON))
         await asyncio.sleep(0.05)  # sent: waiting behind the busy script
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -249,7 +265,7 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(backend: Any) 
         settled = read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id)
         # It really was admitted, then settled as cancelled with the whole charge back.
         assert settled == "R|0|-2500|3"
-        assert await store.bucket_tokens(policy) == pytest.approx(1500)
+        assert await class_tokens(store, pool, "P1") == pytest.approx(1500)
     finally:
         await store.close()
 
@@ -262,11 +278,11 @@ async def test_departed_caller_with_request_id_keeps_its_admission(backend: Any)
     store = RedisStore(config.redis, tombstone_ms=60_000)
     await store.start()
     try:
-        policy = resolve_policies(config)[("default", "P1")]
+        pool, policy = policies(config, "P1")
         blocker = asyncio.create_task(asyncio.to_thread(block_redis, settings["url"], 300))
         await asyncio.sleep(0.1)
         spec = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
-        call = asyncio.create_task(store.acquire(policy, 600, spec))
+        call = asyncio.create_task(store.acquire(pool, policy, 600, spec, 0, DAEMON))
         await asyncio.sleep(0.05)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -274,9 +290,10 @@ async def test_departed_caller_with_request_id_keeps_its_admission(backend: Any)
         await blocker
         await asyncio.sleep(0.1)
         retry = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
-        replay = await store.acquire(policy, 600, retry)
+        replay = await store.acquire(pool, policy, 600, retry, 0, DAEMON)
         assert replay.replayed and replay.lease_id == spec.lease_id
-        settled = await store.release(policy, replay.lease_id, UsageReport(600, 0, Outcome.OK, 0))
+        usage = UsageReport(600, 0, Outcome.OK, 0)
+        settled = await store.release(pool, policy, replay.lease_id, usage)
         # Not refunded behind its back: the retry's release is the first, at full charge.
         assert not settled.already_released and settled.charged == 600
     finally:
@@ -293,18 +310,21 @@ async def test_a_batch_redis_runs_after_its_timeout_charges_nothing(own_redis: R
     await store.start()
     assert own_redis.process is not None
     try:
-        policy = resolve_policies(config)[("default", "P1")]
-        await store.acquire(policy, 1, lease_spec("default", "P1"))  # learns Redis time
+        pool, policy = policies(config, "P1")
+        await store.acquire(pool, policy, 1, lease_spec("default", "P1"), 0, DAEMON)  # clock
         await asyncio.sleep(0.4)  # refill to full
         os.kill(own_redis.process.pid, signal.SIGSTOP)
         try:
-            calls = [store.acquire(policy, 100, lease_spec("default", "P1")) for _ in range(5)]
+            calls = [
+                store.acquire(pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON)
+                for _ in range(5)
+            ]
             results = await asyncio.gather(*calls, return_exceptions=True)
         finally:
             os.kill(own_redis.process.pid, signal.SIGCONT)
         assert all(isinstance(result, StoreUnavailable) for result in results)
         await asyncio.sleep(0.3)
-        assert await store.bucket_tokens(policy) == pytest.approx(1500)
+        assert await class_tokens(store, pool, "P1") == pytest.approx(1500)
         assert await store.active_leases("default") == 1  # the first one only
     finally:
         await store.close()
@@ -314,22 +334,24 @@ async def test_close_answers_queued_calls_and_refuses_new_ones(own_redis: RedisS
     config = Config.model_validate(merge(BASE_CONFIG, {"redis": {"url": own_redis.url}}))
     store = RedisStore(config.redis, tombstone_ms=60_000)
     await store.start()
-    policy = resolve_policies(config)[("default", "P1")]
-    queued = asyncio.create_task(store.acquire(policy, 10, lease_spec("default", "P1")))
+    pool, policy = policies(config, "P1")
+    queued = asyncio.create_task(
+        store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
+    )
     await asyncio.sleep(0)  # queued in the batcher, not sent yet
     await store.close()
     assert queued.done()
     assert queued.result().admitted  # answered before the connections closed
     with pytest.raises(StoreUnavailable, match="closed"):
-        await store.acquire(policy, 10, lease_spec("default", "P1"))
+        await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
 
 
 async def test_a_bucket_stamped_in_the_future_is_not_refilled_twice(
     own_redis: RedisServer,
 ) -> None:
-    """After a failover to a primary whose clock is behind, the bucket's last update
-    is in that primary's future: no refill until its clock passes it, and the stamp
-    must not move back (or the skew would be refilled again later)."""
+    """After a failover to a primary whose clock is behind, the pool's last update is
+    in that primary's future: no refill until its clock passes it, and the stamp must
+    not move back (or the skew would be refilled again later)."""
     config = Config.model_validate(
         merge(BASE_CONFIG, {"redis": {"url": own_redis.url, "key_prefix": "skew"}})
     )
@@ -339,12 +361,14 @@ async def test_a_bucket_stamped_in_the_future_is_not_refilled_twice(
     try:
         seconds, micros = client.time()
         future_us = (seconds + 5) * 1_000_000 + micros
-        client.set("skew:{default}:bucket:P1", f"100|{future_us}", px=60_000)
-        policy = resolve_policies(config)[("default", "P1")]
-        decision = await store.acquire(policy, 10, lease_spec("default", "P1"))
+        client.hset(
+            "skew:{default}:state",
+            mapping={"u": future_us, "s": 0, "t:P0": 3000, "t:P1": 100, "t:P2": 500},
+        )
+        pool, policy = policies(config, "P1")
+        decision = await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
         assert decision.admitted and decision.remaining == pytest.approx(90)
-        stored = client.get("skew:{default}:bucket:P1")
-        assert stored == f"90|{future_us}".encode()
+        assert client.hget("skew:{default}:state", "u") == str(future_us).encode()
     finally:
         client.close()
         await store.close()

@@ -56,7 +56,7 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
         "redis": redis_settings,
         "pools": {"default": {"capacity_tokens_s": 20_000}},
         "classes": {
-            "P0": {"priority": 0, "share": 0.5, "burst_s": 0.5},
+            "P0": {"priority": 0, "share": 0.5, "burst_s": 0.5, "can_borrow": False},
             "P1": {"priority": 1, "share": 0.5},
         },
     }

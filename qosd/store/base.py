@@ -1,9 +1,9 @@
-"""The interface every bucket store implements: embedded (in-process) or Redis.
+"""The interface every budget store implements: embedded (in-process) or Redis.
 
-A store owns all shared state: buckets, leases, request-id memory and latency
-windows. It performs each operation atomically; the admission layer above it owns
-validation, waiting and fail-mode decisions, so both stores stay small and
-interchangeable.
+A store owns all shared state: budgets, waiting rooms, leases, request-id memory and
+latency windows. It performs each operation atomically. The admission layer above
+it owns validation, fail modes and the waiting callers themselves (``qosd.waiting``),
+so both stores stay interchangeable.
 """
 
 from __future__ import annotations
@@ -11,26 +11,70 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from qosd.config import ClassPolicy
-from qosd.model import BucketDecision, LeaseSpec, Sample, Settlement, StoredSample, UsageReport
+from qosd.config import ClassPolicy, PoolPolicy
+from qosd.model import (
+    BucketDecision,
+    LeaseSpec,
+    PoolStatus,
+    PumpResult,
+    Sample,
+    Settlement,
+    StoredSample,
+    UsageReport,
+    Waiter,
+)
 
 
 class BucketStore(Protocol):
     async def start(self) -> None:
-        """Connects and loads what the store needs; raises StoreUnavailable."""
+        """Connects and loads what the store needs; a store that is down is not fatal."""
 
     async def close(self) -> None: ...
 
-    async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
-        """Takes ``cost`` from the (pool, class) bucket and creates the lease, atomically.
+    async def acquire(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        cost: float,
+        lease: LeaseSpec,
+        wait_ms: int,
+        daemon_id: str,
+    ) -> BucketDecision:
+        """Admits (creating the lease), queues, or rejects one request, atomically.
 
-        One round trip to the shared store. Replays the first admission when
+        One round trip. With ``wait_ms`` > 0 a request that cannot be admitted now,
+        and could be within ``wait_ms``, is queued behind its class's waiters for
+        ``daemon_id`` to collect with ``pump``. Replays the first admission when
         ``lease.request_id`` was already admitted and its lease still lives.
         """
         ...
 
-    async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
-        """Settles a lease; raises LeaseNotFound or LeaseExpired."""
+    async def pump(
+        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
+    ) -> list[PumpResult]:
+        """Admits what it can of the pool's waiters in fleet-wide order, and reports on
+        ``waiters`` (this daemon's). Also proves the daemon alive."""
+        ...
+
+    async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
+        """Removes waiters from their queues (they hold no tokens)."""
+        ...
+
+    async def release(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        lease_id: str,
+        usage: UsageReport,
+        *,
+        exact: bool = False,
+    ) -> Settlement:
+        """Settles a lease; raises LeaseNotFound or LeaseExpired. ``exact`` undoes an
+        admission whose caller is gone: the whole charge back, not bounded by burst."""
+        ...
+
+    async def status(self, pool: PoolPolicy) -> PoolStatus:
+        """The pool's budget and queues now; read-only."""
         ...
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
@@ -42,11 +86,7 @@ class BucketStore(Protocol):
         ...
 
     async def active_leases(self, pool: str) -> int:
-        """Leases neither released nor expired; also forgets expired ones."""
-        ...
-
-    async def bucket_tokens(self, policy: ClassPolicy) -> float:
-        """Tokens in a bucket now, after refill; read-only."""
+        """Leases neither released nor expired (an admin query)."""
         ...
 
     async def ping(self) -> None:

@@ -44,10 +44,11 @@ class _Call:
 class ScriptBatcher:
     """Batches calls to one list-processing script, per group (a pool: one hash slot).
 
-    The script takes each call's keys in order; ``ARGV[1]`` is the number of calls,
-    then come the batch's own arguments (``batch_args()``, evaluated when the batch
-    is sent), then each call's arguments in order. It returns ``header`` values for
-    the batch (handed to ``on_header``), then ``fields`` values per call.
+    The script takes the group's own keys (``batch_keys(group)``), then each call's
+    keys in order; ``ARGV[1]`` is the number of calls, then the batch's own arguments
+    (``batch_args(group)``, evaluated when the batch is sent), then each call's
+    arguments in order. It returns ``header`` values for the batch (handed to
+    ``on_header``), then ``fields`` values per call.
     """
 
     def __init__(
@@ -57,7 +58,8 @@ class ScriptBatcher:
         *,
         max_batch: int = 256,
         max_in_flight: int = 1,
-        batch_args: Callable[[], Sequence[Any]] | None = None,
+        batch_keys: Callable[[str], Sequence[str]] | None = None,
+        batch_args: Callable[[str], Sequence[Any]] | None = None,
         header: int = 0,
         on_header: Callable[[list[Any]], None] | None = None,
         on_orphan: Callable[[Sequence[Any], list[Any]], None] | None = None,
@@ -66,6 +68,7 @@ class ScriptBatcher:
         self._fields = fields
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
+        self._batch_keys = batch_keys
         self._batch_args = batch_args
         self._header = header
         self._on_header = on_header
@@ -115,10 +118,10 @@ class ScriptBatcher:
         self._flush(group_key, group)
 
     async def _call(self, group_key: str, batch: list[_Call]) -> None:
-        keys: list[str] = []
+        keys: list[str] = list(self._batch_keys(group_key)) if self._batch_keys else []
         args: list[Any] = [len(batch)]
         if self._batch_args is not None:
-            args.extend(self._batch_args())
+            args.extend(self._batch_args(group_key))
         for call in batch:
             keys.extend(call.keys)
             args.extend(call.args)

@@ -1,9 +1,11 @@
 """In-process store: the same semantics as the Redis store, for one daemon alone.
 
 It lets a newcomer run ``qosd serve`` on a bare machine, and it is the reference the
-conformance suite holds the Lua scripts to. Every operation runs without an await
-in the middle, so on one event loop it is atomic exactly as a Redis script is.
-Nothing is shared between processes and nothing survives a restart.
+conformance suite holds the Lua scripts to: each method below restates one script
+(``acquire``: acquire.lua, ``pump``: pump.lua, and so on; the shared parts are
+``_pool.lua``'s). Every operation runs without an await in the middle, so on one
+event loop it is atomic exactly as a script is. Nothing is shared between processes
+and nothing survives a restart.
 """
 
 from __future__ import annotations
@@ -11,23 +13,30 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from qosd import bucket
-from qosd.config import ClassPolicy
+from qosd import budget
+from qosd.config import ClassPolicy, PoolPolicy
 from qosd.model import (
     BucketDecision,
+    ClassStatus,
     LeaseExpired,
     LeaseNotFound,
     LeaseSpec,
+    PoolStatus,
+    PumpResult,
     Reason,
     Sample,
     Settlement,
     StoredSample,
     UsageReport,
+    Waiter,
+    WaiterState,
 )
 
 _SWEEP_INTERVAL_US = 1_000_000
+_LOOKAHEAD = 8  # as _pool.lua: waiters looked at per class when finding heads
+_MAX_ADMITTED_PER_PUMP = 64  # as pump.lua
 
 
 def monotonic_us() -> int:
@@ -36,7 +45,6 @@ def monotonic_us() -> int:
 
 @dataclass(slots=True)
 class _Lease:
-    pool: str
     weight: float
     input_tokens: int
     output_tokens: int
@@ -47,13 +55,45 @@ class _Lease:
     adjustment: float = 0.0
 
 
+@dataclass(slots=True)
+class _Queued:
+    enqueued_us: int
+    deadline_us: int
+    daemon: str
+    cost: float
+    blocked_until_us: int = 0
+
+
+@dataclass(slots=True)
+class _Head:
+    id: str
+    cls: ClassPolicy
+    record: _Queued
+    rank: int
+
+
+@dataclass(slots=True)
+class _Pool:
+    state: budget.PoolState
+    # One FIFO per class: dicts keep insertion order.
+    queues: dict[str, dict[str, _Queued]] = field(default_factory=dict)
+
+
 class EmbeddedStore:
-    def __init__(self, tombstone_ms: int, clock: Callable[[], int] = monotonic_us) -> None:
+    def __init__(
+        self,
+        tombstone_ms: int,
+        stale_after_ms: int = 2_000,
+        clock: Callable[[], int] = monotonic_us,
+    ) -> None:
         self._tombstone_us = tombstone_ms * 1000
+        self._stale_after_us = stale_after_ms * 1000
         self._clock = clock
-        self._buckets: dict[tuple[str, str], bucket.BucketState] = {}
+        self._pools: dict[str, _Pool] = {}
+        self._daemons: dict[str, int] = {}
+        self._tenants: dict[tuple[str, str, str], budget.TenantBucket] = {}
         self._leases: dict[str, _Lease] = {}
-        self._requests: dict[tuple[str, str], tuple[str, int]] = {}
+        self._requests: dict[tuple[str, str], tuple[str, float, int]] = {}
         self._windows: dict[tuple[str, str], deque[str]] = {}
         # Every lease has the same TTL, so creation order is expiry order: the sweep
         # only ever looks at the front of these queues.
@@ -70,47 +110,62 @@ class EmbeddedStore:
     async def ping(self) -> None:
         return None
 
-    def _bucket(self, policy: ClassPolicy, now_us: int) -> bucket.BucketState:
-        key = (policy.pool, policy.name)
-        state = bucket.refilled(self._buckets.get(key), now_us, policy.rate, policy.burst)
-        self._buckets[key] = state
-        return state
+    # -- shared parts (_pool.lua) ---------------------------------------------------
 
-    async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
-        now_us = self._clock()
-        if now_us >= self._next_sweep_us:
-            self._sweep(now_us)
-        if lease.request_id:
-            prior = self._requests.get((policy.pool, lease.request_id))
-            if prior is not None and prior[1] > now_us:
-                prior_id = prior[0]
-                record = self._leases[prior_id]
-                state = self._bucket(policy, now_us)
-                return BucketDecision(
-                    admitted=True,
-                    reason=Reason.NONE,
-                    lease_id=prior_id,
-                    charged=record.charged,
-                    remaining=state.tokens,
-                    retry_after_ms=0,
-                    lease_ttl_ms=(record.expires_us - now_us) // 1000,
-                    replayed=True,
-                )
-        state = self._bucket(policy, now_us)
-        result = bucket.take(state, cost, policy.rate, policy.burst, policy.max_cost)
-        if not result.admitted:
-            return BucketDecision(
-                admitted=False,
-                reason=result.reason,
-                lease_id="",
-                charged=cost,
-                remaining=state.tokens,
-                retry_after_ms=result.retry_after_ms,
-                lease_ttl_ms=0,
-            )
+    def _pool(self, pool: PoolPolicy, now_us: int) -> _Pool:
+        record = self._pools.get(pool.name)
+        if record is None:
+            record = _Pool(budget.fresh_state(pool, now_us))
+            self._pools[pool.name] = record
+        for cls in pool.classes:
+            record.queues.setdefault(cls.name, {})
+        budget.refill(record.state, pool, now_us)
+        return record
+
+    def _daemon_alive(self, daemon: str, now_us: int) -> bool:
+        return self._daemons.get(daemon, 0) >= now_us - self._stale_after_us
+
+    def _heads(self, record: _Pool, pool: PoolPolicy, now_us: int) -> list[_Head]:
+        heads: list[_Head] = []
+        for cls in pool.classes:
+            queue = record.queues[cls.name]
+            for waiter_id in list(queue)[:_LOOKAHEAD]:
+                waiter = queue[waiter_id]
+                if (
+                    not self._daemon_alive(waiter.daemon, now_us)
+                    or waiter.deadline_us + self._stale_after_us < now_us
+                ):
+                    del queue[waiter_id]
+                elif waiter.blocked_until_us <= now_us:
+                    rank = budget.effective_rank(cls, now_us - waiter.enqueued_us)
+                    heads.append(_Head(waiter_id, cls, waiter, rank))
+                    break
+        heads.sort(key=lambda head: (head.rank, head.record.enqueued_us))
+        return heads
+
+    def _shared_open_for(
+        self, record: _Pool, pool: PoolPolicy, cls: ClassPolicy, now_us: int
+    ) -> bool:
+        if not any(queue for name, queue in record.queues.items() if name != cls.name):
+            return True
+        return not any(
+            head.cls.name != cls.name and head.rank <= cls.rank and head.cls.can_borrow
+            for head in self._heads(record, pool, now_us)
+        )
+
+    def _tenant(
+        self, pool: PoolPolicy, cls: ClassPolicy, tenant: str, now_us: int
+    ) -> budget.TenantBucket:
+        key = (pool.name, cls.name, tenant)
+        bucket = budget.tenant_refilled(
+            self._tenants.get(key), now_us, cls.tenant_rate, cls.tenant_burst
+        )
+        self._tenants[key] = bucket
+        return bucket
+
+    def _add_lease(self, pool: PoolPolicy, cost: float, lease: LeaseSpec, now_us: int) -> int:
         expires_us = now_us + lease.ttl_ms * 1000
         self._leases[lease.lease_id] = _Lease(
-            pool=policy.pool,
             weight=lease.weight,
             input_tokens=lease.input_tokens,
             output_tokens=lease.output_tokens,
@@ -119,40 +174,227 @@ class EmbeddedStore:
         )
         self._lease_order.append((expires_us + self._tombstone_us, lease.lease_id))
         if lease.request_id:
-            key = (policy.pool, lease.request_id)
-            self._requests[key] = (lease.lease_id, expires_us)
+            key = (pool.name, lease.request_id)
+            self._requests[key] = (lease.lease_id, cost, expires_us)
             self._request_order.append((expires_us, key))
-        return BucketDecision(
-            admitted=True,
-            reason=Reason.NONE,
-            lease_id=lease.lease_id,
-            charged=cost,
-            remaining=state.tokens,
-            retry_after_ms=0,
-            lease_ttl_ms=lease.ttl_ms,
-        )
+        return expires_us
 
-    async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
+    # -- acquire.lua ----------------------------------------------------------------
+
+    async def acquire(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        cost: float,
+        lease: LeaseSpec,
+        wait_ms: int,
+        daemon_id: str,
+    ) -> BucketDecision:
+        now_us = self._clock()
+        if now_us >= self._next_sweep_us:
+            self._sweep(now_us)
+        record = self._pool(pool, now_us)
+        state = record.state
+
+        def answer(
+            reason: Reason, retry_ms: int = 0, admitted: bool = False, queued: bool = False
+        ) -> BucketDecision:
+            return BucketDecision(
+                admitted=admitted,
+                reason=reason,
+                lease_id=lease.lease_id if admitted or queued else "",
+                charged=cost,
+                remaining=state.tokens[cls.name],
+                retry_after_ms=retry_ms,
+                lease_ttl_ms=lease.ttl_ms if admitted else 0,
+                queued=queued,
+            )
+
+        if lease.request_id:
+            prior = self._requests.get((pool.name, lease.request_id))
+            if prior is not None and prior[2] > now_us:
+                return BucketDecision(
+                    admitted=True,
+                    reason=Reason.NONE,
+                    lease_id=prior[0],
+                    charged=prior[1],
+                    remaining=state.tokens[cls.name],
+                    retry_after_ms=0,
+                    lease_ttl_ms=(prior[2] - now_us) // 1000,
+                    replayed=True,
+                )
+        if cost > cls.max_cost:
+            return answer(Reason.COST_EXCEEDS_BURST)
+        queue = record.queues[cls.name]
+        how = 0
+        if not queue:  # FIFO: no overtaking this class's waiters
+            how = budget.how_to_take(state, cls, cost, False)
+            if not how and cls.can_borrow:
+                how = budget.how_to_take(
+                    state, cls, cost, self._shared_open_for(record, pool, cls, now_us)
+                )
+        tenant = None
+        tenant_wait_ms = 0
+        if how and cls.tenant_rate > 0:
+            tenant = self._tenant(pool, cls, lease.tenant, now_us)
+            if not budget.tenant_allows(tenant, cost, cls.tenant_burst):
+                tenant_wait_ms = budget.tenant_wait_ms(
+                    tenant, cost, cls.tenant_rate, cls.tenant_burst
+                )
+                how = 0
+        if how:
+            budget.take(state, cls, cost, how)
+            if tenant is not None:
+                tenant.tokens -= cost
+            self._add_lease(pool, cost, lease, now_us)
+            return answer(Reason.NONE, admitted=True)
+        # Queue only a request whose wait could cover the refill it needs if nobody
+        # else took tokens meanwhile; any other is told at once.
+        retry_ms = max(budget.retry_after_ms(state, pool, cls, cost), tenant_wait_ms)
+        if wait_ms <= 0 or retry_ms > wait_ms:
+            return answer(Reason.RATE_LIMITED, retry_ms)
+        if len(queue) >= cls.max_queue:
+            return answer(Reason.QUEUE_FULL, retry_ms)
+        queue[lease.lease_id.partition(":")[2]] = _Queued(
+            enqueued_us=now_us,
+            deadline_us=now_us + wait_ms * 1000,
+            daemon=daemon_id,
+            cost=cost,
+            blocked_until_us=now_us + tenant_wait_ms * 1000 if tenant_wait_ms else 0,
+        )
+        self._daemons[daemon_id] = now_us
+        return answer(Reason.NONE, queued=True)
+
+    # -- pump.lua -------------------------------------------------------------------
+
+    async def pump(
+        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
+    ) -> list[PumpResult]:
+        now_us = self._clock()
+        self._daemons[daemon_id] = now_us
+        record = self._pool(pool, now_us)
+        state = record.state
+        mine = {waiter.id: waiter for waiter in waiters}
+        admitted: dict[str, BucketDecision] = {}
+        progress = True
+        while progress and len(admitted) < _MAX_ADMITTED_PER_PUMP:
+            progress = False
+            shared_open = True
+            for head in self._heads(record, pool, now_us):
+                cls = head.cls
+                how = budget.how_to_take(state, cls, head.record.cost, shared_open)
+                waiter = mine.get(head.id)
+                if how and waiter is not None:
+                    tenant = None
+                    if cls.tenant_rate > 0:
+                        tenant = self._tenant(pool, cls, waiter.lease.tenant, now_us)
+                        if not budget.tenant_allows(tenant, head.record.cost, cls.tenant_burst):
+                            wait_ms = budget.tenant_wait_ms(
+                                tenant, head.record.cost, cls.tenant_rate, cls.tenant_burst
+                            )
+                            head.record.blocked_until_us = now_us + wait_ms * 1000
+                            how = 0
+                    if how:
+                        cost = head.record.cost
+                        budget.take(state, cls, cost, how)
+                        if tenant is not None:
+                            tenant.tokens -= cost
+                        self._add_lease(pool, cost, waiter.lease, now_us)
+                        del record.queues[cls.name][head.id]
+                        admitted[head.id] = BucketDecision(
+                            admitted=True,
+                            reason=Reason.NONE,
+                            lease_id=waiter.lease.lease_id,
+                            charged=cost,
+                            remaining=state.tokens[cls.name],
+                            retry_after_ms=0,
+                            lease_ttl_ms=waiter.lease.ttl_ms,
+                        )
+                        progress = True
+                        break  # the heads changed: walk again
+                elif how:
+                    if how == budget.BORROW:
+                        shared_open = False  # kept for another daemon's waiter
+                elif cls.can_borrow:
+                    shared_open = False  # nothing after it may take what it waits for
+        results: list[PumpResult] = []
+        for waiter in waiters:
+            decision = admitted.get(waiter.id)
+            if decision is not None:
+                results.append(PumpResult(WaiterState.ADMITTED, decision))
+            elif waiter.id in record.queues[waiter.qos_class]:
+                results.append(PumpResult(WaiterState.WAITING, None))
+            else:
+                results.append(PumpResult(WaiterState.GONE, None))
+        return results
+
+    # -- cancel.lua -----------------------------------------------------------------
+
+    async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
+        record = self._pool(pool, self._clock())
+        for waiter in waiters:
+            record.queues[waiter.qos_class].pop(waiter.id, None)
+
+    # -- release.lua ----------------------------------------------------------------
+
+    async def release(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        lease_id: str,
+        usage: UsageReport,
+        *,
+        exact: bool = False,
+    ) -> Settlement:
         now_us = self._clock()
         record = self._leases.get(lease_id)
         # Like a Redis lease hash, a lease is remembered until its TTL and the tombstone
         # time have passed, released or not.
         if record is None or record.expires_us + self._tombstone_us <= now_us:
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
+        state = self._pool(pool, now_us).state
         if record.released:
-            state = self._bucket(policy, now_us)
-            return Settlement(True, record.final, record.adjustment, state.tokens)
+            return Settlement(True, record.final, record.adjustment, state.tokens[cls.name])
         if now_us >= record.expires_us:
             raise LeaseExpired(lease_id, record.charged)
         input_tokens = record.input_tokens if usage.input_tokens is None else usage.input_tokens
         output_tokens = record.output_tokens if usage.output_tokens is None else usage.output_tokens
         actual = (input_tokens + usage.output_weight * output_tokens) * record.weight
-        state = self._bucket(policy, now_us)
-        applied = bucket.settle(state, actual - record.charged, policy.burst)
+        delta = actual - record.charged
+        if not exact:
+            delta = max(-cls.burst, min(cls.burst, delta))
+        budget.settle(state, pool, cls, delta)
         record.released = True
-        record.final = record.charged + applied
-        record.adjustment = applied
-        return Settlement(False, record.final, applied, state.tokens)
+        record.final = record.charged + delta
+        record.adjustment = delta
+        return Settlement(False, record.final, delta, state.tokens[cls.name])
+
+    # -- status.lua -----------------------------------------------------------------
+
+    async def status(self, pool: PoolPolicy) -> PoolStatus:
+        now_us = self._clock()
+        existing = self._pools.get(pool.name)
+        if existing is None:
+            state = budget.fresh_state(pool, now_us)
+            queues: dict[str, dict[str, _Queued]] = {}
+        else:
+            state = budget.PoolState(
+                dict(existing.state.tokens), existing.state.shared, existing.state.updated_us
+            )
+            budget.refill(state, pool, now_us)
+            queues = existing.queues
+        classes: dict[str, ClassStatus] = {}
+        for cls in pool.classes:
+            queue = queues.get(cls.name, {})
+            oldest = min((w.enqueued_us for w in queue.values()), default=now_us)
+            classes[cls.name] = ClassStatus(
+                tokens=state.tokens[cls.name],
+                waiting=len(queue),
+                oldest_wait_ms=(now_us - oldest) // 1000,
+            )
+        return PoolStatus(shared_tokens=state.shared, classes=classes)
+
+    # -- report.lua and admin -------------------------------------------------------
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
         now_ms = self._clock() // 1000
@@ -169,15 +411,12 @@ class EmbeddedStore:
 
     async def active_leases(self, pool: str) -> int:
         now_us = self._clock()
+        prefix = f"{pool}:"
         return sum(
             1
-            for lease in self._leases.values()
-            if lease.pool == pool and not lease.released and lease.expires_us > now_us
+            for lease_id, lease in self._leases.items()
+            if lease_id.startswith(prefix) and not lease.released and lease.expires_us > now_us
         )
-
-    async def bucket_tokens(self, policy: ClassPolicy) -> float:
-        state = self._buckets.get((policy.pool, policy.name))
-        return bucket.refilled(state, self._clock(), policy.rate, policy.burst).tokens
 
     def _sweep(self, now_us: int) -> None:
         """Forgets leases and request ids past use, so memory stays bounded."""
@@ -189,5 +428,5 @@ class EmbeddedStore:
         while request_order and request_order[0][0] <= now_us:
             _, key = request_order.popleft()
             entry = requests.get(key)
-            if entry is not None and entry[1] <= now_us:
+            if entry is not None and entry[2] <= now_us:
                 del requests[key]

@@ -20,18 +20,25 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from qosd.config import ClassPolicy, RedisConfig, RedisMode
+from qosd.config import ClassPolicy, PoolPolicy, RedisConfig, RedisMode
 from qosd.model import (
     BucketDecision,
+    ClassStatus,
     LeaseExpired,
     LeaseNotFound,
     LeaseSpec,
+    Outcome,
+    PoolStatus,
+    PumpResult,
     Reason,
     Sample,
     Settlement,
     StoredSample,
     StoreUnavailable,
     UsageReport,
+    Waiter,
+    WaiterState,
+    lease_field,
 )
 from qosd.store.batching import ScriptBatcher
 from qosd.store.resp import RespClient
@@ -39,10 +46,8 @@ from qosd.store.resp import RespClient
 log = logging.getLogger(__name__)
 
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
-
-
-# Scripts that start with the shared bucket helpers of _buckets.lua.
-_WITH_BUCKETS = frozenset({"acquire", "release", "tokens"})
+# Scripts that start with the shared pool prelude, _pool.lua.
+_POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +59,25 @@ class _Script:
     def load(cls, name: str) -> _Script:
         folder = resources.files("qosd.store").joinpath("lua")
         source = folder.joinpath(f"{name}.lua").read_text("utf-8")
-        if name in _WITH_BUCKETS:
-            source = folder.joinpath("_buckets.lua").read_text("utf-8") + source
+        if name in _POOL_SCRIPTS:
+            source = folder.joinpath("_pool.lua").read_text("utf-8") + source
         return cls(source=source, sha=hashlib.sha1(source.encode("utf-8")).hexdigest())
 
 
+@dataclass(frozen=True, slots=True)
+class _PoolArgs:
+    """What every pool script call of one pool carries: its keys and its policy."""
+
+    prefix: str
+    keys: tuple[str, ...]
+    policy: tuple[Any, ...]
+
+
 class RedisStore:
-    def __init__(self, config: RedisConfig, tombstone_ms: int) -> None:
+    def __init__(self, config: RedisConfig, tombstone_ms: int, stale_after_ms: int = 2_000) -> None:
         assert config.url is not None
         self._config = config
+        self._stale_after_ms = stale_after_ms
         # A lease hash must outlive its newest lease's TTL by the tombstone time, plus
         # its one-second filing width and some clock skew between replicas.
         self._keep_extra_ms = tombstone_ms + 5_000
@@ -73,12 +88,11 @@ class RedisStore:
             connect_timeout_s=config.connect_timeout_ms / 1000,
             connections_per_node=config.connections_per_node,
         )
-        self._scripts = {
-            name: _Script.load(name)
-            for name in ("acquire", "release", "report", "leases", "tokens")
-        }
-        self._pool_prefixes: dict[str, str] = {}
-        self._policy_cache: dict[ClassPolicy, tuple[str, str, str, str, str, str]] = {}
+        names = ("acquire", "pump", "cancel", "release", "status", "report", "leases")
+        self._scripts = {name: _Script.load(name) for name in names}
+        self._pool_args: dict[str, _PoolArgs] = {}
+        self._pools: dict[str, PoolPolicy] = {}
+        self._daemon_id = ""
         # Redis time minus this process's monotonic clock, in microseconds, learned
         # from every acquire reply; None until the first one.
         self._redis_clock_offset_us: float | None = None
@@ -88,20 +102,91 @@ class RedisStore:
         self._acquires = ScriptBatcher(
             self._runner(self._scripts["acquire"]),
             fields=8,
-            batch_args=self._acquire_deadline,
+            batch_keys=self._group_keys,
+            batch_args=self._acquire_batch_args,
             header=1,
             on_header=self._learn_redis_clock,
             on_orphan=self._undo_admission,
         )
-        self._releases = ScriptBatcher(self._runner(self._scripts["release"]), fields=4)
+        self._releases = ScriptBatcher(
+            self._runner(self._scripts["release"]),
+            fields=4,
+            batch_keys=self._group_keys,
+            batch_args=self._group_policy,
+        )
+        self._cancels = ScriptBatcher(
+            self._runner(self._scripts["cancel"]),
+            fields=1,
+            batch_keys=self._group_keys,
+            batch_args=self._group_policy,
+        )
         self._orphans: set[asyncio.Task[Any]] = set()
 
-    def _prefix(self, pool: str) -> str:
-        prefix = self._pool_prefixes.get(pool)
-        if prefix is None:
-            prefix = f"{self._config.key_prefix}:{{{pool}}}:"
-            self._pool_prefixes[pool] = prefix
-        return prefix
+    # -- plumbing -------------------------------------------------------------------
+
+    def _args_for(self, pool: PoolPolicy) -> _PoolArgs:
+        """Keys and policy of a pool's script calls, computed once per pool."""
+        cached = self._pool_args.get(pool.name)
+        if cached is None:
+            prefix = f"{self._config.key_prefix}:{{{pool.name}}}:"
+            keys = (
+                f"{prefix}state",
+                *(f"{prefix}queue:{cls.name}" for cls in pool.classes),
+                f"{prefix}waiters",
+                f"{prefix}daemons",
+            )
+            policy: list[Any] = [
+                repr(pool.free_rate),
+                repr(pool.shared_burst),
+                self._stale_after_ms,
+                len(pool.classes),
+            ]
+            for cls in pool.classes:
+                policy += [
+                    cls.name,
+                    repr(cls.rate),
+                    repr(cls.burst),
+                    repr(cls.max_cost),
+                    1 if cls.can_borrow else 0,
+                    cls.max_queue,
+                    cls.aging_ms,
+                    repr(cls.tenant_rate),
+                    repr(cls.tenant_burst),
+                ]
+            cached = _PoolArgs(prefix, keys, tuple(policy))
+            self._pool_args[pool.name] = cached
+            self._pools[pool.name] = pool
+        return cached
+
+    def _group_keys(self, pool_name: str) -> Sequence[str]:
+        return self._pool_args[pool_name].keys
+
+    def _group_policy(self, pool_name: str) -> Sequence[Any]:
+        return self._pool_args[pool_name].policy
+
+    def _acquire_batch_args(self, pool_name: str) -> Sequence[Any]:
+        return (*self._pool_args[pool_name].policy, self._acquire_deadline(), self._daemon_id)
+
+    def _acquire_deadline(self) -> str:
+        """The Redis time after which a batch sent now must not charge anything.
+
+        Its callers stop waiting after ``redis.timeout_ms`` and are told the store is
+        unavailable (or admitted, failing open). A batch that Redis runs later, say
+        after a pause, must therefore change nothing. Replica clocks enter only as a
+        duration; 0 (no deadline) until the offset to Redis time is known.
+        """
+        offset = self._redis_clock_offset_us
+        if offset is None:
+            return "0"
+        return f"{time.monotonic_ns() / 1000 + offset + self._deadline_budget_us:.0f}"
+
+    def _learn_redis_clock(self, header: list[Any]) -> None:
+        self._redis_clock_offset_us = float(header[0]) - time.monotonic_ns() / 1000
+
+    @staticmethod
+    def _lease_hash(prefix: str, lease_id: str) -> str:
+        """The lease hash of a lease: one per pool and epoch second of its token."""
+        return f"{prefix}leases:{lease_id.rpartition(':')[2][:8]}"
 
     async def start(self) -> None:
         """Loads the scripts. A store that is down now is not fatal: calls recover later."""
@@ -114,6 +199,7 @@ class RedisStore:
     async def close(self) -> None:
         await self._acquires.close()
         await self._releases.close()
+        await self._cancels.close()
         if self._orphans:
             await asyncio.gather(*self._orphans, return_exceptions=True)
         await self._client.close()
@@ -132,74 +218,54 @@ class RedisStore:
 
         return run
 
-    def _policy_args(self, policy: ClassPolicy) -> tuple[str, str, str, str, str, str]:
-        """Per-(pool, class) strings every Acquire sends, computed once."""
-        cached = self._policy_cache.get(policy)
-        if cached is None:
-            prefix = self._prefix(policy.pool)
-            cached = (
-                prefix,
-                f"{prefix}bucket:{policy.name}",
-                repr(policy.rate),
-                repr(policy.burst),
-                repr(policy.max_cost),
-                repr(policy.weight),
-            )
-            self._policy_cache[policy] = cached
-        return cached
+    # -- acquire --------------------------------------------------------------------
 
-    def _lease_location(self, prefix: str, lease_id: str) -> tuple[str, str]:
-        """The lease hash (one per pool and epoch second) and field (``class:token``).
-
-        The field names the class, so a lease id edited to name another class finds
-        no lease instead of settling against the other class's bucket.
-        """
-        field = lease_id.partition(":")[2]
-        return f"{prefix}leases:{field.rpartition(':')[2][:8]}", field
-
-    def _acquire_deadline(self) -> tuple[str]:
-        """The Redis time after which a batch sent now must not charge anything.
-
-        Its callers stop waiting after ``redis.timeout_ms`` and are told the store is
-        unavailable (or admitted, failing open). A batch that Redis runs later, say
-        after a pause, must therefore change nothing. Replica clocks enter only as a
-        duration; 0 (no deadline) until the offset to Redis time is known.
-        """
-        offset = self._redis_clock_offset_us
-        if offset is None:
-            return ("0",)
-        return (f"{time.monotonic_ns() / 1000 + offset + self._deadline_budget_us:.0f}",)
-
-    def _learn_redis_clock(self, header: list[Any]) -> None:
-        self._redis_clock_offset_us = float(header[0]) - time.monotonic_ns() / 1000
-
-    async def acquire(self, policy: ClassPolicy, cost: float, lease: LeaseSpec) -> BucketDecision:
-        prefix, bucket_key, rate, burst, max_cost, weight = self._policy_args(policy)
-        lease_hash, field = self._lease_location(prefix, lease.lease_id)
+    def _request_keys(
+        self, prefix: str, cls: ClassPolicy, lease: LeaseSpec
+    ) -> tuple[list[str], int, int]:
+        keys = [self._lease_hash(prefix, lease.lease_id)]
+        has_request = 0
         if lease.request_id:
-            keys: tuple[str, ...] = (bucket_key, lease_hash, f"{prefix}req:{lease.request_id}")
-        else:
-            keys = (bucket_key, lease_hash)
+            keys.append(f"{prefix}req:{lease.request_id}")
+            has_request = 1
+        has_tenant = 0
+        if cls.tenant_rate > 0:
+            keys.append(f"{prefix}tenant:{cls.name}:{lease.tenant}")
+            has_tenant = 1
+        return keys, has_request, has_tenant
+
+    async def acquire(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        cost: float,
+        lease: LeaseSpec,
+        wait_ms: int,
+        daemon_id: str,
+    ) -> BucketDecision:
+        self._daemon_id = daemon_id
+        args_for = self._args_for(pool)
+        keys, has_request, has_tenant = self._request_keys(args_for.prefix, cls, lease)
         args = (
+            cls.name,
             repr(cost),
-            rate,
-            burst,
-            max_cost,
             lease.lease_id,
-            field,
+            lease_field(lease.lease_id),
             lease.ttl_ms,
             lease.ttl_ms + self._keep_extra_ms,
-            weight,
+            repr(lease.weight),
             lease.input_tokens,
             lease.output_tokens,
-            1 if lease.request_id else 0,
+            wait_ms,
+            has_request,
+            has_tenant,
         )
-        reply = await self._acquires.submit(prefix, keys, args)
-        if reply[1] == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
+        reply = await self._acquires.submit(pool.name, keys, args)
+        status, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed = reply
+        if reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
             raise StoreUnavailable("redis ran the request after its timeout; nothing charged")
-        admitted, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed = reply
         return BucketDecision(
-            admitted=admitted == 1,
+            admitted=status == 1,
             reason=Reason(reason),
             lease_id=lease_id,
             charged=float(charged),
@@ -207,25 +273,33 @@ class RedisStore:
             retry_after_ms=retry_ms,
             lease_ttl_ms=ttl_ms,
             replayed=replayed == 1,
+            queued=status == 2,
         )
 
     def _undo_admission(self, args: Sequence[Any], reply: list[Any]) -> None:
-        """Refunds an admission whose caller left while the batch was in flight.
+        """Undoes what an Acquire did for a caller that left while it was in flight.
 
-        Nobody will use or release that lease, so it is settled at once as a
-        cancelled request that used nothing, refunding the whole charge. Not so for
-        a request with a request id: its caller will retry, and the retry must find
-        the admission it was charged for (unused, it expires with its estimate).
+        An admission is settled at once as a cancelled request that used nothing,
+        refunding the whole charge; a queued request is taken out of its queue. Not
+        so an admission with a request id: its caller will retry, and the retry must
+        find the admission it was charged for (unused, it expires with its estimate).
         """
-        admitted, lease_id, replayed = reply[0], reply[2], reply[7]
-        has_request_id = args[11] == 1
-        if admitted != 1 or replayed == 1 or has_request_id:
+        status, lease_id, replayed = reply[0], reply[2], reply[7]
+        qos_class, has_request = args[0], args[10]
+        pool_name = lease_id.partition(":")[0] if lease_id else ""
+        pool = self._pools.get(pool_name)
+        if pool is None or replayed == 1:
             return
-        pool, qos_class, _token = lease_id.split(":")
-        rate, burst = float(args[1]), float(args[2])
-        task = asyncio.get_running_loop().create_task(
-            self._release_raw(pool, qos_class, lease_id, rate, burst, 0, 0, 0.0, 3, exact=True)
-        )
+        cls = next(c for c in pool.classes if c.name == qos_class)
+        if status == 1 and has_request != 1:
+            usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)
+            coroutine: Any = self.release(pool, cls, lease_id, usage, exact=True)
+        elif status == 2:
+            waiter = Waiter(qos_class, float(args[1]), _lease_stub(lease_id))
+            coroutine = self.cancel(pool, [waiter])
+        else:
+            return
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._orphans.add(task)
         task.add_done_callback(self._undo_done)
 
@@ -233,22 +307,94 @@ class RedisStore:
         self._orphans.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning(
-                "could not refund an admission whose caller left (its estimate stands "
-                "until the lease expires): %s",
+                "could not undo an Acquire whose caller left (an admission's estimate "
+                "stands until the lease expires; a queue entry goes stale): %s",
                 task.exception(),
             )
 
-    async def release(self, policy: ClassPolicy, lease_id: str, usage: UsageReport) -> Settlement:
-        status, charged, adjustment, remaining = await self._release_raw(
-            policy.pool,
-            policy.name,
-            lease_id,
-            policy.rate,
-            policy.burst,
-            "" if usage.input_tokens is None else usage.input_tokens,
-            "" if usage.output_tokens is None else usage.output_tokens,
-            usage.output_weight,
-            int(usage.outcome),
+    # -- waiting --------------------------------------------------------------------
+
+    async def pump(
+        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
+    ) -> list[PumpResult]:
+        self._daemon_id = daemon_id
+        args_for = self._args_for(pool)
+        classes = {cls.name: cls for cls in pool.classes}
+        keys: list[str] = list(args_for.keys)
+        args: list[Any] = [len(waiters), *args_for.policy, daemon_id]
+        for waiter in waiters:
+            lease = waiter.lease
+            waiter_keys, has_request, has_tenant = self._request_keys(
+                args_for.prefix, classes[waiter.qos_class], lease
+            )
+            keys += waiter_keys
+            args += [
+                waiter.id,
+                waiter.qos_class,
+                repr(waiter.cost),
+                lease.lease_id,
+                lease.ttl_ms,
+                lease.ttl_ms + self._keep_extra_ms,
+                repr(lease.weight),
+                lease.input_tokens,
+                lease.output_tokens,
+                has_request,
+                has_tenant,
+            ]
+        reply = await self._run(self._scripts["pump"], keys, args)
+        results: list[PumpResult] = []
+        for index in range(len(waiters)):
+            status, _reason, lease_id, charged, remaining, _retry, ttl_ms, _ = reply[
+                index * 8 : index * 8 + 8
+            ]
+            if status == 1:
+                decision = BucketDecision(
+                    admitted=True,
+                    reason=Reason.NONE,
+                    lease_id=lease_id,
+                    charged=float(charged),
+                    remaining=float(remaining),
+                    retry_after_ms=0,
+                    lease_ttl_ms=ttl_ms,
+                )
+                results.append(PumpResult(WaiterState.ADMITTED, decision))
+            else:
+                results.append(PumpResult(WaiterState(status), None))
+        return results
+
+    async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
+        self._args_for(pool)
+        await asyncio.gather(
+            *(
+                self._cancels.submit(pool.name, (), (waiter.id, waiter.qos_class))
+                for waiter in waiters
+            )
+        )
+
+    # -- release --------------------------------------------------------------------
+
+    async def release(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        lease_id: str,
+        usage: UsageReport,
+        *,
+        exact: bool = False,
+    ) -> Settlement:
+        args_for = self._args_for(pool)
+        status, charged, adjustment, remaining = await self._releases.submit(
+            pool.name,
+            (self._lease_hash(args_for.prefix, lease_id),),
+            (
+                cls.name,
+                lease_field(lease_id),
+                "" if usage.input_tokens is None else usage.input_tokens,
+                "" if usage.output_tokens is None else usage.output_tokens,
+                repr(usage.output_weight),
+                int(usage.outcome),
+                1 if exact else 0,
+            ),
         )
         if status == "unknown":
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
@@ -261,43 +407,28 @@ class RedisStore:
             remaining=float(remaining),
         )
 
-    async def _release_raw(
-        self,
-        pool: str,
-        qos_class: str,
-        lease_id: str,
-        rate: float,
-        burst: float,
-        input_tokens: int | str,
-        output_tokens: int | str,
-        output_weight: float,
-        outcome: int,
-        *,
-        exact: bool = False,
-    ) -> list[Any]:
-        prefix = self._prefix(pool)
-        lease_hash, field = self._lease_location(prefix, lease_id)
-        return await self._releases.submit(
-            prefix,
-            (lease_hash, f"{prefix}bucket:{qos_class}"),
-            (
-                field,
-                input_tokens,
-                output_tokens,
-                repr(output_weight),
-                repr(rate),
-                repr(burst),
-                outcome,
-                1 if exact else 0,
-            ),
-        )
+    # -- status, report, admin ------------------------------------------------------
+
+    async def status(self, pool: PoolPolicy) -> PoolStatus:
+        args_for = self._args_for(pool)
+        reply = await self._run(self._scripts["status"], args_for.keys, (0, *args_for.policy))
+        now_us = int(reply[0])
+        classes: dict[str, ClassStatus] = {}
+        for index, cls in enumerate(pool.classes):
+            tokens, waiting, oldest = reply[2 + 3 * index : 5 + 3 * index]
+            classes[cls.name] = ClassStatus(
+                tokens=float(tokens),
+                waiting=int(waiting),
+                oldest_wait_ms=(now_us - int(float(oldest))) // 1000 if oldest else 0,
+            )
+        return PoolStatus(shared_tokens=float(reply[1]), classes=classes)
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
         by_pool: dict[str, list[Sample]] = defaultdict(list)
         for sample in samples:
             by_pool[sample.pool].append(sample)
         for pool, pool_samples in by_pool.items():
-            prefix = self._prefix(pool)
+            prefix = f"{self._config.key_prefix}:{{{pool}}}:"
             key_index: dict[str, int] = {}
             args: list[Any] = [window_size, _WINDOW_EXPIRE_MS]
             for sample in pool_samples:
@@ -307,14 +438,13 @@ class RedisStore:
             await self._run(self._scripts["report"], keys, args)
 
     async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
-        key = f"{self._prefix(pool)}window:{qos_class}"
+        key = f"{self._config.key_prefix}:{{{pool}}}:window:{qos_class}"
         raw = await self._client.execute(key, "LRANGE", key, 0, -1)
         return [StoredSample.decode(item) for item in raw]
 
     async def active_leases(self, pool: str) -> int:
         """Counts live leases by scanning the pool's lease hashes: an admin query."""
-        prefix = self._prefix(pool)
-        pattern = f"{prefix}leases:*"
+        pattern = f"{self._config.key_prefix}:{{{pool}}}:leases:*"
         cursor, hashes = "0", []
         while True:
             cursor, found = await self._client.execute(
@@ -327,10 +457,7 @@ class RedisStore:
             return 0
         return int(await self._run(self._scripts["leases"], hashes, ()))
 
-    async def bucket_tokens(self, policy: ClassPolicy) -> float:
-        reply = await self._run(
-            self._scripts["tokens"],
-            (f"{self._prefix(policy.pool)}bucket:{policy.name}",),
-            (repr(policy.rate), repr(policy.burst)),
-        )
-        return float(reply)
+
+def _lease_stub(lease_id: str) -> LeaseSpec:
+    """Enough of a lease to name a waiter by (cancel needs only its id)."""
+    return LeaseSpec(lease_id, "", "", 0, 0, 1.0, 0)

@@ -1,33 +1,23 @@
--- Take tokens from (pool, class) buckets and create leases, for a batch of requests
--- of one pool, in order, atomically. One request is a batch of one.
--- Mirrors qosd/bucket.py (refilled, take) and qosd/store/embedded.py (acquire).
--- bucket(), save_buckets() and `now` come from _buckets.lua, prepended at load.
+-- Admit, queue or reject a batch of requests of one pool, in order, atomically.
+-- One request is a batch of one. Mirrors qosd/store/embedded.py (acquire).
+-- The pool state, policy, budget functions and waiter helpers come from _pool.lua.
 --
--- Commands issued inside a script cost far more than Lua arithmetic, so a batch
--- reads and writes each bucket once and writes all its leases with one HSET per
--- lease hash, whatever its size.
---
--- KEYS per request: bucket, lease hash, then the request-id key if it has one
--- ARGV[1]          number of requests
--- ARGV[2]          deadline in microseconds of Redis time (0: none). A batch that
---                  runs later than this was given up by its callers (their store
---                  timeout passed): it changes nothing and answers BACKEND_UNAVAILABLE.
--- ARGV per request (12): cost, rate, burst, max_cost, lease_id, lease field, ttl_ms,
---                  keep_ms (how long the lease hash must live), weight,
---                  input_tokens, output_tokens, has_request_id (0/1)
---
--- Bucket string:     "tokens|updated_us" (Redis TIME); absent means full.
--- Lease hash field:  "expiry_us|charged|weight|input|output" while active.
+-- Script arguments: deadline in us of Redis time (0: none; a batch that runs later
+-- was given up by its callers and changes nothing), the daemon's id, then per
+-- request (12): class, cost, lease_id, lease field ("<class>:<token>", also the
+-- waiter id), ttl_ms, keep_ms (how long the lease hash must live), weight,
+-- input_tokens, output_tokens, wait_ms (0: answer now), has_request_id,
+-- has_tenant_key.
+-- Keys per request: lease hash, then the request-id key and the tenant bucket if any.
 -- Request-id string: "lease_id|charged|expiry_us".
--- Returns Redis time (us, as a string), then 8 values per request: admitted, reason,
--- lease_id, charged, remaining, retry_after_ms, lease_ttl_ms, replayed.
+--
+-- Returns Redis time (us, string), then 8 values per request: status (0 rejected,
+-- 1 admitted, 2 queued), reason, lease_id, charged, remaining, retry_after_ms
+-- (when queued: none), lease_ttl_ms, replayed.
 local reply = {string.format('%.0f', now)}
 local n = 1
-local lease_writes = {}  -- lease hash key -> {field, value, ...}
-local lease_keep = {}    -- lease hash key -> ms it must live
-
-local function answer(admitted, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
-  reply[n + 1] = admitted
+local function answer(status, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
+  reply[n + 1] = status
   reply[n + 2] = reason
   reply[n + 3] = lease_id
   reply[n + 4] = charged
@@ -39,7 +29,8 @@ local function answer(admitted, reason, lease_id, charged, remaining, retry_ms, 
 end
 
 local count = tonumber(ARGV[1])
-local deadline = tonumber(ARGV[2])
+local deadline = tonumber(ARGV[NEXT_ARG])
+local daemon = ARGV[NEXT_ARG + 1]
 if deadline > 0 and now > deadline then
   for _ = 1, count do
     answer(0, 4, '', '0', '0', 0, 0, 0)
@@ -47,21 +38,28 @@ if deadline > 0 and now > deadline then
   return reply
 end
 
-local k = 1
-local a = 3
+local k = NEXT_KEY
+local a = NEXT_ARG + 2
+local enqueued_at = now
 for _ = 1, count do
-  local cost = tonumber(ARGV[a])
-  local rate = tonumber(ARGV[a + 1])
-  local burst = tonumber(ARGV[a + 2])
-  local ttl_ms = tonumber(ARGV[a + 6])
-  local b = bucket(KEYS[k], rate, burst)
-  local lease_key = KEYS[k + 1]
+  local i = class_index[ARGV[a]]
+  local c = classes[i]
+  local cost = tonumber(ARGV[a + 1])
+  local lease_id = ARGV[a + 2]
+  local field = ARGV[a + 3]
+  local ttl_ms = tonumber(ARGV[a + 4])
+  local wait_ms = tonumber(ARGV[a + 9])
+  local lease_key = KEYS[k]
+  k = k + 1
   local request_key = nil
+  if ARGV[a + 10] == '1' then
+    request_key = KEYS[k]
+    k = k + 1
+  end
+  local tenant_key = nil
   if ARGV[a + 11] == '1' then
-    request_key = KEYS[k + 2]
-    k = k + 3
-  else
-    k = k + 2
+    tenant_key = KEYS[k]
+    k = k + 1
   end
 
   local replayed = false
@@ -71,48 +69,83 @@ for _ = 1, count do
       local prior_id, prior_charged, prior_expiry = string.match(prior, '^(.*)|([^|]*)|([^|]*)$')
       local left_ms = math.floor((tonumber(prior_expiry) - now) / 1000)
       if left_ms > 0 then
-        answer(1, 0, prior_id, prior_charged, num(b[1]), 0, left_ms, 1)
+        answer(1, 0, prior_id, prior_charged, num(state.tokens[i]), 0, left_ms, 1)
         replayed = true
       end
     end
   end
 
   if not replayed then
-    local needed = math.min(cost, burst)
-    if cost > tonumber(ARGV[a + 3]) then
-      answer(0, 2, '', ARGV[a], num(b[1]), 0, 0, 0)
-    elseif b[1] < needed then
-      local retry_ms = 0
-      if rate > 0 then
-        retry_ms = math.max(1, math.ceil((needed - b[1]) * 1000 / rate))
-      end
-      answer(0, 1, '', ARGV[a], num(b[1]), retry_ms, 0, 0)
+    if cost > c.max_cost then
+      answer(0, 2, '', ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
     else
-      b[1] = b[1] - cost
-      b[4] = true
-      local lease_id = ARGV[a + 4]
-      local expiry = string.format('%.0f', now + ttl_ms * 1000)
-      local writes = lease_writes[lease_key]
-      if writes == nil then
-        writes = {}
-        lease_writes[lease_key] = writes
+      local how = 0
+      if state.waiting[i] == 0 then  -- FIFO: no overtaking this class's waiters
+        how = how_to_take(i, cost, false)
+        if how == 0 and c.can_borrow then
+          how = how_to_take(i, cost, shared_open_for(i))
+        end
       end
-      writes[#writes + 1] = ARGV[a + 5]
-      writes[#writes + 1] = expiry .. '|' .. ARGV[a] .. '|' .. ARGV[a + 8] .. '|' ..
-        ARGV[a + 9] .. '|' .. ARGV[a + 10]
-      lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(ARGV[a + 7]))
-      if request_key then
-        redis.call('SET', request_key, lease_id .. '|' .. ARGV[a] .. '|' .. expiry, 'PX', ttl_ms)
+      local tenant = nil
+      local tenant_wait = 0
+      if how ~= 0 and tenant_key then
+        tenant = tenant_load(tenant_key, c.tenant_rate, c.tenant_burst)
+        if tenant[1] < math.min(cost, tenant[4]) then
+          tenant_wait = tenant_wait_ms(tenant, cost)
+          how = 0
+        end
       end
-      answer(1, 0, lease_id, ARGV[a], num(b[1]), 0, ttl_ms, 0)
+      if how ~= 0 then
+        take(i, cost, how)
+        if tenant then
+          tenant[1] = tenant[1] - cost
+          tenant[5] = true
+        end
+        local expiry = add_lease(lease_key, field, cost, ttl_ms, ARGV[a + 5], ARGV[a + 6],
+          ARGV[a + 7], ARGV[a + 8])
+        if request_key then
+          redis.call('SET', request_key, lease_id .. '|' .. ARGV[a + 1] .. '|' .. expiry,
+            'PX', ttl_ms)
+        end
+        answer(1, 0, lease_id, ARGV[a + 1], num(state.tokens[i]), 0, ttl_ms, 0)
+      else
+        -- Queue only a request whose wait could cover the refill it needs if nobody
+        -- else took tokens meanwhile; any other is told at once.
+        local retry = retry_after_ms(i, cost)
+        if tenant_wait > retry then
+          retry = tenant_wait
+        end
+        if wait_ms <= 0 or retry > wait_ms then
+          answer(0, 1, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
+        elseif state.waiting[i] >= c.max_queue then
+          answer(0, 5, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
+        else
+          -- Enqueue; a distinct score per request keeps a batch's order.
+          local blocked = 0
+          if tenant_wait > 0 then
+            blocked = now + tenant_wait * 1000
+          end
+          redis.call('ZADD', c.queue, enqueued_at, field)
+          redis.call('HSET', WAITERS, field, waiter_value({
+            enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
+            cost = cost, blocked = blocked,
+          }))
+          daemon_seen[daemon] = now
+          enqueued_at = enqueued_at + 1
+          state.waiting[i] = state.waiting[i] + 1
+          state_changed = true
+          answer(2, 0, lease_id, ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
+        end
+      end
     end
   end
   a = a + 12
 end
 
-for key, writes in pairs(lease_writes) do
-  redis.call('HSET', key, unpack(writes))
-  redis.call('PEXPIRE', key, lease_keep[key])
+if enqueued_at > now then  -- its waiters' daemon is alive: say so before anyone checks
+  redis.call('HSET', DAEMONS, daemon, now)
 end
-save_buckets()
+save_leases()
+save_tenants()
+save_state()
 return reply

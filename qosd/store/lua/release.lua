@@ -1,20 +1,19 @@
 -- Settle leases of one pool, for a batch of releases, in order, atomically: move
--- each lease's bucket by (actual cost - charged), bounded by one burst.
--- Mirrors qosd/bucket.py (settle) and qosd/store/embedded.py (release).
--- bucket(), save_buckets() and `now` come from _buckets.lua, prepended at load.
+-- each lease's class tokens by (charged - actual), bounded by one burst unless the
+-- release undoes an admission. Mirrors qosd/store/embedded.py (release); pool state,
+-- policy and settle() come from _pool.lua (a refund above the class's burst
+-- overflows into the shared tokens, as refill does).
 --
--- KEYS per release: lease hash, bucket
--- ARGV[1]           number of releases
--- ARGV per release (8): lease field, actual_input ('' keeps the estimate),
---                   actual_output ('' keeps it), output_weight, rate, burst, outcome,
---                   exact (1: undo an admission, refunding the whole charge; 0: a
---                   release, whose settlement is bounded by one burst)
+-- Script arguments per release (7): class, lease field, actual_input ('' keeps the
+-- estimate), actual_output ('' keeps it), output_weight, outcome, exact (1: undo an
+-- admission, refunding the whole charge; 0: a release).
+-- Keys per release: its lease hash.
 --
--- An active lease field is "expiry_us|charged|weight|input|output" (acquire.lua);
+-- An active lease field is "expiry_us|charged|weight|input|output" (_pool.lua);
 -- settling turns it into "R|final|adjustment|outcome", which stays until the lease
 -- hash expires, so a repeated release gets the first answer.
 -- Returns 4 values per release: status ('released' now, 'again' if settled before,
--- 'expired' or 'unknown'), final charge, adjustment, bucket tokens after.
+-- 'expired' or 'unknown'), final charge, adjustment, class tokens after.
 local reply = {}
 local n = 0
 local leases = {}   -- lease hash key -> field -> value (read once, updated in place)
@@ -42,37 +41,35 @@ local function answer(status, charged, adjustment, tokens)
   n = n + 4
 end
 
-local k = 1
-local a = 2
+local k = NEXT_KEY
+local a = NEXT_ARG
 for _ = 1, tonumber(ARGV[1]) do
+  local i = class_index[ARGV[a]]
+  local burst = classes[i].burst
   local lease_key = KEYS[k]
-  local field = ARGV[a]
-  local rate = tonumber(ARGV[a + 4])
-  local burst = tonumber(ARGV[a + 5])
+  local field = ARGV[a + 1]
   local value = lease(lease_key, field)
   if value == '' then
     answer('unknown', '0', '0', '0')
   elseif string.sub(value, 1, 2) == 'R|' then
     local final, adjustment = string.match(value, '^R|([^|]*)|([^|]*)|')
-    answer('again', final, adjustment, num(bucket(KEYS[k + 1], rate, burst)[1]))
+    answer('again', final, adjustment, num(state.tokens[i]))
   else
     local expiry, charged, weight, input, output =
       string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
     if now >= tonumber(expiry) then
       answer('expired', charged, '0', '0')
     else
-      local b = bucket(KEYS[k + 1], rate, burst)
-      if ARGV[a + 1] ~= '' then input = ARGV[a + 1] end
-      if ARGV[a + 2] ~= '' then output = ARGV[a + 2] end
-      local actual = (tonumber(input) + tonumber(ARGV[a + 3]) * tonumber(output)) * tonumber(weight)
+      if ARGV[a + 2] ~= '' then input = ARGV[a + 2] end
+      if ARGV[a + 3] ~= '' then output = ARGV[a + 3] end
+      local actual = (tonumber(input) + tonumber(ARGV[a + 4]) * tonumber(output)) * tonumber(weight)
       local delta = actual - tonumber(charged)
-      if ARGV[a + 7] ~= '1' then
+      if ARGV[a + 6] ~= '1' then
         delta = math.max(-burst, math.min(burst, delta))
       end
-      b[1] = math.min(burst, b[1] - delta)
-      b[4] = true
+      settle(i, delta)
       local final = num(tonumber(charged) + delta)
-      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + 6]
+      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + 5]
       leases[lease_key][field] = settled
       local writes = changed[lease_key]
       if writes == nil then
@@ -81,15 +78,15 @@ for _ = 1, tonumber(ARGV[1]) do
       end
       writes[#writes + 1] = field
       writes[#writes + 1] = settled
-      answer('released', final, num(delta), num(b[1]))
+      answer('released', final, num(delta), num(state.tokens[i]))
     end
   end
-  k = k + 2
-  a = a + 8
+  k = k + 1
+  a = a + 7
 end
 
 for key, writes in pairs(changed) do
   redis.call('HSET', key, unpack(writes))
 end
-save_buckets()
+save_state()
 return reply

@@ -1,0 +1,150 @@
+"""Budget arithmetic: the single definition both stores follow.
+
+A pool has a capacity in tokens per second. Each class has an assured share of it, a
+token bucket that refills at ``rate`` up to ``burst``; no other class can touch it.
+What a full class bucket cannot hold overflows into the pool's *shared* tokens,
+together with any capacity no class is assured, up to ``shared_burst``. A class that
+may borrow takes from its own bucket first and from the shared tokens after.
+Together, classes never admit more than the pool's capacity (plus bursts), and an
+idle class's share is never lost while another class wants it.
+
+The embedded store calls these functions. The Redis store's Lua scripts
+(``store/lua/_pool.lua``) restate them line for line, and the conformance suite runs
+the same tests against both. Change one, change the other.
+
+Rules for taking ``cost`` tokens from class c (after refill):
+
+1. ``cost > max_cost`` is never admitted (COST_EXCEEDS_BURST).
+2. From its own bucket when it holds at least ``min(cost, burst)``. A cost above the
+   burst (allowed up to ``max_cost``) thus needs a full bucket, and leaves it in
+   debt, to be repaid from refill.
+3. Otherwise, if the class may borrow and the shared tokens are not reserved for a
+   waiter of higher or equal priority, when own plus shared tokens cover the cost:
+   the own bucket is emptied (never below zero) and the shared tokens pay the rest.
+
+Settlement moves the class bucket by ``charged - actual``; what a refund lifts
+above the burst overflows into the shared tokens, like refill.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from qosd.config import ClassPolicy, PoolPolicy
+
+OWN = 1
+BORROW = 2
+
+
+@dataclass(slots=True)
+class PoolState:
+    tokens: dict[str, float]  # per class
+    shared: float
+    updated_us: int
+
+
+def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
+    """A pool never touched (or expired from Redis) is full everywhere."""
+    return PoolState(
+        tokens={cls.name: cls.burst for cls in pool.classes},
+        shared=pool.shared_burst,
+        updated_us=now_us,
+    )
+
+
+def refill(state: PoolState, pool: PoolPolicy, now_us: int) -> None:
+    """Refills every class, in place; overflow from full classes goes to shared."""
+    elapsed_us = now_us - state.updated_us
+    if elapsed_us <= 0:
+        return  # a clock that stepped back refills nothing and keeps the stamp
+    shared = state.shared
+    for cls in pool.classes:
+        tokens = state.tokens[cls.name] + cls.rate * elapsed_us / 1e6
+        if tokens > cls.burst:
+            shared += tokens - cls.burst
+            tokens = cls.burst
+        state.tokens[cls.name] = tokens
+    state.shared = min(pool.shared_burst, shared + pool.free_rate * elapsed_us / 1e6)
+    state.updated_us = now_us
+
+
+def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bool) -> int:
+    """OWN, BORROW, or 0 when the cost cannot be covered now."""
+    own = state.tokens[cls.name]
+    if own >= min(cost, cls.burst):
+        return OWN
+    if shared_open and cls.can_borrow and max(own, 0.0) + state.shared >= cost:
+        return BORROW
+    return 0
+
+
+def take(state: PoolState, cls: ClassPolicy, cost: float, how: int) -> None:
+    if how == OWN:
+        state.tokens[cls.name] -= cost
+        return
+    own = max(state.tokens[cls.name], 0.0)
+    state.tokens[cls.name] -= own
+    state.shared -= cost - own
+
+
+def settle(state: PoolState, pool: PoolPolicy, cls: ClassPolicy, delta: float) -> None:
+    """Applies ``actual - charged`` (already bounded by the caller) to the class."""
+    tokens = state.tokens[cls.name] - delta
+    if tokens > cls.burst:
+        state.shared = min(pool.shared_burst, state.shared + tokens - cls.burst)
+        tokens = cls.burst
+    state.tokens[cls.name] = tokens
+
+
+def retry_after_ms(state: PoolState, pool: PoolPolicy, cls: ClassPolicy, cost: float) -> int:
+    """When the cost could be covered if nobody else took tokens meanwhile."""
+    own = state.tokens[cls.name]
+    waits = [(min(cost, cls.burst) - own) * 1000 / cls.rate] if cls.rate > 0 else []
+    if cls.can_borrow:
+        # Shared tokens grow with capacity no class is assured and with the refill of
+        # classes that are full now (their refill overflows).
+        inflow = pool.free_rate + sum(
+            c.rate for c in pool.classes if c.name != cls.name and state.tokens[c.name] >= c.burst
+        )
+        missing = cost - max(own, 0.0) - state.shared
+        own_refill = cls.rate if own < cls.burst else 0.0
+        if inflow + own_refill > 0:
+            waits.append(missing * 1000 / (inflow + own_refill))
+    if not waits:
+        return 60_000
+    return max(1, math.ceil(min(waits)))
+
+
+def effective_rank(cls: ClassPolicy, waited_us: int) -> int:
+    """A waiter moves up one rank per ``aging_ms`` waited (0: never), to rank 0 at most."""
+    if cls.aging_ms <= 0 or waited_us <= 0:
+        return cls.rank
+    return max(0, cls.rank - waited_us // (cls.aging_ms * 1000))
+
+
+@dataclass(slots=True)
+class TenantBucket:
+    """A plain token bucket: one tenant's ceiling within a class (tenant_max_share)."""
+
+    tokens: float
+    updated_us: int
+
+
+def tenant_refilled(
+    bucket: TenantBucket | None, now_us: int, rate: float, burst: float
+) -> TenantBucket:
+    if bucket is None:
+        return TenantBucket(burst, now_us)
+    elapsed_us = now_us - bucket.updated_us
+    if elapsed_us <= 0:
+        return TenantBucket(bucket.tokens, bucket.updated_us)
+    return TenantBucket(min(burst, bucket.tokens + elapsed_us * rate / 1e6), now_us)
+
+
+def tenant_allows(bucket: TenantBucket, cost: float, burst: float) -> bool:
+    return bucket.tokens >= min(cost, burst)
+
+
+def tenant_wait_ms(bucket: TenantBucket, cost: float, rate: float, burst: float) -> int:
+    return max(1, math.ceil((min(cost, burst) - bucket.tokens) * 1000 / rate)) if rate > 0 else 1

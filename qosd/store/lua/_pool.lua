@@ -1,0 +1,341 @@
+-- Shared by every pool script: qosd prepends this file to acquire.lua, pump.lua,
+-- cancel.lua, release.lua and status.lua when it loads them (a script cannot import
+-- another). It restates qosd/budget.py; the conformance suite holds them equal.
+--
+-- KEYS[1]        pool state hash: u (updated, us of Redis TIME), s (shared tokens),
+--                t:<class> (class tokens), w:<class> (waiters queued in the class)
+-- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
+--                (lease fields "<class>:<token>") scored by enqueue time, us
+-- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
+--                tenant_blocked_until" (times in us)
+-- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
+-- ARGV[1]        number of calls in the batch
+-- ARGV[2..]      the pool's policy: free_rate, shared_burst, stale_after_ms, n, then
+--                per class in priority order: name, rate, burst, max_cost, can_borrow,
+--                max_queue, aging_ms, tenant_rate, tenant_burst
+-- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
+
+local now_parts = redis.call('TIME')
+local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
+
+-- Floats travel as strings (Redis truncates a Lua number to an integer), with all
+-- 17 significant digits; tostring() keeps only 14.
+local function num(x)
+  return string.format('%.17g', x)
+end
+
+local free_rate = tonumber(ARGV[2])
+local shared_burst = tonumber(ARGV[3])
+local stale_after_us = tonumber(ARGV[4]) * 1000
+local class_count = tonumber(ARGV[5])
+local classes = {}
+local class_index = {}
+do
+  local a = 6
+  for i = 1, class_count do
+    local c = {
+      name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
+      max_cost = tonumber(ARGV[a + 3]), can_borrow = ARGV[a + 4] == '1',
+      max_queue = tonumber(ARGV[a + 5]), aging_us = tonumber(ARGV[a + 6]) * 1000,
+      tenant_rate = tonumber(ARGV[a + 7]), tenant_burst = tonumber(ARGV[a + 8]),
+      rank = i - 1, queue = KEYS[i + 1],
+    }
+    classes[i] = c
+    class_index[c.name] = i
+    a = a + 9
+  end
+end
+local NEXT_ARG = 6 + 9 * class_count
+local NEXT_KEY = class_count + 4
+local STATE = KEYS[1]
+local WAITERS = KEYS[class_count + 2]
+local DAEMONS = KEYS[class_count + 3]
+
+-- The pool's state, refilled to now (qosd/budget.py: fresh_state, refill).
+local state = {tokens = {}, waiting = {}}
+do
+  local fields = {'u', 's'}
+  for i = 1, class_count do
+    fields[#fields + 1] = 't:' .. classes[i].name
+    fields[#fields + 1] = 'w:' .. classes[i].name
+  end
+  local values = redis.call('HMGET', STATE, unpack(fields))
+  if values[1] then
+    state.updated = tonumber(values[1])
+    state.shared = tonumber(values[2])
+    for i = 1, class_count do
+      state.tokens[i] = tonumber(values[1 + 2 * i]) or classes[i].burst
+      state.waiting[i] = tonumber(values[2 + 2 * i]) or 0
+    end
+  else
+    state.updated = now
+    state.shared = shared_burst
+    for i = 1, class_count do
+      state.tokens[i] = classes[i].burst
+      state.waiting[i] = 0
+    end
+  end
+  if now > state.updated then
+    local elapsed = now - state.updated
+    local shared = state.shared
+    for i = 1, class_count do
+      local tokens = state.tokens[i] + classes[i].rate * elapsed / 1000000
+      if tokens > classes[i].burst then
+        shared = shared + tokens - classes[i].burst
+        tokens = classes[i].burst
+      end
+      state.tokens[i] = tokens
+    end
+    state.shared = math.min(shared_burst, shared + free_rate * elapsed / 1000000)
+    state.updated = now
+  end
+end
+local state_changed = false
+
+local function save_state()
+  if not state_changed then
+    return
+  end
+  local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared)}
+  for i = 1, class_count do
+    fields[#fields + 1] = 't:' .. classes[i].name
+    fields[#fields + 1] = num(state.tokens[i])
+    fields[#fields + 1] = 'w:' .. classes[i].name
+    fields[#fields + 1] = state.waiting[i]
+  end
+  redis.call('HSET', STATE, unpack(fields))
+end
+
+local OWN = 1
+local BORROW = 2
+
+-- qosd/budget.py: how_to_take, take, settle, retry_after_ms, effective_rank.
+local function how_to_take(i, cost, shared_open)
+  local c = classes[i]
+  local own = state.tokens[i]
+  if own >= math.min(cost, c.burst) then
+    return OWN
+  end
+  if shared_open and c.can_borrow and math.max(own, 0) + state.shared >= cost then
+    return BORROW
+  end
+  return 0
+end
+
+local function take(i, cost, how)
+  state_changed = true
+  if how == OWN then
+    state.tokens[i] = state.tokens[i] - cost
+    return
+  end
+  local own = math.max(state.tokens[i], 0)
+  state.tokens[i] = state.tokens[i] - own
+  state.shared = state.shared - (cost - own)
+end
+
+local function settle(i, delta)
+  state_changed = true
+  local tokens = state.tokens[i] - delta
+  if tokens > classes[i].burst then
+    state.shared = math.min(shared_burst, state.shared + tokens - classes[i].burst)
+    tokens = classes[i].burst
+  end
+  state.tokens[i] = tokens
+end
+
+local function retry_after_ms(i, cost)
+  local c = classes[i]
+  local own = state.tokens[i]
+  local best = nil
+  if c.rate > 0 then
+    best = (math.min(cost, c.burst) - own) * 1000 / c.rate
+  end
+  if c.can_borrow then
+    local inflow = free_rate
+    for j = 1, class_count do
+      if j ~= i and state.tokens[j] >= classes[j].burst then
+        inflow = inflow + classes[j].rate
+      end
+    end
+    local own_refill = 0
+    if own < c.burst then
+      own_refill = c.rate
+    end
+    if inflow + own_refill > 0 then
+      local borrow = (cost - math.max(own, 0) - state.shared) * 1000 / (inflow + own_refill)
+      if best == nil or borrow < best then
+        best = borrow
+      end
+    end
+  end
+  if best == nil then
+    return 60000
+  end
+  return math.max(1, math.ceil(best))
+end
+
+local function effective_rank(i, waited_us)
+  local c = classes[i]
+  if c.aging_us <= 0 or waited_us <= 0 then
+    return c.rank
+  end
+  return math.max(0, c.rank - math.floor(waited_us / c.aging_us))
+end
+
+-- Plain token buckets for tenant ceilings (qosd/budget.py: TenantBucket), read once
+-- per script call and written back by save_tenants().
+local tenants = {}  -- key -> {tokens, updated, rate, burst, changed}
+
+local function tenant_load(key, rate, burst)
+  local bucket = tenants[key]
+  if bucket == nil then
+    bucket = {burst, now, rate, burst, false}
+    local value = redis.call('GET', key)
+    if value then
+      local stored, stamp = string.match(value, '^([^|]*)|(.*)$')
+      bucket[1], bucket[2] = tonumber(stored), tonumber(stamp)
+      if now > bucket[2] then
+        bucket[1] = math.min(burst, bucket[1] + (now - bucket[2]) * rate / 1000000)
+        bucket[2] = now
+      end
+    end
+    tenants[key] = bucket
+  end
+  return bucket
+end
+
+local function tenant_wait_ms(bucket, cost)
+  if bucket[3] <= 0 then
+    return 1
+  end
+  return math.max(1, math.ceil((math.min(cost, bucket[4]) - bucket[1]) * 1000 / bucket[3]))
+end
+
+local function save_tenants()
+  for key, b in pairs(tenants) do
+    if b[5] then
+      local full_in_ms = 86400000
+      if b[3] > 0 then
+        full_in_ms = math.ceil(math.max(0, b[4] - b[1]) * 1000 / b[3])
+      end
+      redis.call('SET', key, num(b[1]) .. '|' .. string.format('%.0f', b[2]),
+        'PX', full_in_ms + 1000)
+    end
+  end
+end
+
+-- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until" (us).
+local function parse_waiter(value)
+  local enqueued, deadline, daemon, cost, blocked =
+    string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  return {
+    enqueued = tonumber(enqueued), deadline = tonumber(deadline), daemon = daemon,
+    cost = tonumber(cost), blocked = tonumber(blocked),
+  }
+end
+
+local function waiter_value(w)
+  return string.format('%.0f', w.enqueued) .. '|' .. string.format('%.0f', w.deadline) .. '|' ..
+    w.daemon .. '|' .. num(w.cost) .. '|' .. string.format('%.0f', w.blocked)
+end
+
+local daemon_seen = {}
+local function daemon_alive(daemon)
+  local seen = daemon_seen[daemon]
+  if seen == nil then
+    seen = tonumber(redis.call('HGET', DAEMONS, daemon)) or 0
+    daemon_seen[daemon] = seen
+  end
+  return seen >= now - stale_after_us
+end
+
+local function remove_waiter(i, id)
+  if redis.call('ZREM', classes[i].queue, id) == 1 then
+    state.waiting[i] = math.max(0, state.waiting[i] - 1)
+    state_changed = true
+  end
+  redis.call('HDEL', WAITERS, id)
+end
+
+-- The first live waiter of each class that has any, looking past waiters blocked by
+-- their tenant's ceiling (they must not hold up other tenants) and removing the
+-- entries of dead daemons or long-expired waits on the way.
+local LOOKAHEAD = 8
+local function heads()
+  local found = {}
+  for i = 1, class_count do
+    if state.waiting[i] > 0 then
+      local ids = redis.call('ZRANGE', classes[i].queue, 0, LOOKAHEAD - 1)
+      if #ids == 0 then
+        state.waiting[i] = 0  -- repair a count that outlived its queue
+        state_changed = true
+      end
+      for _, id in ipairs(ids) do
+        local value = redis.call('HGET', WAITERS, id)
+        local w = value and parse_waiter(value)
+        if w == nil or not daemon_alive(w.daemon) or w.deadline + stale_after_us < now then
+          remove_waiter(i, id)
+        elseif w.blocked <= now then
+          w.id = id
+          w.class = i
+          w.rank = effective_rank(i, now - w.enqueued)
+          found[#found + 1] = w
+          break
+        end
+      end
+    end
+  end
+  table.sort(found, function(x, y)
+    if x.rank ~= y.rank then
+      return x.rank < y.rank
+    end
+    return x.enqueued < y.enqueued
+  end)
+  return found
+end
+
+-- May class i take shared tokens now? Not while a waiter of another class with the
+-- same or a better effective rank waits for them (a class's own waiters hold it up
+-- anyway, FIFO).
+local function shared_open_for(i)
+  local anyone = false
+  for j = 1, class_count do
+    if j ~= i and state.waiting[j] > 0 then
+      anyone = true
+    end
+  end
+  if not anyone then
+    return true
+  end
+  for _, w in ipairs(heads()) do
+    if w.class ~= i and w.rank <= classes[i].rank and classes[w.class].can_borrow then
+      return false
+    end
+  end
+  return true
+end
+
+-- Leases (release.lua settles them). A batch writes all its leases with one HSET and
+-- one PEXPIRE per lease hash: commands are the expensive part of a script.
+local lease_writes = {}  -- lease hash key -> {field, value, ...}
+local lease_keep = {}    -- lease hash key -> ms it must live
+
+local function add_lease(lease_key, field, cost, ttl_ms, keep_ms, weight, input, output)
+  local expiry = string.format('%.0f', now + ttl_ms * 1000)
+  local writes = lease_writes[lease_key]
+  if writes == nil then
+    writes = {}
+    lease_writes[lease_key] = writes
+  end
+  writes[#writes + 1] = field
+  writes[#writes + 1] = expiry .. '|' .. num(cost) .. '|' .. weight .. '|' .. input .. '|' .. output
+  lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(keep_ms))
+  return expiry
+end
+
+local function save_leases()
+  for key, writes in pairs(lease_writes) do
+    redis.call('HSET', key, unpack(writes))
+    redis.call('PEXPIRE', key, lease_keep[key])
+  end
+end

@@ -1,0 +1,126 @@
+-- Let a daemon's waiters in, in fleet-wide order, and report on the rest.
+-- Mirrors qosd/store/embedded.py (pump). Pool state, policy, budget functions and
+-- waiter helpers come from _pool.lua.
+--
+-- A daemon calls this every few milliseconds while it has waiters in the pool. It
+-- walks the heads of all class queues in effective-rank order (aging included):
+-- - a head that can be covered now and belongs to this daemon is admitted (a lease
+--   is written, its waiter removed);
+-- - a head that can be covered now but belongs to another daemon keeps what it
+--   needs: if it would borrow, nothing after it may take shared tokens (that daemon
+--   admits it on its own next call);
+-- - a head that cannot be covered yet, if it may borrow, also closes the shared
+--   tokens to everything after it: a lower class must not take what it waits for.
+-- A class's own tokens are its own: its head may use them whatever waits elsewhere.
+-- Every call also proves this daemon alive, so its waiters are not taken for stale.
+--
+-- Script arguments: daemon id, then per waiter of this daemon (11): lease field
+-- (the waiter id), class, cost, lease_id, ttl_ms, keep_ms, weight, input_tokens,
+-- output_tokens, has_request_id, has_tenant_key.
+-- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
+-- Returns per waiter 8 values: status (1 admitted, 3 still waiting, 4 gone: its
+-- entry was dropped as stale), reason, lease_id, charged, remaining, 0, ttl_ms, 0.
+local daemon = ARGV[NEXT_ARG]
+redis.call('HSET', DAEMONS, daemon, now)
+daemon_seen[daemon] = now
+
+local mine = {}
+local order = {}
+do
+  local k = NEXT_KEY
+  local a = NEXT_ARG + 1
+  for _ = 1, tonumber(ARGV[1]) do
+    local m = {
+      field = ARGV[a], class = class_index[ARGV[a + 1]], cost = tonumber(ARGV[a + 2]),
+      lease_id = ARGV[a + 3], ttl_ms = tonumber(ARGV[a + 4]), keep_ms = ARGV[a + 5],
+      weight = ARGV[a + 6], input = ARGV[a + 7], output = ARGV[a + 8], lease_key = KEYS[k],
+    }
+    k = k + 1
+    if ARGV[a + 9] == '1' then
+      m.request_key = KEYS[k]
+      k = k + 1
+    end
+    if ARGV[a + 10] == '1' then
+      m.tenant_key = KEYS[k]
+      k = k + 1
+    end
+    mine[m.field] = m
+    order[#order + 1] = m
+    a = a + 11
+  end
+end
+
+local MAX_ADMITTED = 64
+local admitted = 0
+local progress = true
+while progress and admitted < MAX_ADMITTED do
+  progress = false
+  local shared_open = true
+  for _, w in ipairs(heads()) do
+    local i = w.class
+    local how = how_to_take(i, w.cost, shared_open)
+    local m = mine[w.id]
+    if how ~= 0 and m then
+      local tenant = nil
+      if m.tenant_key then
+        tenant = tenant_load(m.tenant_key, classes[i].tenant_rate, classes[i].tenant_burst)
+        if tenant[1] < math.min(w.cost, tenant[4]) then
+          -- Over its tenant's ceiling: step aside (not holding up other tenants).
+          w.blocked = now + tenant_wait_ms(tenant, w.cost) * 1000
+          redis.call('HSET', WAITERS, w.id, waiter_value(w))
+          how = 0
+        end
+      end
+      if how ~= 0 then
+        take(i, w.cost, how)
+        if tenant then
+          tenant[1] = tenant[1] - w.cost
+          tenant[5] = true
+        end
+        local expiry = add_lease(m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
+          m.input, m.output)
+        if m.request_key then
+          redis.call('SET', m.request_key, m.lease_id .. '|' .. num(w.cost) .. '|' .. expiry,
+            'PX', m.ttl_ms)
+        end
+        remove_waiter(i, w.id)
+        m.admitted = true
+        admitted = admitted + 1
+        progress = true
+        break  -- the heads changed: walk again
+      end
+    elseif how ~= 0 then
+      if how == BORROW then
+        shared_open = false  -- kept for another daemon's waiter
+      end
+    elseif classes[i].can_borrow then
+      shared_open = false  -- nothing after it may take what it waits for
+    end
+  end
+end
+
+local reply = {}
+local n = 0
+for _, m in ipairs(order) do
+  local status = 1
+  if not m.admitted then
+    if redis.call('HEXISTS', WAITERS, m.field) == 1 then
+      status = 3
+    else
+      status = 4
+    end
+  end
+  reply[n + 1] = status
+  reply[n + 2] = 0
+  reply[n + 3] = m.lease_id
+  reply[n + 4] = num(m.cost)
+  reply[n + 5] = num(state.tokens[m.class])
+  reply[n + 6] = 0
+  reply[n + 7] = m.ttl_ms
+  reply[n + 8] = 0
+  n = n + 8
+end
+save_leases()
+save_tenants()
+save_state()
+return reply

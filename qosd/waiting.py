@@ -1,0 +1,222 @@
+"""The daemon's half of the waiting room: the callers this daemon holds while they wait.
+
+The queues themselves live in the store (fleet-wide, in Redis), so that every replica
+sees every waiter and a P0 request waiting on one replica goes before a P2 request
+that arrives later at another. This module keeps the other half: one future per
+waiting caller, a pump task per pool that asks the store every ``waiting.poll_ms``
+(or at once after a local release) to admit what it can, and a timer per waiter.
+
+Every waiter gets exactly one answer: admitted by a pump, QUEUE_TIMEOUT at its
+deadline (measured here, from when it was queued), SHUTTING_DOWN on drain, or the
+fail-mode answer when the store is lost. Whatever the store does for a waiter after
+it was answered (a grant racing a timeout or a cancelled caller) is undone: the
+lease is refunded in full and the queue entry removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from qosd.config import PoolPolicy
+from qosd.model import (
+    BucketDecision,
+    Outcome,
+    PumpResult,
+    Reason,
+    StoreUnavailable,
+    UsageReport,
+    Waiter,
+    WaiterState,
+)
+from qosd.store.base import BucketStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Local:
+    waiter: Waiter
+    future: asyncio.Future[BucketDecision]
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
+class _PoolRoom:
+    policy: PoolPolicy
+    waiters: dict[str, _Local] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class WaitingRoom:
+    def __init__(
+        self,
+        store: BucketStore,
+        daemon_id: str,
+        poll_s: float,
+        store_down: Callable[[PoolPolicy, Waiter], BucketDecision],
+    ) -> None:
+        self._store = store
+        self._daemon_id = daemon_id
+        self._poll_s = poll_s
+        self._store_down = store_down
+        self._rooms: dict[str, _PoolRoom] = {}
+        self._cleanup: set[asyncio.Task[Any]] = set()
+        self._draining = False
+
+    def waiting(self, pool: str) -> int:
+        room = self._rooms.get(pool)
+        return len(room.waiters) if room else 0
+
+    async def wait(self, pool: PoolPolicy, waiter: Waiter, wait_s: float) -> BucketDecision:
+        """Waits until the store admits ``waiter`` (queued already) or its wait is up."""
+        loop = asyncio.get_running_loop()
+        room = self._rooms.get(pool.name)
+        if room is None:
+            room = self._rooms[pool.name] = _PoolRoom(pool)
+        local = _Local(waiter, loop.create_future())
+        local.timer = loop.call_later(wait_s, self._expire, room, local)
+        room.waiters[waiter.id] = local
+        if room.task is None or room.task.done():
+            room.task = loop.create_task(self._pump_loop(room))
+        else:
+            room.wake.set()
+        try:
+            return await local.future
+        except asyncio.CancelledError:
+            # The caller went away (gRPC cancellation or deadline): leave nothing behind.
+            if self._forget(room, local):
+                self._in_background(self._store.cancel(pool, [waiter]))
+            raise
+
+    def nudge(self, pool: str) -> None:
+        """Tokens came back in this pool (a release): look for admissions now."""
+        room = self._rooms.get(pool)
+        if room is not None and room.waiters:
+            room.wake.set()
+
+    def drain(self) -> None:
+        """Answers every waiter SHUTTING_DOWN at once, and takes them out of the queues."""
+        self._draining = True
+        for room in self._rooms.values():
+            gone = [local for local in list(room.waiters.values()) if self._forget(room, local)]
+            for local in gone:
+                local.future.set_result(_rejected(local.waiter, Reason.SHUTTING_DOWN))
+            if gone:
+                self._in_background(
+                    self._store.cancel(room.policy, [local.waiter for local in gone])
+                )
+
+    async def close(self) -> None:
+        self.drain()
+        for room in self._rooms.values():
+            if room.task is not None:
+                room.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await room.task
+        while self._cleanup:
+            await asyncio.gather(*list(self._cleanup), return_exceptions=True)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _forget(self, room: _PoolRoom, local: _Local) -> bool:
+        """Drops a waiter from this daemon's books; False when already answered."""
+        if room.waiters.get(local.waiter.id) is not local:
+            return False
+        del room.waiters[local.waiter.id]
+        if local.timer is not None:
+            local.timer.cancel()
+        return True
+
+    def _expire(self, room: _PoolRoom, local: _Local) -> None:
+        if self._forget(room, local) and not local.future.done():
+            local.future.set_result(_rejected(local.waiter, Reason.QUEUE_TIMEOUT))
+            self._in_background(self._store.cancel(room.policy, [local.waiter]))
+
+    async def _pump_loop(self, room: _PoolRoom) -> None:
+        while room.waiters and not self._draining:
+            asked = list(room.waiters.values())
+            try:
+                results = await self._store.pump(
+                    room.policy, self._daemon_id, [local.waiter for local in asked]
+                )
+            except StoreUnavailable as error:
+                self._store_lost(room, asked, error)
+                return
+            except Exception:
+                log.exception("pump failed in pool %s", room.policy.name)
+                results = [PumpResult(WaiterState.WAITING, None)] * len(asked)
+            for local, result in zip(asked, results, strict=True):
+                self._settle(room, local, result)
+            room.wake.clear()
+            if room.waiters:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room.wake.wait(), self._poll_s)
+
+    def _settle(self, room: _PoolRoom, local: _Local, result: PumpResult) -> None:
+        if result.state is WaiterState.WAITING:
+            return
+        answered = not self._forget(room, local)
+        if result.state is WaiterState.ADMITTED:
+            assert result.decision is not None
+            if answered:  # a timeout or a departed caller won the race: give it back
+                self._undo(room.policy, local.waiter, result.decision)
+            else:
+                local.future.set_result(result.decision)
+        elif not answered:  # GONE: the store dropped it (taken for a dead daemon's)
+            local.future.set_result(_rejected(local.waiter, Reason.QUEUE_TIMEOUT))
+
+    def _store_lost(self, room: _PoolRoom, asked: list[_Local], error: StoreUnavailable) -> None:
+        """Answers the waiters by the fail mode; their entries are cancelled later."""
+        log.warning("store lost while %d requests waited in pool %s: %s",
+                    len(asked), room.policy.name, error)  # fmt: skip
+        gone = [local for local in asked if self._forget(room, local)]
+        for local in gone:
+            local.future.set_result(self._store_down(room.policy, local.waiter))
+        if gone:
+            self._in_background(self._retry_cancel(room.policy, [local.waiter for local in gone]))
+
+    async def _retry_cancel(self, pool: PoolPolicy, waiters: list[Waiter]) -> None:
+        """Takes answered waiters out of the queues once the store is back.
+
+        Until then they may stand at the head of their queue; if the store stays away
+        long enough they are dropped as expired by the scripts anyway.
+        """
+        for attempt in range(20):
+            try:
+                await self._store.cancel(pool, waiters)
+                return
+            except StoreUnavailable:
+                await asyncio.sleep(min(5.0, 0.1 * 2**attempt))
+
+    def _undo(self, pool: PoolPolicy, waiter: Waiter, decision: BucketDecision) -> None:
+        cls = next(c for c in pool.classes if c.name == waiter.qos_class)
+        usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)
+        self._in_background(self._store.release(pool, cls, decision.lease_id, usage, exact=True))
+
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup_done)
+
+    def _cleanup_done(self, task: asyncio.Task[Any]) -> None:
+        self._cleanup.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("waiting-room cleanup failed: %s", task.exception())
+
+
+def _rejected(waiter: Waiter, reason: Reason) -> BucketDecision:
+    return BucketDecision(
+        admitted=False,
+        reason=reason,
+        lease_id="",
+        charged=waiter.cost,
+        remaining=0.0,
+        retry_after_ms=0,
+        lease_ttl_ms=0,
+    )
