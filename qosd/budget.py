@@ -15,12 +15,12 @@ the same tests against both. Change one, change the other.
 Rules for taking ``cost`` tokens from class c (after refill):
 
 1. ``cost > max_cost`` is never admitted (COST_EXCEEDS_BURST).
-2. From its own bucket when it holds at least ``min(cost, burst)``. A cost above the
-   burst (allowed up to ``max_cost``) thus needs a full bucket, and leaves it in
-   debt, to be repaid from refill.
+2. From its own bucket when it holds the cost.
 3. Otherwise, if the class may borrow and the shared tokens are not reserved for a
    waiter of higher or equal priority, when own plus shared tokens cover the cost:
    the own bucket is emptied (never below zero) and the shared tokens pay the rest.
+4. Otherwise a cost above the burst (allowed up to ``max_cost``) is taken from a
+   full bucket, leaving it in debt, to be repaid from refill.
 
 Settlement moves the class bucket by ``charged - actual``; what a refund lifts
 above the burst overflows into the shared tokens, like refill.
@@ -70,12 +70,19 @@ def refill(state: PoolState, pool: PoolPolicy, now_us: int) -> None:
 
 
 def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bool) -> int:
-    """OWN, BORROW, or 0 when the cost cannot be covered now."""
+    """OWN, BORROW, or 0 when the cost cannot be covered now.
+
+    Own tokens first; then shared ones; a cost above the burst goes into debt from a
+    full bucket only when shared tokens cannot cover it, since debt slows the class
+    down later and shared tokens do not.
+    """
     own = state.tokens[cls.name]
-    if own >= min(cost, cls.burst):
+    if own >= cost:
         return OWN
     if shared_open and cls.can_borrow and max(own, 0.0) + state.shared >= cost:
         return BORROW
+    if own >= min(cost, cls.burst):
+        return OWN
     return 0
 
 

@@ -228,11 +228,12 @@ class EmbeddedStore:
         queue = record.queues[cls.name]
         how = 0
         if not queue:  # FIFO: no overtaking this class's waiters
-            how = budget.how_to_take(state, cls, cost, False)
-            if not how and cls.can_borrow:
-                how = budget.how_to_take(
-                    state, cls, cost, self._shared_open_for(record, pool, cls, now_us)
-                )
+            shared_open = (
+                cls.can_borrow
+                and state.tokens[cls.name] < cost
+                and self._shared_open_for(record, pool, cls, now_us)
+            )
+            how = budget.how_to_take(state, cls, cost, shared_open)
         tenant = None
         tenant_wait_ms = 0
         if how and cls.tenant_rate > 0:

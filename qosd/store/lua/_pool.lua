@@ -113,11 +113,14 @@ local BORROW = 2
 local function how_to_take(i, cost, shared_open)
   local c = classes[i]
   local own = state.tokens[i]
-  if own >= math.min(cost, c.burst) then
+  if own >= cost then
     return OWN
   end
   if shared_open and c.can_borrow and math.max(own, 0) + state.shared >= cost then
     return BORROW
+  end
+  if own >= math.min(cost, c.burst) then
+    return OWN  -- above the burst, from a full bucket, into debt
   end
   return 0
 end

@@ -81,10 +81,8 @@ for _ = 1, count do
     else
       local how = 0
       if state.waiting[i] == 0 then  -- FIFO: no overtaking this class's waiters
-        how = how_to_take(i, cost, false)
-        if how == 0 and c.can_borrow then
-          how = how_to_take(i, cost, shared_open_for(i))
-        end
+        local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
+        how = how_to_take(i, cost, shared_open)
       end
       local tenant = nil
       local tenant_wait = 0

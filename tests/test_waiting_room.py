@@ -1,0 +1,235 @@
+"""Shared tokens, priorities, waiting, aging and tenant ceilings, on every backend.
+
+Pools here are slow on purpose (1,000 tokens/s), so that the order of events does
+not depend on a fast machine. Each test starts one daemon on the embedded store, a
+standalone Redis or a 3-node Redis Cluster and talks to it over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from qosd_client import AcquireResult, QosdClient, Reason
+from tests.conftest import DaemonFactory, RunningDaemon, merge
+
+# Capacity 1,000 tokens/s; shared tokens hold 0.5 s of it (500). P0 refills at 600/s
+# (burst 300), P1 at 300/s (burst 150), P2 at 100/s (burst 50). Every class borrows,
+# and may be asked for up to 2,000 tokens at once.
+SLOW_POOL: dict[str, Any] = {
+    "pools": {"default": {"capacity_tokens_s": 1_000, "models": ["llama-3-8b"]}},
+    "classes": {
+        "P0": {"priority": 0, "share": 0.6, "max_wait_ms": 3_000, "can_borrow": True,
+               "max_cost_tokens": 2_000},
+        "P1": {"priority": 1, "share": 0.3, "max_wait_ms": 3_000, "can_borrow": True,
+               "max_cost_tokens": 2_000},
+        "P2": {"priority": 2, "share": 0.1, "max_wait_ms": 3_000, "can_borrow": True,
+               "max_cost_tokens": 2_000},
+    },
+    "waiting": {"poll_ms": 5},
+}  # fmt: skip
+
+
+async def status(running: RunningDaemon) -> Any:
+    admission = running.daemon.admission
+    return await admission.store.status(admission.pool("default"))
+
+
+async def test_borrowing_uses_capacity_another_class_leaves(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    own = await qos.acquire("P2", 50, max_wait_ms=0)  # all of P2's own tokens
+    borrowed = await qos.acquire("P2", 400, max_wait_ms=0)  # from the shared tokens
+    assert own.admitted and borrowed.admitted
+    after = await status(running)
+    assert after.shared_tokens == pytest.approx(500 - 400, abs=20)  # refill in between
+    assert after.classes["P2"].tokens <= 5
+
+
+async def test_a_class_share_is_never_borrowed(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    assert (await qos.acquire("P0", 800, max_wait_ms=0)).admitted  # own 300 + shared 500
+    greedy = await qos.acquire("P0", 100, max_wait_ms=0)
+    assert not greedy.admitted and greedy.reason is Reason.RATE_LIMITED
+    floor = await qos.acquire("P1", 150, max_wait_ms=0)  # P1's whole share is still there
+    assert floor.admitted
+
+
+async def test_shared_tokens_go_to_the_higher_class_waiting(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    assert (await qos.acquire("P0", 800, max_wait_ms=0)).admitted  # P0 and shared empty
+    p0 = asyncio.create_task(qos.acquire("P0", 400, max_wait_ms=3_000))
+    await asyncio.sleep(0.05)
+    assert (await status(running)).classes["P0"].waiting == 1
+    assert (await qos.acquire("P2", 50, max_wait_ms=0)).admitted  # P2's own floor: fine
+    # Shared tokens refill from the full P1 (300/s) meanwhile, but P0 waits for them.
+    await asyncio.sleep(0.1)
+    p2 = await qos.acquire("P2", 20, max_wait_ms=0)
+    assert not p2.admitted and p2.reason is Reason.RATE_LIMITED
+    first = await p0
+    assert first.admitted and 0.1 < first.waited_s < 1.5
+
+
+async def test_fifo_within_a_class(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    assert (await qos.acquire("P1", 650, max_wait_ms=0)).admitted  # P1 and shared empty
+    order: list[str] = []
+
+    async def request(name: str, cost: int) -> AcquireResult:
+        result = await qos.acquire("P1", cost, max_wait_ms=3_000)
+        order.append(name)
+        return result
+
+    big = asyncio.create_task(request("big", 300))
+    await asyncio.sleep(0.02)
+    small = asyncio.create_task(request("small", 10))  # fits long before "big" does
+    results = await asyncio.gather(big, small)
+    assert all(result.admitted for result in results)
+    assert order == ["big", "small"]
+
+
+async def test_queue_bound_answers_queue_full(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(merge(SLOW_POOL, {"classes": {"P1": {"max_queue": 2}}}))
+    qos = running.client
+    assert (await qos.acquire("P1", 650, max_wait_ms=0)).admitted
+    waiters = [asyncio.create_task(qos.acquire("P1", 300, max_wait_ms=3_000)) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    full = await qos.acquire("P1", 10, max_wait_ms=3_000)
+    assert not full.admitted and full.reason is Reason.QUEUE_FULL
+    assert full.retry_after_s > 0
+    assert all(result.admitted for result in await asyncio.gather(*waiters))
+
+
+async def test_waiter_times_out_at_its_max_wait(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    assert (await qos.acquire("P2", 550, max_wait_ms=0)).admitted  # P2 and shared empty
+    head = asyncio.create_task(qos.acquire("P2", 1_000, max_wait_ms=3_000))
+    await asyncio.sleep(0.02)
+    began = time.monotonic()
+    behind = await qos.acquire("P2", 5, max_wait_ms=300)  # could fit, but FIFO
+    elapsed = time.monotonic() - began
+    assert not behind.admitted and behind.reason is Reason.QUEUE_TIMEOUT
+    assert 0.28 <= behind.waited_s <= 0.35 and elapsed <= 0.35
+    assert (await status(running)).classes["P2"].waiting == 1  # only the head is left
+    head.cancel()
+
+
+async def test_hopeless_wait_is_refused_at_once(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    assert (await qos.acquire("P2", 550, max_wait_ms=0)).admitted
+    began = time.monotonic()
+    # 1,500 tokens for P2 need well over a second even with every shared token.
+    result = await qos.acquire("P2", 1_500, max_wait_ms=200)
+    assert not result.admitted and result.reason is Reason.RATE_LIMITED
+    assert time.monotonic() - began < 0.1 and result.retry_after_s > 0.2
+
+
+# Every class is assured only 50 tokens/s, with a 100-second burst (5,000 tokens), so
+# its own bucket stays empty once drained; the other 850 tokens/s of capacity are
+# assured to nobody and refill the shared tokens. Waiters then compete for shared
+# tokens only, which is where priority and aging decide.
+SCARCE_POOL: dict[str, Any] = {
+    "pools": {"default": {"capacity_tokens_s": 1_000, "models": ["llama-3-8b"]}},
+    "classes": {
+        name: {
+            "priority": rank,
+            "share": 0.05,
+            "burst_s": 100,
+            "max_wait_ms": 5_000,
+            "can_borrow": True,
+        }
+        for rank, name in enumerate(("P0", "P1", "P2"))
+    },
+    "waiting": {"poll_ms": 5},
+}
+
+
+async def drain_scarce_pool(qos: QosdClient) -> None:
+    for qos_class in ("P0", "P1", "P2"):
+        assert (await qos.acquire(qos_class, 5_000, max_wait_ms=0)).admitted
+    assert (await qos.acquire("P1", 500, max_wait_ms=0)).admitted  # the shared tokens
+
+
+@pytest.mark.parametrize("aging_ms", [0, 100])
+async def test_aging_lets_a_waiting_p2_go_first(make_daemon: DaemonFactory, aging_ms: int) -> None:
+    qos = (
+        await make_daemon(merge(SCARCE_POOL, {"classes": {"P2": {"aging_ms": aging_ms}}}))
+    ).client
+    await drain_scarce_pool(qos)
+    order: list[str] = []
+
+    async def wait_for(qos_class: str) -> None:
+        result = await qos.acquire(qos_class, 300, max_wait_ms=5_000)
+        assert result.admitted, result
+        order.append(qos_class)
+
+    p2 = asyncio.create_task(wait_for("P2"))
+    await asyncio.sleep(0.03)
+    p1 = asyncio.create_task(wait_for("P1"))
+    await asyncio.gather(p1, p2)
+    # Without aging P1 outranks P2. With it, P2 (waiting ~350 ms when 300 shared tokens
+    # have come in) has climbed to rank 0 and goes first.
+    assert order == (["P2", "P1"] if aging_ms else ["P1", "P2"])
+
+
+async def test_tenant_ceiling_keeps_one_tenant_from_taking_a_class(
+    make_daemon: DaemonFactory,
+) -> None:
+    # P1 has 3,000 tokens/s here; one tenant may use 10 % of the pool: 1,000/s, burst 500.
+    running = await make_daemon({"classes": {"P1": {"tenant_max_share": 0.1}}})
+    qos = running.client
+    assert (await qos.acquire("P1", 500, tenant="greedy", max_wait_ms=0)).admitted
+    capped = await qos.acquire("P1", 100, tenant="greedy", max_wait_ms=0)
+    assert not capped.admitted and capped.reason is Reason.RATE_LIMITED
+    assert 0.05 <= capped.retry_after_s <= 0.11  # 100 tokens at the tenant's 1,000/s
+    assert (await qos.acquire("P1", 500, tenant="polite", max_wait_ms=0)).admitted
+    waited = await qos.acquire("P1", 100, tenant="greedy", max_wait_ms=1_000)
+    assert waited.admitted and 0.04 <= waited.waited_s <= 0.5
+
+
+async def test_status_shows_queues_and_the_worst_wait(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(SLOW_POOL)
+    qos = running.client
+    assert (await qos.acquire("P1", 650, max_wait_ms=0)).admitted
+    waiters = [asyncio.create_task(qos.acquire("P1", 400, max_wait_ms=3_000)) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    now = await status(running)
+    assert now.classes["P1"].waiting == 3
+    assert 150 <= now.classes["P1"].oldest_wait_ms <= 600
+    assert now.classes["P0"].waiting == 0 and now.classes["P0"].oldest_wait_ms == 0
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    await asyncio.sleep(0.1)
+    assert (await status(running)).classes["P1"].waiting == 0
+
+
+@pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
+async def test_waiters_on_two_daemons_share_one_queue(make_daemon: DaemonFactory) -> None:
+    """Two daemons on one Redis: a P0 waiting on one goes before a P2 that arrives
+    later at the other, although the P2 needs far fewer tokens."""
+    a = (await make_daemon(SCARCE_POOL)).client
+    b = (await make_daemon(SCARCE_POOL)).client  # same backend, same key prefix
+    await drain_scarce_pool(a)
+    order: list[str] = []
+
+    async def wait_for(client: QosdClient, qos_class: str, cost: int) -> None:
+        result = await client.acquire(qos_class, cost, max_wait_ms=3_000)
+        assert result.admitted, result
+        order.append(qos_class)
+
+    p0 = asyncio.create_task(wait_for(a, "P0", 400))
+    await asyncio.sleep(0.03)
+    p2 = asyncio.create_task(wait_for(b, "P2", 100))
+    await asyncio.gather(p0, p2)
+    # 100 shared tokens come in after ~0.12 s, 400 after ~0.47 s: without the fleet-wide
+    # order the P2 would have gone first.
+    assert order == ["P0", "P2"]
