@@ -104,9 +104,9 @@ class WaitingRoom:
         """Answers every waiter SHUTTING_DOWN at once, and takes them out of the queues."""
         self._draining = True
         for room in self._rooms.values():
-            gone = [local for local in list(room.waiters.values()) if self._forget(room, local)]
+            gone = list(room.waiters.values())
             for local in gone:
-                local.future.set_result(_rejected(local.waiter, Reason.SHUTTING_DOWN))
+                self._answer(room, local, _rejected(local.waiter, Reason.SHUTTING_DOWN))
             if gone:
                 self._in_background(
                     self._store.cancel(room.policy, [local.waiter for local in gone])
@@ -125,7 +125,7 @@ class WaitingRoom:
     # -- internals ------------------------------------------------------------------
 
     def _forget(self, room: _PoolRoom, local: _Local) -> bool:
-        """Drops a waiter from this daemon's books; False when already answered."""
+        """Drops a waiter from this daemon's books; False when it was not on them."""
         if room.waiters.get(local.waiter.id) is not local:
             return False
         del room.waiters[local.waiter.id]
@@ -133,9 +133,17 @@ class WaitingRoom:
             local.timer.cancel()
         return True
 
+    def _answer(self, room: _PoolRoom, local: _Local, decision: BucketDecision) -> bool:
+        """Gives a waiter its one answer; False when it had one already (or its caller
+        left: a cancelled future), in which case the caller undoes what it must."""
+        self._forget(room, local)
+        if local.future.done():
+            return False
+        local.future.set_result(decision)
+        return True
+
     def _expire(self, room: _PoolRoom, local: _Local) -> None:
-        if self._forget(room, local) and not local.future.done():
-            local.future.set_result(_rejected(local.waiter, Reason.QUEUE_TIMEOUT))
+        if self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT)):
             self._in_background(self._store.cancel(room.policy, [local.waiter]))
 
     async def _pump_loop(self, room: _PoolRoom) -> None:
@@ -152,7 +160,10 @@ class WaitingRoom:
                 log.exception("pump failed in pool %s", room.policy.name)
                 results = [PumpResult(WaiterState.WAITING, None)] * len(asked)
             for local, result in zip(asked, results, strict=True):
-                self._settle(room, local, result)
+                try:
+                    self._settle(room, local, result)
+                except Exception:  # one bad answer must not strand the others
+                    log.exception("could not settle a waiter in pool %s", room.policy.name)
             room.wake.clear()
             if room.waiters:
                 with contextlib.suppress(TimeoutError):
@@ -161,25 +172,21 @@ class WaitingRoom:
     def _settle(self, room: _PoolRoom, local: _Local, result: PumpResult) -> None:
         if result.state is WaiterState.WAITING:
             return
-        answered = not self._forget(room, local)
         if result.state is WaiterState.ADMITTED:
             assert result.decision is not None
-            if answered:  # a timeout or a departed caller won the race: give it back
+            if not self._answer(room, local, result.decision):
+                # A timeout or a departed caller won the race: give the tokens back.
                 self._undo(room.policy, local.waiter, result.decision)
-            else:
-                local.future.set_result(result.decision)
-        elif not answered:  # GONE: the store dropped it (taken for a dead daemon's)
-            local.future.set_result(_rejected(local.waiter, Reason.QUEUE_TIMEOUT))
+        else:  # GONE: the store dropped it (taken for a dead daemon's, or expired)
+            self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT))
 
     def _store_lost(self, room: _PoolRoom, asked: list[_Local], error: StoreUnavailable) -> None:
         """Answers the waiters by the fail mode; their entries are cancelled later."""
         log.warning("store lost while %d requests waited in pool %s: %s",
                     len(asked), room.policy.name, error)  # fmt: skip
-        gone = [local for local in asked if self._forget(room, local)]
-        for local in gone:
-            local.future.set_result(self._store_down(room.policy, local.waiter))
-        if gone:
-            self._in_background(self._retry_cancel(room.policy, [local.waiter for local in gone]))
+        for local in asked:
+            self._answer(room, local, self._store_down(room.policy, local.waiter))
+        self._in_background(self._retry_cancel(room.policy, [local.waiter for local in asked]))
 
     async def _retry_cancel(self, pool: PoolPolicy, waiters: list[Waiter]) -> None:
         """Takes answered waiters out of the queues once the store is back.
