@@ -66,3 +66,76 @@ def hammer(
     """Waits for ``start`` (a Manager's Event proxy), then keeps ``clients`` Acquire loops busy."""
     start.wait()
     return uvloop.run(_hammer(addresses, clients, seconds, qos_class, input_tokens))
+
+
+@dataclass(frozen=True)
+class ClassLoadResult:
+    qos_class: str
+    answered: int
+    admitted: int
+    tokens_admitted: float
+    reasons: dict[str, int]
+    worst_elapsed_s: float  # longest time a caller waited for its answer
+    worst_waited_s: float  # longest wait qosd reported
+    errors: int
+
+
+async def _class_load(
+    addresses: list[str],
+    qos_class: str,
+    clients: int,
+    seconds: float,
+    cost: int,
+    max_wait_ms: int,
+) -> ClassLoadResult:
+    channels = [QosdClient(address, timeout_s=max_wait_ms / 1000 + 5) for address in addresses]
+    answered = admitted = errors = 0
+    tokens = 0.0
+    worst_elapsed = worst_waited = 0.0
+    reasons: dict[str, int] = {}
+    stop_at = time.monotonic() + seconds
+
+    async def client(index: int) -> None:
+        nonlocal answered, admitted, errors, tokens, worst_elapsed, worst_waited
+        qos = channels[index % len(channels)]
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            try:
+                result = await qos.acquire(qos_class, cost, max_wait_ms=max_wait_ms)
+            except QosdError:
+                errors += 1
+                await asyncio.sleep(0.01)
+                continue
+            worst_elapsed = max(worst_elapsed, time.monotonic() - started)
+            worst_waited = max(worst_waited, result.waited_s)
+            answered += 1
+            reasons[result.reason.name] = reasons.get(result.reason.name, 0) + 1
+            if result.admitted:
+                admitted += 1
+                tokens += result.tokens_charged
+            elif result.retry_after_s:
+                await asyncio.sleep(min(result.retry_after_s, 0.05))
+
+    try:
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    finally:
+        for channel in channels:
+            await channel.close()
+    return ClassLoadResult(
+        qos_class, answered, admitted, tokens, reasons, worst_elapsed, worst_waited, errors
+    )
+
+
+def class_load(
+    addresses: list[str],
+    qos_class: str,
+    clients: int,
+    seconds: float,
+    cost: int,
+    max_wait_ms: int,
+    start: Event,
+) -> ClassLoadResult:
+    """Waits for ``start``, then keeps ``clients`` callers of one class asking (and
+    waiting up to ``max_wait_ms``) for ``seconds``; rejected callers back off briefly."""
+    start.wait()
+    return uvloop.run(_class_load(addresses, qos_class, clients, seconds, cost, max_wait_ms))

@@ -1,0 +1,344 @@
+"""The waiting room across a fleet: 2 daemon processes on one Redis (standalone, then a
+3-node cluster), with clients in processes of their own. Each test prints the
+figures it asserts on.
+
+Pool: 20,000 tokens/s; P0 60 %, P1 35 %, P2 5 %; bursts and shared tokens 0.5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+import redis.cluster
+
+from qosd.config import Config, resolve_pools
+from qosd.store.redis import RedisStore
+from qosd.testing import DaemonProcess, RedisCluster, RedisServer, daemon_processes
+from qosd_client import QosdClient, Reason
+from tests.conftest import merge
+from tests.load import ClassLoadResult, class_load
+
+CAPACITY = 20_000.0
+SHARES = {"P0": 0.60, "P1": 0.35, "P2": 0.05}
+FLEET_CONFIG: dict[str, Any] = {
+    "pools": {"default": {"capacity_tokens_s": CAPACITY}},
+    "classes": {
+        "P0": {"priority": 0, "share": 0.60, "max_wait_ms": 500},
+        "P1": {"priority": 1, "share": 0.35, "max_wait_ms": 1_000},
+        "P2": {"priority": 2, "share": 0.05, "max_wait_ms": 2_000},
+    },
+    "waiting": {"poll_ms": 5},
+}
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def fleet_redis(request: pytest.FixtureRequest) -> dict[str, Any]:
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_standalone")
+        return {"url": server.url, "key_prefix": prefix}
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster3")
+    return {"url": cluster.url, "mode": "cluster", "key_prefix": prefix}
+
+
+def redis_client(settings: dict[str, Any]) -> Any:
+    if settings.get("mode") == "cluster":
+        return redis.cluster.RedisCluster.from_url(settings["url"])
+    return redis.Redis.from_url(settings["url"])
+
+
+def redis_seconds(settings: dict[str, Any]) -> float:
+    """Redis TIME on the node that owns the pool."""
+    client = redis_client(settings)
+    try:
+        if settings.get("mode") == "cluster":
+            node = client.get_node_from_key(f"{settings['key_prefix']}:{{default}}:state")
+            seconds, micros = client.time(target_nodes=node)
+        else:
+            seconds, micros = client.time()
+    finally:
+        client.close()
+    return float(seconds) + float(micros) / 1e6
+
+
+@pytest.fixture
+def fleet(fleet_redis: dict[str, Any]) -> Iterator[tuple[dict[str, Any], list[DaemonProcess]]]:
+    config = merge(FLEET_CONFIG, {"redis": fleet_redis})
+    with daemon_processes(config, count=2) as daemons:
+        yield config, daemons
+
+
+def run_loads(
+    daemons: list[DaemonProcess],
+    settings: dict[str, Any],
+    loads: list[tuple[str, int, int, int]],
+    seconds: float,
+) -> tuple[dict[str, ClassLoadResult], float]:
+    """Runs one worker process per (class, clients, cost, max_wait_ms), all at once;
+    returns their results by class and the Redis time the run took."""
+    context = multiprocessing.get_context("spawn")
+    start = context.Manager().Event()
+    addresses = [daemon.address for daemon in daemons]
+    with ProcessPoolExecutor(len(loads), mp_context=context) as pool:
+        futures = [
+            pool.submit(class_load, addresses, name, clients, seconds, cost, wait, start)
+            for name, clients, cost, wait in loads
+        ]
+        time.sleep(1.0)  # let the workers start their interpreters
+        began = redis_seconds(settings)
+        start.set()
+        results = [future.result(timeout=seconds + 60) for future in futures]
+        elapsed = redis_seconds(settings) - began
+    return {result.qos_class: result for result in results}, elapsed
+
+
+def describe(results: dict[str, ClassLoadResult], elapsed: float) -> str:
+    lines = []
+    for name, r in sorted(results.items()):
+        lines.append(
+            f"  {name}: {r.admitted}/{r.answered} admitted, {r.tokens_admitted / elapsed:,.0f} "
+            f"tokens/s = {r.tokens_admitted / elapsed / CAPACITY:.1%} of capacity; "
+            f"worst answer {r.worst_elapsed_s * 1000:.0f} ms; {r.reasons}; errors {r.errors}"
+        )
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_p1_keeps_its_floor_while_p0_floods(
+    fleet: tuple[dict[str, Any], list[DaemonProcess]],
+) -> None:
+    config, daemons = fleet
+    results, elapsed = run_loads(
+        daemons, config["redis"], [("P0", 48, 200, 500), ("P1", 24, 200, 1_000)], 10.0
+    )
+    print(f"\nP0 flood and P1 demand for {elapsed:.2f} s:\n{describe(results, elapsed)}")
+    p0, p1 = results["P0"], results["P1"]
+    assert p0.errors == p1.errors == 0
+    floor = SHARES["P1"] * CAPACITY * elapsed
+    # At the start, P1's full bucket and part of the full shared tokens (0.5 s of
+    # capacity) go to whoever asks first, before P0's waiters hold the shared tokens.
+    initial = 0.5 * SHARES["P1"] * CAPACITY + 0.5 * CAPACITY
+    # P0 wants more than the pool has: some of its callers are turned away.
+    assert p0.reasons.get("QUEUE_TIMEOUT", 0) + p0.reasons.get("RATE_LIMITED", 0) > 50
+    assert 0.95 * floor <= p1.tokens_admitted <= 1.05 * floor + initial
+    # And P0 gets the rest: its own share plus P2's, which P2 leaves unused.
+    assert p0.tokens_admitted >= 0.95 * (SHARES["P0"] + SHARES["P2"]) * CAPACITY * elapsed
+
+
+@pytest.mark.slow
+def test_p2_alone_uses_the_whole_pool(fleet: tuple[dict[str, Any], list[DaemonProcess]]) -> None:
+    config, daemons = fleet
+    results, elapsed = run_loads(daemons, config["redis"], [("P2", 48, 400, 2_000)], 10.0)
+    print(f"\nP2 alone for {elapsed:.2f} s:\n{describe(results, elapsed)}")
+    p2 = results["P2"]
+    assert p2.errors == 0
+    assert p2.tokens_admitted >= 0.95 * CAPACITY * elapsed
+
+
+@pytest.mark.slow
+def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonProcess]]) -> None:
+    config, daemons = fleet
+    # P0 floods (holding the shared tokens); P2 has only its own 1,000 tokens/s, and
+    # 32 callers each asking for 100 of them: most time out in the queue.
+    results, elapsed = run_loads(
+        daemons, config["redis"], [("P0", 24, 200, 500), ("P2", 32, 100, 300)], 6.0
+    )
+    print(f"\nP2 with a 300 ms max wait under a P0 flood:\n{describe(results, elapsed)}")
+    p2 = results["P2"]
+    assert p2.errors == 0
+    assert p2.reasons.get("QUEUE_TIMEOUT", 0) > 100  # the deadline path is exercised
+    assert set(p2.reasons) <= {"NONE", "QUEUE_TIMEOUT", "RATE_LIMITED"}
+    assert p2.worst_waited_s <= 0.300 + 0.050
+    assert p2.worst_elapsed_s <= 0.300 + 0.050  # as the caller saw it, RPC included
+
+
+SCARCE: dict[str, Any] = {
+    "pools": {"default": {"capacity_tokens_s": 1_000}},
+    "classes": {
+        name: {"priority": rank, "share": 0.05, "burst_s": 100, "max_wait_ms": 5_000}
+        for rank, name in enumerate(("P0", "P1", "P2"))
+    },
+    "waiting": {"poll_ms": 5},
+}
+
+
+def test_p0_waiting_on_one_daemon_goes_before_a_later_p2_on_another(
+    fleet_redis: dict[str, Any],
+) -> None:
+    """Own shares are tiny and empty: both wait for the shared tokens (850/s)."""
+    config = merge(SCARCE, {"redis": fleet_redis})
+
+    async def scenario(first: str, second: str) -> list[str]:
+        async with QosdClient(first) as a, QosdClient(second) as b:
+            for qos_class in ("P0", "P1", "P2"):
+                assert (await a.acquire(qos_class, 5_000, max_wait_ms=0)).admitted
+            assert (await a.acquire("P1", 500, max_wait_ms=0)).admitted  # shared tokens
+            order: list[str] = []
+
+            async def wait_for(client: QosdClient, qos_class: str, cost: int) -> None:
+                result = await client.acquire(qos_class, cost, max_wait_ms=3_000)
+                assert result.admitted, result
+                order.append(f"{qos_class} after {result.waited_s * 1000:.0f} ms")
+
+            p0 = asyncio.create_task(wait_for(a, "P0", 400))
+            await asyncio.sleep(0.03)
+            await asyncio.gather(p0, wait_for(b, "P2", 100))
+            return order
+
+    with daemon_processes(config, count=2) as (daemon_a, daemon_b):
+        order = asyncio.run(scenario(daemon_a.address, daemon_b.address))
+    print(f"\nadmitted in order: {order}")
+    assert [entry.split()[0] for entry in order] == ["P0", "P2"]
+
+
+def test_cancelled_waiters_leave_no_trace(fleet_redis: dict[str, Any]) -> None:
+    """1,000 waiters on 2 daemons, all cancelled mid-wait: the queues and the budget are
+    as if they had never come."""
+    # P2 is assured 10 tokens/s and may not borrow; drained, a head asking for 400
+    # tokens blocks its queue for ~40 s, and the 1,000 small waiters queue behind it.
+    config = merge(
+        FLEET_CONFIG,
+        {
+            "redis": fleet_redis,
+            "pools": {"default": {"capacity_tokens_s": 20_000}},
+            "classes": {
+                "P2": {"share": 0.0005, "burst_s": 100, "can_borrow": False,
+                       "max_wait_ms": 60_000, "max_queue": 2_000},
+            },
+        },
+    )  # fmt: skip
+    pool = resolve_pools(Config.model_validate(config))["default"]
+
+    async def scenario(addresses: list[str]) -> tuple[Any, Any, Any, int]:
+        store = RedisStore(Config.model_validate(config).redis, tombstone_ms=60_000)
+        await store.start()
+        clients = [QosdClient(address) for address in addresses]
+        try:
+            assert (await clients[0].acquire("P2", 1_000, max_wait_ms=0)).admitted
+            head = asyncio.create_task(clients[0].acquire("P2", 400, max_wait_ms=60_000))
+            await asyncio.sleep(0.2)
+            before = await store.status(pool)
+            leases_before = await store.active_leases("default")
+            waiters = [
+                asyncio.create_task(clients[i % 2].acquire("P2", 1, max_wait_ms=30_000))
+                for i in range(1_000)
+            ]
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if (await store.status(pool)).classes["P2"].waiting == 1_001:
+                    break
+            during = await store.status(pool)
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if (await store.status(pool)).classes["P2"].waiting == 1:
+                    break
+            after = await store.status(pool)
+            leases_after = await store.active_leases("default")
+            head.cancel()
+            await asyncio.gather(head, return_exceptions=True)
+            return before, during, after, leases_after - leases_before
+        finally:
+            for client in clients:
+                await client.close()
+            await store.close()
+
+    with daemon_processes(config, count=2) as daemons:
+        began = time.monotonic()
+        before, during, after, new_leases = asyncio.run(
+            scenario([daemon.address for daemon in daemons])
+        )
+        took = time.monotonic() - began
+    p2_before, p2_after = before.classes["P2"], after.classes["P2"]
+    print(
+        f"\nwaiting: {p2_before.waiting} before, {during.classes['P2'].waiting} during, "
+        f"{p2_after.waiting} after; P2 tokens {p2_before.tokens:.2f} -> {p2_after.tokens:.2f}; "
+        f"shared {before.shared_tokens:.0f} -> {after.shared_tokens:.0f}; "
+        f"new leases {new_leases}"
+    )
+    assert during.classes["P2"].waiting == 1_001
+    assert p2_after.waiting == 1  # the head, nobody else
+    assert new_leases == 0
+    # P2's tokens moved by refill alone (10/s at most over the run), nothing taken.
+    assert 0 <= p2_after.tokens - p2_before.tokens <= 10 * took + 1e-6
+
+
+def test_queue_bound_holds_under_a_flood(fleet_redis: dict[str, Any]) -> None:
+    config = merge(
+        FLEET_CONFIG,
+        {"redis": fleet_redis, "classes": {"P1": {"max_queue": 100, "can_borrow": False}}},
+    )
+    pool = resolve_pools(Config.model_validate(config))["default"]
+    client = redis_client(fleet_redis)
+
+    def redis_memory() -> int:
+        if fleet_redis.get("mode") == "cluster":
+            nodes = client.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+            return sum(int(info["used_memory"]) for info in nodes.values())
+        return int(client.info("memory")["used_memory"])
+
+    async def scenario(addresses: list[str], pids: list[int]) -> dict[str, Any]:
+        store = RedisStore(Config.model_validate(config).redis, tombstone_ms=60_000)
+        await store.start()
+        qos = [QosdClient(address) for address in addresses]
+        figures: dict[str, Any] = {"max_waiting": 0, "reasons": {}}
+        try:
+            figures["redis_before"] = redis_memory()
+            figures["rss_before"] = sum(rss_bytes(pid) for pid in pids)
+            stop_at = time.monotonic() + 5.0
+
+            async def flooder(index: int) -> None:
+                while time.monotonic() < stop_at:
+                    result = await qos[index % 2].acquire("P1", 2_000, max_wait_ms=1_000)
+                    name = result.reason.name
+                    figures["reasons"][name] = figures["reasons"].get(name, 0) + 1
+
+            async def sampler() -> None:
+                while time.monotonic() < stop_at:
+                    waiting = (await store.status(pool)).classes["P1"].waiting
+                    figures["max_waiting"] = max(figures["max_waiting"], waiting)
+                    figures["redis_peak"] = max(figures.get("redis_peak", 0), redis_memory())
+                    await asyncio.sleep(0.05)
+
+            await asyncio.gather(sampler(), *(flooder(i) for i in range(400)))
+            await asyncio.sleep(1.5)  # the last waiters time out
+            figures["redis_after"] = redis_memory()
+            figures["rss_after"] = sum(rss_bytes(pid) for pid in pids)
+            figures["waiting_after"] = (await store.status(pool)).classes["P1"].waiting
+        finally:
+            for channel in qos:
+                await channel.close()
+            await store.close()
+        return figures
+
+    try:
+        with daemon_processes(config, count=2) as daemons:
+            pids = [d.process.pid for d in daemons if d.process is not None]
+            figures = asyncio.run(scenario([d.address for d in daemons], pids))
+    finally:
+        client.close()
+    print(f"\nflood of 400 P1 callers against max_queue 100: {figures}")
+    assert figures["max_waiting"] <= 100
+    assert figures["reasons"].get(Reason.QUEUE_FULL.name, 0) > 100
+    assert figures["waiting_after"] == 0
+    assert figures["redis_peak"] - figures["redis_before"] < 4 * 2**20
+    assert figures["redis_after"] - figures["redis_before"] < 2 * 2**20
+    assert figures["rss_after"] - figures["rss_before"] < 30 * 2**20
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
