@@ -137,6 +137,13 @@ class Admission:
     def pool(self, name: str) -> PoolPolicy:
         return self._pools[name]
 
+    def pool_names(self) -> list[str]:
+        return list(self._pools)
+
+    @property
+    def store_kind(self) -> str:
+        return "redis" if self._config.redis.url else "embedded"
+
     def begin_drain(self) -> None:
         """Answers every waiter now (SHUTTING_DOWN); new requests no longer wait."""
         self._draining = True

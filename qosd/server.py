@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
-from qosd.service import QoSService, add_to_server
+from qosd.service import AdminService, QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.redis import RedisStore
@@ -33,6 +33,7 @@ from qosd.v1 import qosd_pb2
 log = logging.getLogger(__name__)
 
 QOS_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
+ADMIN_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 class StartupError(RuntimeError):
@@ -93,11 +94,11 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_to_server(QoSService(admission), server)
+    add_to_server(QoSService(admission), AdminService(admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (QOS_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     daemon = Daemon(config=config, server=server, admission=admission, health=health_servicer)
     for address in config.server.listen:

@@ -122,6 +122,55 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
 
 
+class AdminService(qosd_pb2_grpc.AdminServicer):
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def GetStatus(  # noqa: N802 - gRPC method name
+        self, request: qosd_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> qosd_pb2.GetStatusResponse:
+        admission = self._admission
+        names = admission.pool_names()
+        if request.pool:
+            if request.pool not in names:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"pool {request.pool!r} is not configured"
+                )
+            names = [request.pool]
+        response = qosd_pb2.GetStatusResponse(
+            daemon_id=admission.daemon_id, store=admission.store_kind
+        )
+        for name in names:
+            pool = admission.pool(name)
+            try:
+                status = await admission.store.status(pool)
+            except StoreUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+            entry = response.pools.add(
+                name=name,
+                capacity_tokens_s=pool.capacity,
+                shared_tokens=status.shared_tokens,
+                shared_burst_tokens=pool.shared_burst,
+            )
+            held = admission.waiting_room.held(name)
+            for cls in pool.classes:
+                now = status.classes[cls.name]
+                entry.classes.add(
+                    name=cls.name,
+                    priority=cls.priority,
+                    rate_tokens_s=cls.rate,
+                    burst_tokens=cls.burst,
+                    tokens=now.tokens,
+                    waiting=now.waiting,
+                    oldest_wait_ms=now.oldest_wait_ms,
+                    waiting_here=held.get(cls.name, 0),
+                    max_wait_ms=cls.max_wait_ms,
+                    max_queue=cls.max_queue,
+                    can_borrow=cls.can_borrow,
+                )
+        return response
+
+
 def _sample_status(value: int) -> Outcome:
     try:
         return Outcome(value) or Outcome.OK
@@ -129,7 +178,7 @@ def _sample_status(value: int) -> Outcome:
         raise InvalidArgument(f"status {value} is not a known Outcome") from None
 
 
-def add_to_server(service: QoSService, server: grpc.aio.Server) -> None:
+def add_to_server(service: QoSService, admin: AdminService, server: grpc.aio.Server) -> None:
     """Registers the QoS service so that an undecodable request is INVALID_ARGUMENT.
 
     The generated registration lets grpc.aio decode requests before any servicer
@@ -152,6 +201,17 @@ def add_to_server(service: QoSService, server: grpc.aio.Server) -> None:
     }
     service_name = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    admin_handlers = {
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            _decoding(qosd_pb2.GetStatusRequest, admin.GetStatus),
+            request_deserializer=None,
+            response_serializer=_serialize,
+        )
+    }
+    admin_name = qosd_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(admin_name, admin_handlers),)
+    )
 
 
 def _serialize(message: Message) -> bytes:

@@ -69,9 +69,13 @@ class WaitingRoom:
         self._cleanup: set[asyncio.Task[Any]] = set()
         self._draining = False
 
-    def waiting(self, pool: str) -> int:
+    def held(self, pool: str) -> dict[str, int]:
+        """How many waiters of each class this daemon holds in a pool."""
+        counts: dict[str, int] = {}
         room = self._rooms.get(pool)
-        return len(room.waiters) if room else 0
+        for local in room.waiters.values() if room else ():
+            counts[local.waiter.qos_class] = counts.get(local.waiter.qos_class, 0) + 1
+        return counts
 
     async def wait(self, pool: PoolPolicy, waiter: Waiter, wait_s: float) -> BucketDecision:
         """Waits until the store admits ``waiter`` (queued already) or its wait is up."""

@@ -201,15 +201,20 @@ async def test_status_shows_queues_and_the_worst_wait(make_daemon: DaemonFactory
     assert (await qos.acquire("P1", 650, max_wait_ms=0)).admitted
     waiters = [asyncio.create_task(qos.acquire("P1", 400, max_wait_ms=3_000)) for _ in range(3)]
     await asyncio.sleep(0.2)
-    now = await status(running)
-    assert now.classes["P1"].waiting == 3
-    assert 150 <= now.classes["P1"].oldest_wait_ms <= 600
-    assert now.classes["P0"].waiting == 0 and now.classes["P0"].oldest_wait_ms == 0
+    now = (await qos.status()).pool("default")  # through the Admin service
+    p1 = now.cls("P1")
+    assert (p1.waiting, p1.waiting_here) == (3, 3)
+    assert 0.15 <= p1.oldest_wait_s <= 0.6
+    assert (p1.rate_tokens_s, p1.burst_tokens, p1.max_wait_s) == (300, 150, 3.0)
+    assert now.cls("P0").waiting == 0 and now.cls("P0").oldest_wait_s == 0
+    assert [c.name for c in now.classes] == ["P0", "P1", "P2"]
+    assert now.capacity_tokens_s == 1_000 and now.shared_burst_tokens == 500
     for waiter in waiters:
         waiter.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
     await asyncio.sleep(0.1)
-    assert (await status(running)).classes["P1"].waiting == 0
+    after = (await qos.status("default")).pool("default").cls("P1")
+    assert (after.waiting, after.waiting_here) == (0, 0)
 
 
 @pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)

@@ -9,23 +9,27 @@ async with QosdClient("127.0.0.1:50051") as qos:
 from qosd_client.client import DEFAULT_TARGET, Lease, QosdClient, SyncQosdClient
 from qosd_client.types import (
     AcquireResult,
+    ClassState,
     DeadlineExceeded,
     InvalidRequest,
     LatencySample,
     LeaseExpired,
     LeaseNotFound,
     Outcome,
+    PoolState,
     QosdError,
     Reason,
     Rejected,
     ReleaseResult,
     ReportResult,
+    Status,
     Unavailable,
 )
 
 __all__ = [
     "DEFAULT_TARGET",
     "AcquireResult",
+    "ClassState",
     "DeadlineExceeded",
     "InvalidRequest",
     "LatencySample",
@@ -33,12 +37,14 @@ __all__ = [
     "LeaseExpired",
     "LeaseNotFound",
     "Outcome",
+    "PoolState",
     "QosdClient",
     "QosdError",
     "Reason",
     "Rejected",
     "ReleaseResult",
     "ReportResult",
+    "Status",
     "SyncQosdClient",
     "Unavailable",
 ]

@@ -7,16 +7,19 @@ import grpc
 from qosd.v1 import qosd_pb2
 from qosd_client.types import (
     AcquireResult,
+    ClassState,
     DeadlineExceeded,
     InvalidRequest,
     LatencySample,
     LeaseExpired,
     LeaseNotFound,
     Outcome,
+    PoolState,
     QosdError,
     Reason,
     ReleaseResult,
     ReportResult,
+    Status,
     Unavailable,
 )
 
@@ -124,6 +127,38 @@ def report_result(response: qosd_pb2.ReportResponse) -> ReportResult:
     return ReportResult(
         accepted=response.accepted,
         rejected=tuple((item.index, item.reason) for item in response.rejected),
+    )
+
+
+def status_result(response: qosd_pb2.GetStatusResponse) -> Status:
+    return Status(
+        pools=tuple(
+            PoolState(
+                name=pool.name,
+                capacity_tokens_s=pool.capacity_tokens_s,
+                shared_tokens=pool.shared_tokens,
+                shared_burst_tokens=pool.shared_burst_tokens,
+                classes=tuple(
+                    ClassState(
+                        name=c.name,
+                        priority=c.priority,
+                        rate_tokens_s=c.rate_tokens_s,
+                        burst_tokens=c.burst_tokens,
+                        tokens=c.tokens,
+                        waiting=c.waiting,
+                        oldest_wait_s=c.oldest_wait_ms / 1000,
+                        waiting_here=c.waiting_here,
+                        max_wait_s=c.max_wait_ms / 1000,
+                        max_queue=c.max_queue,
+                        can_borrow=c.can_borrow,
+                    )
+                    for c in pool.classes
+                ),
+            )
+            for pool in response.pools
+        ),
+        daemon_id=response.daemon_id,
+        store=response.store,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from qosd.v1 import qosd_pb2_grpc
+from qosd.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_client import _convert
 from qosd_client.types import (
     AcquireResult,
@@ -26,6 +26,7 @@ from qosd_client.types import (
     Rejected,
     ReleaseResult,
     ReportResult,
+    Status,
 )
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class QosdClient:
     ) -> None:
         self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = qosd_pb2_grpc.QoSStub(self._channel)
+        self._admin = qosd_pb2_grpc.AdminStub(self._channel)
         self._timeout_s = timeout_s
 
     async def __aenter__(self) -> QosdClient:
@@ -141,6 +143,15 @@ class QosdClient:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
 
+    async def status(self, pool: str = "", *, timeout_s: float | None = None) -> Status:
+        """Budgets and waiting rooms now (the Admin service), fleet-wide with Redis."""
+        request = qosd_pb2.GetStatusRequest(pool=pool)
+        try:
+            response = await self._admin.GetStatus(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.status_result(response)
+
     @asynccontextmanager
     async def lease(
         self, qos_class: str, input_tokens: int, **acquire: Any
@@ -188,6 +199,7 @@ class SyncQosdClient:
     ) -> None:
         self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = qosd_pb2_grpc.QoSStub(self._channel)
+        self._admin = qosd_pb2_grpc.AdminStub(self._channel)
         self._timeout_s = timeout_s
 
     def __enter__(self) -> SyncQosdClient:
@@ -252,6 +264,14 @@ class SyncQosdClient:
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
+
+    def status(self, pool: str = "", *, timeout_s: float | None = None) -> Status:
+        request = qosd_pb2.GetStatusRequest(pool=pool)
+        try:
+            response = self._admin.GetStatus(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error) from error
+        return _convert.status_result(response)
 
     @contextmanager
     def lease(self, qos_class: str, input_tokens: int, **acquire: Any) -> Iterator[Lease]:

@@ -73,6 +73,45 @@ class ReportResult:
     rejected: tuple[tuple[int, str], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ClassState:
+    """One class in one pool, as GetStatus saw it (see qosd.v1.ClassStatus)."""
+
+    name: str
+    priority: int
+    rate_tokens_s: float
+    burst_tokens: float
+    tokens: float
+    waiting: int
+    oldest_wait_s: float  # the worst current wait
+    waiting_here: int
+    max_wait_s: float
+    max_queue: int
+    can_borrow: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    name: str
+    capacity_tokens_s: float
+    shared_tokens: float
+    shared_burst_tokens: float
+    classes: tuple[ClassState, ...]
+
+    def cls(self, name: str) -> ClassState:
+        return next(c for c in self.classes if c.name == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    pools: tuple[PoolState, ...]
+    daemon_id: str
+    store: str
+
+    def pool(self, name: str) -> PoolState:
+        return next(p for p in self.pools if p.name == name)
+
+
 class QosdError(Exception):
     """Base of every error the client raises."""
 

@@ -516,3 +516,151 @@ class ReportResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015
+
+@_typing.final
+class GetStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """Only this pool; empty: every configured pool."""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
+
+@_typing.final
+class ClassStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
+    BURST_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    OLDEST_WAIT_MS_FIELD_NUMBER: _builtins.int
+    WAITING_HERE_FIELD_NUMBER: _builtins.int
+    MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_FIELD_NUMBER: _builtins.int
+    CAN_BORROW_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Class name, as configured."""
+    priority: _builtins.int
+    """Configured priority (lower goes first)."""
+    rate_tokens_s: _builtins.float
+    """Assured refill rate in this pool, tokens per second."""
+    burst_tokens: _builtins.float
+    """Bucket capacity, tokens."""
+    tokens: _builtins.float
+    """Tokens in the class's own bucket now; negative while repaying an oversized
+    admission.
+    """
+    waiting: _builtins.int
+    """Requests of this class waiting in this pool, fleet-wide."""
+    oldest_wait_ms: _builtins.int
+    """How long the longest waiter of the class has waited, milliseconds; 0 when none
+    waits. The worst current wait.
+    """
+    waiting_here: _builtins.int
+    """Of `waiting`, those held by this daemon."""
+    max_wait_ms: _builtins.int
+    """Configured limits: the longest wait, the longest queue, and whether the class
+    may use the pool's shared tokens.
+    """
+    max_queue: _builtins.int
+    can_borrow: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        rate_tokens_s: _builtins.float = ...,
+        burst_tokens: _builtins.float = ...,
+        tokens: _builtins.float = ...,
+        waiting: _builtins.int = ...,
+        oldest_wait_ms: _builtins.int = ...,
+        waiting_here: _builtins.int = ...,
+        max_wait_ms: _builtins.int = ...,
+        max_queue: _builtins.int = ...,
+        can_borrow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassStatus: _TypeAlias = ClassStatus  # noqa: Y015
+
+@_typing.final
+class PoolStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CAPACITY_TOKENS_S_FIELD_NUMBER: _builtins.int
+    SHARED_TOKENS_FIELD_NUMBER: _builtins.int
+    SHARED_BURST_TOKENS_FIELD_NUMBER: _builtins.int
+    CLASSES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    capacity_tokens_s: _builtins.float
+    """Configured capacity, tokens per second."""
+    shared_tokens: _builtins.float
+    """Unused capacity the classes may borrow now, and the most it can hold."""
+    shared_burst_tokens: _builtins.float
+    @_builtins.property
+    def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassStatus]:
+        """In priority order."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        capacity_tokens_s: _builtins.float = ...,
+        shared_tokens: _builtins.float = ...,
+        shared_burst_tokens: _builtins.float = ...,
+        classes: _abc.Iterable[Global___ClassStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "name", b"name", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolStatus: _TypeAlias = PoolStatus  # noqa: Y015
+
+@_typing.final
+class GetStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    DAEMON_ID_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    daemon_id: _builtins.str
+    """This daemon's id in the waiting rooms."""
+    store: _builtins.str
+    """"embedded" or "redis"."""
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStatus]: ...
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[Global___PoolStatus] | None = ...,
+        daemon_id: _builtins.str = ...,
+        store: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "pools", b"pools", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015

@@ -192,3 +192,80 @@ class QoS(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub(object):
+    """Admin is for operators and their tools: what the daemon and its store see now.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStatus = channel.unary_unary(
+                '/qosd.v1.Admin/GetStatus',
+                request_serializer=qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer(object):
+    """Admin is for operators and their tools: what the daemon and its store see now.
+    """
+
+    def GetStatus(self, request, context):
+        """A snapshot of every pool's budget and waiting rooms, read from the store (so
+        fleet-wide with Redis), plus what this daemon holds itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.FromString,
+                    response_serializer=qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'qosd.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('qosd.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin(object):
+    """Admin is for operators and their tools: what the daemon and its store see now.
+    """
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qosd.v1.Admin/GetStatus',
+            qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
+            qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -121,3 +121,40 @@ class QoSServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_QoSServicer_to_server(servicer: QoSServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class AdminStub:
+    """Admin is for operators and their tools: what the daemon and its store see now."""
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
+    GetStatus: _grpc.UnaryUnaryMultiCallable[_qosd_pb2.GetStatusRequest, _qosd_pb2.GetStatusResponse]
+    """A snapshot of every pool's budget and waiting rooms, read from the store (so
+    fleet-wide with Redis), plus what this daemon holds itself.
+    """
+
+@_typing.type_check_only
+class AdminAsyncStub(AdminStub):
+    """Admin is for operators and their tools: what the daemon and its store see now."""
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    GetStatus: _aio.UnaryUnaryMultiCallable[_qosd_pb2.GetStatusRequest, _qosd_pb2.GetStatusResponse]  # type: ignore[assignment]
+    """A snapshot of every pool's budget and waiting rooms, read from the store (so
+    fleet-wide with Redis), plus what this daemon holds itself.
+    """
+
+class AdminServicer(metaclass=_abc_1.ABCMeta):
+    """Admin is for operators and their tools: what the daemon and its store see now."""
+
+    @_abc_1.abstractmethod
+    def GetStatus(
+        self,
+        request: _qosd_pb2.GetStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_qosd_pb2.GetStatusResponse, _abc.Awaitable[_qosd_pb2.GetStatusResponse]]:
+        """A snapshot of every pool's budget and waiting rooms, read from the store (so
+        fleet-wide with Redis), plus what this daemon holds itself.
+        """
+
+def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
