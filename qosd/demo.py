@@ -154,7 +154,13 @@ async def _replay(address: str, seconds: float, speedup: float) -> dict[str, Cla
                     f"{name}: {t.admitted}/{t.offered} admitted"
                     for name, t in sorted(tallies.items())
                 )
-                print(f"t={now:4.1f}s  {line}", flush=True)
+                pool = (await qos.status("default")).pool("default")
+                queues = ", ".join(
+                    f"{c.name} {c.waiting} (oldest {c.oldest_wait_s:.1f}s)"
+                    for c in pool.classes
+                    if c.waiting
+                )
+                print(f"t={now:4.1f}s  {line}  | waiting: {queues or 'none'}", flush=True)
         await asyncio.gather(*tasks)
         if samples:
             await qos.report(samples)
@@ -164,12 +170,16 @@ async def _replay(address: str, seconds: float, speedup: float) -> dict[str, Cla
 def _print_summary(config: Config, tallies: dict[str, ClassTally]) -> None:
     pool = config.pools[config.default_pool or next(iter(config.pools))]
     print()
-    print(f"pool capacity {pool.capacity_tokens_s:,.0f} tokens/s; class budgets:")
+    print(
+        f"pool capacity {pool.capacity_tokens_s:,.0f} tokens/s; what a class leaves unused "
+        "is shared, highest class first. Class budgets:"
+    )
     for name, cls in sorted(config.classes.items(), key=lambda item: item[1].priority):
         rate = cls.share * pool.capacity_tokens_s
         burst = cls.burst_tokens or cls.burst_s * rate
         print(
-            f"  {name}: {rate:>9,.0f} tokens/s, burst {burst:>8,.0f}, max wait {cls.max_wait_ms} ms"
+            f"  {name}: {rate:>9,.0f} tokens/s assured, burst {burst:>8,.0f}, "
+            f"max wait {cls.max_wait_ms} ms{', may borrow' if cls.can_borrow else ''}"
         )
     print()
     header = f"{'class':<8}{'offered':>8}{'admitted':>9}{'mean wait':>11}  rejected (reason: count)"
