@@ -20,7 +20,7 @@ import redis
 import redis.cluster
 
 from qosd.testing import RedisCluster, RedisServer, daemon_processes
-from tests.load import WorkerResult, hammer
+from tests.load import ClassLoadResult, class_load
 
 RATE = 10_000.0  # tokens/s for the hammered class (share 0.5 of 20,000)
 BURST = 5_000.0  # 0.5 s of rate
@@ -68,12 +68,12 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
     ):
         addresses = [daemon.address for daemon in daemons]
         futures = [
-            pool.submit(hammer, addresses, CLIENTS // WORKERS, SECONDS, "P0", COST, start)
+            pool.submit(class_load, addresses, "P0", CLIENTS // WORKERS, SECONDS, COST, 0, start)
             for _ in range(WORKERS)
         ]
         began = redis_time(url, bucket_key)
         start.set()
-        results: list[WorkerResult] = [future.result(timeout=SECONDS + 60) for future in futures]
+        results: list[ClassLoadResult] = [future.result(timeout=SECONDS + 60) for future in futures]
         ended = redis_time(url, bucket_key)
 
     elapsed = ended - began
@@ -85,7 +85,7 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
         f"{answered} answers ({answered / elapsed:.0f}/s), "
         f"{sum(r.admitted for r in results)} admitted = {admitted:.0f} tokens; "
         f"bound B+R*T = {bound:.0f}; admitted/bound = {admitted / bound:.4f}; "
-        f"worst answer {max(r.worst_answer_s for r in results) * 1000:.0f} ms; "
+        f"worst answer {max(r.worst_elapsed_s for r in results) * 1000:.0f} ms; "
         f"errors {sum(r.errors for r in results)}"
     )
     assert sum(r.errors for r in results) == 0
