@@ -273,6 +273,9 @@ class EmbeddedStore:
     ) -> list[PumpResult]:
         now_us = self._clock()
         self._daemons[daemon_id] = now_us
+        if len(self._daemons) > 32:  # every restart brings a new id: forget the silent
+            silent = now_us - 10 * self._stale_after_us
+            self._daemons = {d: seen for d, seen in self._daemons.items() if seen >= silent}
         record = self._pool(pool, now_us)
         state = record.state
         mine = {waiter.id: waiter for waiter in waiters}

@@ -23,6 +23,15 @@
 local daemon = ARGV[NEXT_ARG]
 redis.call('HSET', DAEMONS, daemon, now)
 daemon_seen[daemon] = now
+-- Every restart brings a new daemon id: forget those silent for long.
+if redis.call('HLEN', DAEMONS) > 32 then
+  local seen = redis.call('HGETALL', DAEMONS)
+  for j = 1, #seen, 2 do
+    if tonumber(seen[j + 1]) < now - 10 * stale_after_us then
+      redis.call('HDEL', DAEMONS, seen[j])
+    end
+  end
+end
 
 local mine = {}
 local order = {}
