@@ -237,6 +237,12 @@ class Config(_Strict):
                         f"by pool {owner[model]!r}"
                     )
                 owner[model] = pool_name
+        if self.waiting.stale_after_ms < 4 * self.waiting.poll_ms:
+            raise ValueError(
+                f"waiting.stale_after_ms ({self.waiting.stale_after_ms}) must be at least 4 "
+                f"times waiting.poll_ms ({self.waiting.poll_ms}), or live waiters would be "
+                "taken for a dead daemon's"
+            )
         if self.default_pool is not None and self.default_pool not in self.pools:
             raise ValueError(f"default_pool: no pool named {self.default_pool!r}")
         for class_name, cls in self.classes.items():

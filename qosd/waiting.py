@@ -79,6 +79,9 @@ class WaitingRoom:
 
     async def wait(self, pool: PoolPolicy, waiter: Waiter, wait_s: float) -> BucketDecision:
         """Waits until the store admits ``waiter`` (queued already) or its wait is up."""
+        if self._draining:  # queued by a call already in flight when the drain began
+            self._in_background(self._store.cancel(pool, [waiter]))
+            return _rejected(waiter, Reason.SHUTTING_DOWN)
         loop = asyncio.get_running_loop()
         room = self._rooms.get(pool.name)
         if room is None:

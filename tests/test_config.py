@@ -82,6 +82,7 @@ BAD_CONFIGS = [
         "max_cost_tokens: 10 is below the burst",
     ),
     ("classes: [1, 2]\n", "classes"),
+    ("waiting: {poll_ms: 100, stale_after_ms: 200}\n", "must be at least 4 times"),
     ("- just\n- a list\n", "top level must be a mapping"),
     ("classes: {P0: {priority: 0, share: 0.5\n", "not valid YAML"),
 ]

@@ -196,7 +196,11 @@ async def test_tenant_ceiling_keeps_one_tenant_from_taking_a_class(
     assert not capped.admitted and capped.reason is Reason.RATE_LIMITED
     assert 0.05 <= capped.retry_after_s <= 0.11  # 100 tokens at the tenant's 1,000/s
     assert (await qos.acquire("P1", 500, tenant="polite", max_wait_ms=0)).admitted
-    waited = await qos.acquire("P1", 100, tenant="greedy", max_wait_ms=1_000)
+    greedy = asyncio.create_task(qos.acquire("P1", 100, tenant="greedy", max_wait_ms=1_000))
+    await asyncio.sleep(0.02)  # queued, stepping aside for its tenant's ceiling
+    # ... which does not hold up another tenant, even one that will not wait.
+    assert (await qos.acquire("P1", 100, tenant="other", max_wait_ms=0)).admitted
+    waited = await greedy
     assert waited.admitted and 0.04 <= waited.waited_s <= 0.5
 
 

@@ -143,6 +143,14 @@ class EmbeddedStore:
         heads.sort(key=lambda head: (head.rank, head.record.enqueued_us))
         return heads
 
+    def _has_live_waiter(
+        self, record: _Pool, pool: PoolPolicy, cls: ClassPolicy, now_us: int
+    ) -> bool:
+        """A waiter of the class that is not stepping aside for its tenant's ceiling."""
+        if not record.queues[cls.name]:
+            return False
+        return any(head.cls.name == cls.name for head in self._heads(record, pool, now_us))
+
     def _shared_open_for(
         self, record: _Pool, pool: PoolPolicy, cls: ClassPolicy, now_us: int
     ) -> bool:
@@ -227,7 +235,7 @@ class EmbeddedStore:
             return answer(Reason.COST_EXCEEDS_BURST)
         queue = record.queues[cls.name]
         how = 0
-        if not queue:  # FIFO: no overtaking this class's waiters
+        if not self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             shared_open = (
                 cls.can_borrow
                 and state.tokens[cls.name] < cost

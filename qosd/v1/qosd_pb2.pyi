@@ -77,25 +77,24 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     REASON_UNSPECIFIED: _Reason.ValueType  # 0
     """Admitted normally; no qualification."""
     REASON_RATE_LIMITED: _Reason.ValueType  # 1
-    """The class's token bucket holds fewer tokens than the request costs, and the
-    request's max wait did not allow waiting for the refill.
+    """The request cannot be admitted now (its class lacks the tokens, its tenant is
+    over its ceiling, or earlier requests of its class are waiting), and its max wait
+    is 0 or too short for even an uncontested refill to cover it.
     """
     REASON_COST_EXCEEDS_BURST: _Reason.ValueType  # 2
     """The request costs more than the class can ever admit (more than its burst, or
     than its configured `max_cost_tokens` when that is larger). Retrying cannot help.
     """
     REASON_QUEUE_TIMEOUT: _Reason.ValueType  # 3
-    """The request waited for budget, and the rest of its max wait could not cover the
-    refill it still needed. `waited_ms` says how long it waited.
+    """The request waited in its class's queue for its whole max wait without being
+    admitted (or its queue entry was dropped as stale). `waited_ms` says how long.
     """
     REASON_BACKEND_UNAVAILABLE: _Reason.ValueType  # 4
     """The shared store (Redis) could not be reached within its timeout and the daemon
     runs with `fail_mode: closed`.
     """
     REASON_QUEUE_FULL: _Reason.ValueType  # 5
-    """The class's waiting room is full. Reserved for the fleet-wide waiting room; this
-    version does not produce it.
-    """
+    """The class already has `max_queue` requests waiting in this pool, fleet-wide."""
     REASON_FAIL_OPEN: _Reason.ValueType  # 6
     """Admitted without a budget check because the store is unreachable and the daemon
     runs with `fail_mode: open`. The lease is local and settles nothing.
@@ -112,25 +111,24 @@ class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
 REASON_UNSPECIFIED: Reason.ValueType  # 0
 """Admitted normally; no qualification."""
 REASON_RATE_LIMITED: Reason.ValueType  # 1
-"""The class's token bucket holds fewer tokens than the request costs, and the
-request's max wait did not allow waiting for the refill.
+"""The request cannot be admitted now (its class lacks the tokens, its tenant is
+over its ceiling, or earlier requests of its class are waiting), and its max wait
+is 0 or too short for even an uncontested refill to cover it.
 """
 REASON_COST_EXCEEDS_BURST: Reason.ValueType  # 2
 """The request costs more than the class can ever admit (more than its burst, or
 than its configured `max_cost_tokens` when that is larger). Retrying cannot help.
 """
 REASON_QUEUE_TIMEOUT: Reason.ValueType  # 3
-"""The request waited for budget, and the rest of its max wait could not cover the
-refill it still needed. `waited_ms` says how long it waited.
+"""The request waited in its class's queue for its whole max wait without being
+admitted (or its queue entry was dropped as stale). `waited_ms` says how long.
 """
 REASON_BACKEND_UNAVAILABLE: Reason.ValueType  # 4
 """The shared store (Redis) could not be reached within its timeout and the daemon
 runs with `fail_mode: closed`.
 """
 REASON_QUEUE_FULL: Reason.ValueType  # 5
-"""The class's waiting room is full. Reserved for the fleet-wide waiting room; this
-version does not produce it.
-"""
+"""The class already has `max_queue` requests waiting in this pool, fleet-wide."""
 REASON_FAIL_OPEN: Reason.ValueType  # 6
 """Admitted without a budget check because the store is unreachable and the daemon
 runs with `fail_mode: open`. The lease is local and settles nothing.
@@ -248,17 +246,20 @@ class AcquireResponse(_message.Message):
     lease_id: _builtins.str
     """Opaque lease handle to pass to Release. Set when admitted."""
     tokens_charged: _builtins.float
-    """Tokens charged to the class's bucket at admission: the request's cost,
+    """Tokens charged at admission (to the class's bucket, and to the pool's shared
+    tokens when it borrowed): the request's cost,
     (input_tokens + cost.output_weight * expected_output_tokens) * class weight.
     On REJECTED, the cost that was asked for.
     """
     remaining_tokens: _builtins.float
     """Tokens left in the class's bucket right after this decision. May be negative
-    after an oversized admission that borrows against future refill.
+    after an oversized admission that borrows against future refill. 0 when a
+    waiting request is answered QUEUE_TIMEOUT or SHUTTING_DOWN.
     """
     retry_after_ms: _builtins.int
     """On REJECTED: milliseconds after which the same request may succeed. 0 when
-    retrying cannot help (COST_EXCEEDS_BURST) or should happen at once elsewhere.
+    retrying cannot help (COST_EXCEEDS_BURST), should happen at once elsewhere
+    (SHUTTING_DOWN), or when the request already waited (QUEUE_TIMEOUT).
     """
     waited_ms: _builtins.int
     """Milliseconds this request waited inside qosd before the decision."""
@@ -565,7 +566,10 @@ class ClassStatus(_message.Message):
     admission.
     """
     waiting: _builtins.int
-    """Requests of this class waiting in this pool, fleet-wide."""
+    """Queue entries of this class in this pool, fleet-wide (with the Redis store):
+    including waiters stepping aside for their tenant's ceiling, and entries of a
+    dead daemon not dropped yet.
+    """
     oldest_wait_ms: _builtins.int
     """How long the longest waiter of the class has waited, milliseconds; 0 when none
     waits. The worst current wait.

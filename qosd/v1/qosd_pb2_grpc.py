@@ -76,7 +76,8 @@ class QoSServicer(object):
 
     def Report(self, request, context):
         """Report delivers a batch of measured latencies. Valid samples are stored in bounded
-        per-(pool, class) sliding windows, shared by every replica, for latency control.
+        per-(pool, class) sliding windows (shared by every replica with the Redis store),
+        for latency control.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

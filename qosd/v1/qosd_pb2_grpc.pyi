@@ -62,7 +62,8 @@ class QoSStub:
     """
     Report: _grpc.UnaryUnaryMultiCallable[_qosd_pb2.ReportRequest, _qosd_pb2.ReportResponse]
     """Report delivers a batch of measured latencies. Valid samples are stored in bounded
-    per-(pool, class) sliding windows, shared by every replica, for latency control.
+    per-(pool, class) sliding windows (shared by every replica with the Redis store),
+    for latency control.
     """
 
 @_typing.type_check_only
@@ -82,7 +83,8 @@ class QoSAsyncStub(QoSStub):
     """
     Report: _aio.UnaryUnaryMultiCallable[_qosd_pb2.ReportRequest, _qosd_pb2.ReportResponse]  # type: ignore[assignment]
     """Report delivers a batch of measured latencies. Valid samples are stored in bounded
-    per-(pool, class) sliding windows, shared by every replica, for latency control.
+    per-(pool, class) sliding windows (shared by every replica with the Redis store),
+    for latency control.
     """
 
 class QoSServicer(metaclass=_abc_1.ABCMeta):
@@ -117,7 +119,8 @@ class QoSServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_qosd_pb2.ReportResponse, _abc.Awaitable[_qosd_pb2.ReportResponse]]:
         """Report delivers a batch of measured latencies. Valid samples are stored in bounded
-        per-(pool, class) sliding windows, shared by every replica, for latency control.
+        per-(pool, class) sliding windows (shared by every replica with the Redis store),
+        for latency control.
         """
 
 def add_QoSServicer_to_server(servicer: QoSServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

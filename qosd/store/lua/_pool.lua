@@ -297,6 +297,20 @@ local function heads()
   return found
 end
 
+-- Has class i a live waiter that is not stepping aside for its tenant's ceiling? A
+-- new request of the class must not overtake one (FIFO); blocked ones it may.
+local function has_live_waiter(i)
+  if state.waiting[i] == 0 then
+    return false
+  end
+  for _, w in ipairs(heads()) do
+    if w.class == i then
+      return true
+    end
+  end
+  return false
+end
+
 -- May class i take shared tokens now? Not while a waiter of another class with the
 -- same or a better effective rank waits for them (a class's own waiters hold it up
 -- anyway, FIFO).

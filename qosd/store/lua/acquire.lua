@@ -80,7 +80,7 @@ for _ = 1, count do
       answer(0, 2, '', ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
     else
       local how = 0
-      if state.waiting[i] == 0 then  -- FIFO: no overtaking this class's waiters
+      if not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
       end
