@@ -342,3 +342,49 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def test_a_dead_daemons_waiters_expire_by_themselves(fleet_redis: dict[str, Any]) -> None:
+    """Daemon A dies (SIGKILL) with a waiter at the head of P2's queue; daemon B's later
+    waiter is held up only until A's entry goes stale (waiting.stale_after_ms)."""
+    config = merge(
+        FLEET_CONFIG,
+        {
+            "redis": fleet_redis,
+            "classes": {"P2": {"share": 0.0005, "burst_s": 100, "can_borrow": False,
+                               "max_wait_ms": 60_000}},
+            "waiting": {"poll_ms": 5, "stale_after_ms": 500},
+        },
+    )  # fmt: skip
+    pool = resolve_pools(Config.model_validate(config))["default"]
+
+    async def scenario(daemon_a: DaemonProcess, daemon_b: DaemonProcess) -> tuple[Any, ...]:
+        store = RedisStore(Config.model_validate(config).redis, tombstone_ms=60_000)
+        await store.start()
+        a, b = QosdClient(daemon_a.address), QosdClient(daemon_b.address)
+        try:
+            assert (await a.acquire("P2", 1_000, max_wait_ms=0)).admitted  # P2 drained
+            head = asyncio.create_task(a.acquire("P2", 400, max_wait_ms=60_000))  # ~40 s
+            await asyncio.sleep(0.2)
+            daemon_a.kill()  # dies holding the head of the queue
+            await asyncio.gather(head, return_exceptions=True)
+            waiting_before = (await store.status(pool)).classes["P2"].waiting
+            result = await b.acquire("P2", 1, max_wait_ms=5_000)
+            await asyncio.sleep(0.05)
+            waiting_after = (await store.status(pool)).classes["P2"].waiting
+            return result, waiting_before, waiting_after
+        finally:
+            await a.close()
+            await b.close()
+            await store.close()
+
+    with daemon_processes(config, count=2) as (daemon_a, daemon_b):
+        result, waiting_before, waiting_after = asyncio.run(scenario(daemon_a, daemon_b))
+    print(
+        f"\nafter A died: {waiting_before} waiting; B's waiter admitted={result.admitted} "
+        f"after {result.waited_s * 1000:.0f} ms; {waiting_after} waiting after"
+    )
+    assert waiting_before == 1  # A's waiter, left behind
+    assert result.admitted
+    assert 0.2 <= result.waited_s <= 1.5  # held up until A's entry went stale (0.5 s)
+    assert waiting_after == 0
