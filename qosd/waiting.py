@@ -156,12 +156,13 @@ class WaitingRoom:
     async def _pump_loop(self, room: _PoolRoom) -> None:
         while room.waiters and not self._draining:
             asked = list(room.waiters.values())
+            room.wake.clear()  # a nudge during this pump asks for the next one at once
             try:
                 results = await self._store.pump(
                     room.policy, self._daemon_id, [local.waiter for local in asked]
                 )
             except StoreUnavailable as error:
-                self._store_lost(room, asked, error)
+                self._store_lost(room, error)
                 return
             except Exception:
                 log.exception("pump failed in pool %s", room.policy.name)
@@ -171,7 +172,6 @@ class WaitingRoom:
                     self._settle(room, local, result)
                 except Exception:  # one bad answer must not strand the others
                     log.exception("could not settle a waiter in pool %s", room.policy.name)
-            room.wake.clear()
             if room.waiters:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(room.wake.wait(), self._poll_s)
@@ -187,13 +187,15 @@ class WaitingRoom:
         else:  # GONE: the store dropped it (taken for a dead daemon's, or expired)
             self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT))
 
-    def _store_lost(self, room: _PoolRoom, asked: list[_Local], error: StoreUnavailable) -> None:
-        """Answers the waiters by the fail mode; their entries are cancelled later."""
+    def _store_lost(self, room: _PoolRoom, error: StoreUnavailable) -> None:
+        """Answers every waiter of the pool by the fail mode (those that joined while
+        the failed pump was in flight too); their entries are cancelled later."""
+        waiting = list(room.waiters.values())
         log.warning("store lost while %d requests waited in pool %s: %s",
-                    len(asked), room.policy.name, error)  # fmt: skip
-        for local in asked:
+                    len(waiting), room.policy.name, error)  # fmt: skip
+        for local in waiting:
             self._answer(room, local, self._store_down(room.policy, local.waiter))
-        self._in_background(self._retry_cancel(room.policy, [local.waiter for local in asked]))
+        self._in_background(self._retry_cancel(room.policy, [local.waiter for local in waiting]))
 
     async def _retry_cancel(self, pool: PoolPolicy, waiters: list[Waiter]) -> None:
         """Takes answered waiters out of the queues once the store is back.
@@ -209,6 +211,11 @@ class WaitingRoom:
                 await asyncio.sleep(min(5.0, 0.1 * 2**attempt))
 
     def _undo(self, pool: PoolPolicy, waiter: Waiter, decision: BucketDecision) -> None:
+        """Refunds a grant nobody will use. Not one with a request id: its caller will
+        retry, and the retry must find the admission it is charged for (unused, that
+        lease expires with its estimate), as the stores do for Acquires."""
+        if waiter.lease.request_id:
+            return
         cls = next(c for c in pool.classes if c.name == waiter.qos_class)
         usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)
         self._in_background(self._store.release(pool, cls, decision.lease_id, usage, exact=True))

@@ -35,7 +35,7 @@ from qosd.model import (
 )
 
 _SWEEP_INTERVAL_US = 1_000_000
-_LOOKAHEAD = 8  # as _pool.lua: waiters looked at per class when finding heads
+_LOOKAHEAD = 64  # as _pool.lua: blocked waiters looked past per class for a head
 _MAX_ADMITTED_PER_PUMP = 64  # as pump.lua
 
 
@@ -129,17 +129,24 @@ class EmbeddedStore:
         heads: list[_Head] = []
         for cls in pool.classes:
             queue = record.queues[cls.name]
-            for waiter_id in list(queue)[:_LOOKAHEAD]:
-                waiter = queue[waiter_id]
+            dead: list[str] = []
+            blocked = 0
+            for waiter_id, waiter in queue.items():
                 if (
                     not self._daemon_alive(waiter.daemon, now_us)
                     or waiter.deadline_us + self._stale_after_us < now_us
                 ):
-                    del queue[waiter_id]
+                    dead.append(waiter_id)
                 elif waiter.blocked_until_us <= now_us:
                     rank = budget.effective_rank(cls, now_us - waiter.enqueued_us)
                     heads.append(_Head(waiter_id, cls, waiter, rank))
                     break
+                else:
+                    blocked += 1
+                    if blocked >= _LOOKAHEAD:
+                        break
+            for waiter_id in dead:
+                del queue[waiter_id]
         heads.sort(key=lambda head: (head.rank, head.record.enqueued_us))
         return heads
 
@@ -220,7 +227,7 @@ class EmbeddedStore:
 
         if lease.request_id:
             prior = self._requests.get((pool.name, lease.request_id))
-            if prior is not None and prior[2] > now_us:
+            if prior is not None and prior[2] - now_us >= 1000:  # as acquire.lua: >= 1 ms
                 return BucketDecision(
                     admitted=True,
                     reason=Reason.NONE,

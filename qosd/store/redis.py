@@ -168,7 +168,7 @@ class RedisStore:
         return (*self._pool_args[pool_name].policy, self._acquire_deadline(), self._daemon_id)
 
     def _acquire_deadline(self) -> str:
-        """The Redis time after which a batch sent now must not charge anything.
+        """The Redis time after which a batch (or pump) sent now must not charge anything.
 
         Its callers stop waiting after ``redis.timeout_ms`` and are told the store is
         unavailable (or admitted, failing open). A batch that Redis runs later, say
@@ -321,7 +321,7 @@ class RedisStore:
         args_for = self._args_for(pool)
         classes = {cls.name: cls for cls in pool.classes}
         keys: list[str] = list(args_for.keys)
-        args: list[Any] = [len(waiters), *args_for.policy, daemon_id]
+        args: list[Any] = [len(waiters), *args_for.policy, daemon_id, self._acquire_deadline()]
         for waiter in waiters:
             lease = waiter.lease
             waiter_keys, has_request, has_tenant = self._request_keys(

@@ -253,38 +253,57 @@ local function daemon_alive(daemon)
 end
 
 local function remove_waiter(i, id)
-  if redis.call('ZREM', classes[i].queue, id) == 1 then
+  local removed = redis.call('ZREM', classes[i].queue, id)
+  if removed == 1 then
     state.waiting[i] = math.max(0, state.waiting[i] - 1)
     state_changed = true
   end
   redis.call('HDEL', WAITERS, id)
+  return removed
 end
 
 -- The first live waiter of each class that has any, looking past waiters blocked by
--- their tenant's ceiling (they must not hold up other tenants) and removing the
--- entries of dead daemons or long-expired waits on the way.
-local LOOKAHEAD = 8
+-- their tenant's ceiling (they must not hold up other tenants; up to LOOKAHEAD of
+-- them) and removing the entries of dead daemons, long-expired waits, or entries
+-- whose record is missing, on the way.
+local PAGE = 8
+local LOOKAHEAD = 64
 local function heads()
   local found = {}
   for i = 1, class_count do
     if state.waiting[i] > 0 then
-      local ids = redis.call('ZRANGE', classes[i].queue, 0, LOOKAHEAD - 1)
-      if #ids == 0 then
-        state.waiting[i] = 0  -- repair a count that outlived its queue
-        state_changed = true
-      end
-      for _, id in ipairs(ids) do
-        local value = redis.call('HGET', WAITERS, id)
-        local w = value and parse_waiter(value)
-        if w == nil or not daemon_alive(w.daemon) or w.deadline + stale_after_us < now then
-          remove_waiter(i, id)
-        elseif w.blocked <= now then
-          w.id = id
-          w.class = i
-          w.rank = effective_rank(i, now - w.enqueued)
-          found[#found + 1] = w
+      local removed = false
+      local start = 0
+      local head = nil
+      while head == nil and start < LOOKAHEAD do
+        local ids = redis.call('ZRANGE', classes[i].queue, start, start + PAGE - 1)
+        for _, id in ipairs(ids) do
+          local value = redis.call('HGET', WAITERS, id)
+          local w = value and parse_waiter(value)
+          if not w or not daemon_alive(w.daemon) or w.deadline + stale_after_us < now then
+            redis.call('ZREM', classes[i].queue, id)
+            redis.call('HDEL', WAITERS, id)
+            removed = true
+          elseif w.blocked <= now then
+            w.id = id
+            w.class = i
+            w.rank = effective_rank(i, now - w.enqueued)
+            head = w
+            break
+          else
+            start = start + 1  -- blocked: stays, look past it
+          end
+        end
+        if #ids < PAGE then
           break
         end
+      end
+      if removed or head == nil then  -- keep the count in step with the queue itself
+        state.waiting[i] = redis.call('ZCARD', classes[i].queue)
+        state_changed = true
+      end
+      if head then
+        found[#found + 1] = head
       end
     end
   end

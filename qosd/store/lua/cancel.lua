@@ -5,13 +5,8 @@
 local reply = {}
 local a = NEXT_ARG
 for r = 1, tonumber(ARGV[1]) do
-  local i = class_index[ARGV[a + 1]]
-  if redis.call('HEXISTS', WAITERS, ARGV[a]) == 1 then
-    remove_waiter(i, ARGV[a])
-    reply[r] = 1
-  else
-    reply[r] = 0
-  end
+  -- The queue entry goes even when its record is missing (it must not linger).
+  reply[r] = remove_waiter(class_index[ARGV[a + 1]], ARGV[a])
   a = a + 2
 end
 save_state()

@@ -14,13 +14,26 @@
 -- A class's own tokens are its own: its head may use them whatever waits elsewhere.
 -- Every call also proves this daemon alive, so its waiters are not taken for stale.
 --
--- Script arguments: daemon id, then per waiter of this daemon (11): lease field
+-- Script arguments: daemon id, deadline in us of Redis time (0: none; a pump that
+-- runs later was given up by its daemon, which answered its waiters already: it
+-- changes nothing), then per waiter of this daemon (11): lease field
 -- (the waiter id), class, cost, lease_id, ttl_ms, keep_ms, weight, input_tokens,
 -- output_tokens, has_request_id, has_tenant_key.
 -- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
 -- Returns per waiter 8 values: status (1 admitted, 3 still waiting, 4 gone: its
 -- entry was dropped as stale), reason, lease_id, charged, remaining, 0, ttl_ms, 0.
 local daemon = ARGV[NEXT_ARG]
+local deadline = tonumber(ARGV[NEXT_ARG + 1])
+if deadline > 0 and now > deadline then
+  local late = {}
+  for j = 1, tonumber(ARGV[1]) do
+    for f = 1, 8 do
+      late[(j - 1) * 8 + f] = 0
+    end
+    late[(j - 1) * 8 + 1] = 3
+  end
+  return late
+end
 redis.call('HSET', DAEMONS, daemon, now)
 daemon_seen[daemon] = now
 -- Every restart brings a new daemon id: forget those silent for long.
@@ -37,7 +50,7 @@ local mine = {}
 local order = {}
 do
   local k = NEXT_KEY
-  local a = NEXT_ARG + 1
+  local a = NEXT_ARG + 2
   for _ = 1, tonumber(ARGV[1]) do
     local m = {
       field = ARGV[a], class = class_index[ARGV[a + 1]], cost = tonumber(ARGV[a + 2]),

@@ -1,0 +1,214 @@
+"""Races and damage the waiting room must survive, at the store and waiting-room level:
+grants that lose to a timeout, pumps Redis runs too late, records gone missing,
+queues full of waiters stepping aside, and a store lost while waiters join."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+import redis
+
+from qosd.config import ClassPolicy, Config, PoolPolicy, resolve_pools
+from qosd.model import (
+    BucketDecision,
+    LeaseSpec,
+    Outcome,
+    PumpResult,
+    Reason,
+    StoreUnavailable,
+    UsageReport,
+    Waiter,
+    new_lease_token,
+)
+from qosd.store.base import BucketStore
+from qosd.store.embedded import EmbeddedStore
+from qosd.store.redis import RedisStore
+from qosd.testing import RedisServer, redis_server
+from qosd.waiting import WaitingRoom
+from tests.conftest import BASE_CONFIG, merge
+
+DAEMON = "race-daemon"
+
+
+def pool_policy(extra: dict[str, Any] | None = None) -> PoolPolicy:
+    return resolve_pools(Config.model_validate(merge(BASE_CONFIG, extra or {})))["default"]
+
+
+def class_of(pool: PoolPolicy, name: str) -> ClassPolicy:
+    return next(cls for cls in pool.classes if cls.name == name)
+
+
+def lease(qos_class: str, request_id: str = "", tenant: str = "") -> LeaseSpec:
+    return LeaseSpec(
+        f"default:{qos_class}:{new_lease_token()}", request_id, tenant, 1, 0, 1.0, 60_000
+    )
+
+
+@pytest.fixture
+def own_redis() -> Any:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["embedded", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[BucketStore]:
+    if request.param == "embedded":
+        yield EmbeddedStore(tombstone_ms=60_000)
+        return
+    server: RedisServer = request.getfixturevalue("redis_standalone")
+    config = Config.model_validate(
+        merge(BASE_CONFIG, {"redis": {"url": server.url, "key_prefix": f"t{uuid.uuid4().hex[:8]}"}})
+    )
+    redis_store = RedisStore(config.redis, tombstone_ms=60_000)
+    await redis_store.start()
+    yield redis_store
+    await redis_store.close()
+
+
+class SlowPumps:
+    """A store whose pump answers arrive late: as on a busy network."""
+
+    def __init__(self, inner: BucketStore, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+
+    async def pump(
+        self, pool: PoolPolicy, daemon: str, waiters: Sequence[Waiter]
+    ) -> list[PumpResult]:
+        results = await self.inner.pump(pool, daemon, waiters)
+        await asyncio.sleep(self.delay_s)
+        return results
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def no_store(pool: PoolPolicy, waiter: Waiter) -> BucketDecision:
+    return BucketDecision(False, Reason.BACKEND_UNAVAILABLE, "", waiter.cost, 0.0, 500, 0)
+
+
+async def test_grant_losing_to_a_timeout_keeps_a_request_ids_charge(store: BucketStore) -> None:
+    """The caller timed out, but its grant landed: with a request id, the retry replays
+    that admission, so the admission must stay charged (not refunded behind it)."""
+    pool = pool_policy()
+    p1 = class_of(pool, "P1")
+    assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted  # drained
+    room = WaitingRoom(SlowPumps(store, 0.08), DAEMON, 0.005, no_store)
+    first = lease("P1", request_id="req-7")
+    queued = await store.acquire(pool, p1, 150, first, 400, DAEMON)  # fits after ~50 ms
+    assert queued.queued
+    await asyncio.sleep(0.06)  # it fits now: the first pump grants it, but answers late
+    answer = await room.wait(pool, Waiter("P1", 150, first), 0.04)
+    assert answer.reason is Reason.QUEUE_TIMEOUT
+    await asyncio.sleep(0.15)  # the late grant has landed, and been left alone
+    retry = await store.acquire(pool, p1, 150, lease("P1", request_id="req-7"), 0, DAEMON)
+    assert retry.admitted and retry.replayed and retry.lease_id == first.lease_id
+    # ... and it is still charged: its release is the first one, at the full estimate.
+    usage = UsageReport(150, 0, Outcome.OK, 0.0)
+    settled = await store.release(pool, p1, first.lease_id, usage)
+    assert not settled.already_released and settled.charged == 150
+    await room.close()
+
+
+async def test_waiters_joining_a_failed_pump_are_answered_too() -> None:
+    """A pump that fails answers every waiter of the pool by the fail mode, including
+    those that joined while it was in flight, instead of leaving them unpumped."""
+
+    class FailingStore(EmbeddedStore):
+        async def pump(self, *args: Any, **kwargs: Any) -> list[PumpResult]:
+            await asyncio.sleep(0.05)
+            raise StoreUnavailable("redis: gone")
+
+    store = FailingStore(tombstone_ms=60_000)
+    pool = pool_policy()
+    room = WaitingRoom(store, DAEMON, 0.005, no_store)
+    first = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 5.0))
+    await asyncio.sleep(0.01)  # the pump is in flight
+    second = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 5.0))
+    answers = await asyncio.wait_for(asyncio.gather(first, second), 1.0)
+    assert [answer.reason for answer in answers] == [Reason.BACKEND_UNAVAILABLE] * 2
+    await room.close()
+
+
+async def test_waiter_behind_many_tenant_blocked_ones_still_gets_in(store: BucketStore) -> None:
+    """Waiters stepping aside for their tenant's ceiling are looked past (up to 64), so
+    the waiter behind them is the class's head and is admitted in turn."""
+    pool = pool_policy({"classes": {"P1": {"tenant_max_share": 0.01}}})  # 100 tokens/s each
+    p1 = class_of(pool, "P1")
+    blocked: list[Waiter] = []
+    for index in range(12):  # 12 tenants, each over its ceiling after one request
+        tenant = f"busy-{index}"
+        assert (await store.acquire(pool, p1, 50, lease("P1", tenant=tenant), 0, DAEMON)).admitted
+        spec = lease("P1", tenant=tenant)
+        assert (await store.acquire(pool, p1, 50, spec, 5_000, DAEMON)).queued
+        blocked.append(Waiter("P1", 50, spec))
+    patient = lease("P1", tenant="patient")
+    decision = await store.acquire(pool, p1, 50, patient, 5_000, DAEMON)
+    # It may not overtake live waiters, but blocked ones hold nobody up: admitted now.
+    assert decision.admitted or decision.queued
+    if decision.queued:
+        results = await store.pump(pool, DAEMON, [*blocked, Waiter("P1", 50, patient)])
+        assert results[-1].decision is not None and results[-1].decision.admitted
+    await store.cancel(pool, blocked)
+
+
+async def test_a_pump_redis_runs_too_late_charges_nothing(own_redis: RedisServer) -> None:
+    config = Config.model_validate(
+        merge(BASE_CONFIG, {"redis": {"url": own_redis.url, "timeout_ms": 100}})
+    )
+    store = RedisStore(config.redis, tombstone_ms=60_000)
+    await store.start()
+    pool = resolve_pools(config)["default"]
+    p1 = class_of(pool, "P1")
+    assert own_redis.process is not None
+    try:
+        assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted
+        spec = lease("P1")
+        assert (await store.acquire(pool, p1, 100, spec, 5_000, DAEMON)).queued
+        await asyncio.sleep(0.1)  # enough tokens for it now
+        os.kill(own_redis.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable):
+                await store.pump(pool, DAEMON, [Waiter("P1", 100, spec)])
+        finally:
+            os.kill(own_redis.process.pid, signal.SIGCONT)
+        await asyncio.sleep(0.2)
+        assert await store.active_leases("default") == 1  # only the first one
+        status = await store.status(pool)
+        assert status.classes["P1"].waiting == 1  # still waiting: nothing was done
+    finally:
+        await store.close()
+
+
+async def test_a_queue_entry_without_its_record_is_dropped_not_fatal(
+    own_redis: RedisServer,
+) -> None:
+    config = Config.model_validate(
+        merge(BASE_CONFIG, {"redis": {"url": own_redis.url, "key_prefix": "nil"}})
+    )
+    store = RedisStore(config.redis, tombstone_ms=60_000)
+    await store.start()
+    pool = resolve_pools(config)["default"]
+    p1 = class_of(pool, "P1")
+    client = redis.Redis.from_url(own_redis.url)
+    try:
+        assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted
+        specs = [lease("P1") for _ in range(3)]
+        for spec in specs:
+            assert (await store.acquire(pool, p1, 500, spec, 5_000, DAEMON)).queued
+        lost = Waiter("P1", 500, specs[0])
+        client.hdel("nil:{default}:waiters", lost.id)  # e.g. evicted under memory pressure
+        results = await store.pump(pool, DAEMON, [Waiter("P1", 500, s) for s in specs[1:]])
+        assert [r.state.name for r in results] == ["WAITING", "WAITING"]  # no script error
+        assert (await store.status(pool)).classes["P1"].waiting == 2  # count repaired
+        await store.cancel(pool, [Waiter("P1", 500, s) for s in specs[1:]])
+        assert client.zcard("nil:{default}:queue:P1") == 0
+    finally:
+        client.close()
+        await store.close()
