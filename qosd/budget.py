@@ -28,6 +28,8 @@ above the burst overflows into the shared tokens, like refill.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -37,11 +39,69 @@ OWN = 1
 BORROW = 2
 
 
+@functools.lru_cache(maxsize=256)
+def effective_pool(pool: PoolPolicy, capacity: float) -> PoolPolicy:
+    """The pool's policy when the SLO loop admits ``capacity`` tokens per second.
+
+    The controlled quantity is one number per pool; the class rates follow from it
+    by a fixed allocation (docs/control.md):
+
+    - every class keeps its floor (``min_share`` of the configured capacity);
+    - up to the configured shares, capacity goes to classes in priority order, so a
+      cut takes from the lowest class first (and from unassigned capacity before);
+    - above them, the extra capacity is shared: every class may borrow it, highest
+      first, and a higher class's *reserved* fraction of the pool shrinks.
+
+    Bursts scale with rates (``burst_s`` of them), tenant ceilings with capacity.
+    """
+    if capacity == pool.capacity:
+        return pool
+    assigned = sum(cls.rate for cls in pool.classes)
+    rates: list[float] = []
+    if capacity >= assigned:
+        rates = [cls.rate for cls in pool.classes]
+        free_rate = capacity - assigned
+    else:
+        left = max(0.0, capacity - sum(cls.floor_rate for cls in pool.classes))
+        for cls in pool.classes:
+            extra = min(cls.rate - cls.floor_rate, left)
+            rates.append(cls.floor_rate + extra)
+            left -= extra
+        free_rate = 0.0
+    scale = capacity / pool.capacity
+    classes = tuple(
+        dataclasses.replace(
+            cls,
+            rate=rate,
+            burst=cls.burst_s * rate if cls.burst_s else cls.burst,
+            tenant_rate=cls.tenant_share * capacity,
+            tenant_burst=cls.tenant_burst * scale,
+        )
+        for cls, rate in zip(pool.classes, rates, strict=True)
+    )
+    return dataclasses.replace(
+        pool,
+        capacity=capacity,
+        free_rate=free_rate,
+        shared_burst=pool.burst_s * capacity,
+        classes=classes,
+    )
+
+
+def class_in(pool: PoolPolicy, name: str) -> ClassPolicy:
+    for cls in pool.classes:
+        if cls.name == name:
+            return cls
+    raise KeyError(name)
+
+
 @dataclass(slots=True)
 class PoolState:
     tokens: dict[str, float]  # per class
     shared: float
     updated_us: int
+    capacity: float  # the admitted rate the SLO loop set, tokens per second
+    admitted: float = 0.0  # tokens admitted since the pool's state was created
 
 
 def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
@@ -50,6 +110,7 @@ def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
         tokens={cls.name: cls.burst for cls in pool.classes},
         shared=pool.shared_burst,
         updated_us=now_us,
+        capacity=pool.capacity,
     )
 
 
@@ -87,6 +148,7 @@ def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bo
 
 
 def take(state: PoolState, cls: ClassPolicy, cost: float, how: int) -> None:
+    state.admitted += cost
     if how == OWN:
         state.tokens[cls.name] -= cost
         return

@@ -84,7 +84,14 @@ class ClassConfig(_Strict):
     aging_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
     # Most of the pool's capacity one tenant of this class may use (None: no limit).
     tenant_max_share: Annotated[float, Field(gt=0, le=1)] | None = None
+    # The share the class keeps however far the SLO loop cuts the pool (a fraction of
+    # the configured capacity); None: half its share.
+    min_share: Annotated[float, Field(ge=0, le=1)] | None = None
     slo: SloConfig = SloConfig()
+
+    @property
+    def floor_share(self) -> float:
+        return self.share / 2 if self.min_share is None else min(self.min_share, self.share)
 
 
 class PoolConfig(_Strict):
@@ -156,6 +163,50 @@ class LimitsConfig(_Strict):
 
 class ReportConfig(_Strict):
     window_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    # Samples older than this are left out of compliance (None: only the count bounds).
+    max_age_s: Annotated[float, Field(gt=0, le=86_400)] | None = 300.0
+
+
+class ControlConfig(_Strict):
+    """The SLO loop: one leader per fleet retunes each pool's admitted rate.
+
+    docs/control.md states the law and shows it stable against a simulated server.
+    """
+
+    enabled: bool = True
+    # How often the leader looks at the windows, and the least time between changes.
+    interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    cooldown_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    # Compliance: aim at target; grow only at target + margin or better, cut below
+    # tolerance, hold between.
+    target: Annotated[float, Field(gt=0, lt=1)] = 0.99
+    margin: Annotated[float, Field(ge=0, lt=1)] = 0.005
+    tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.95
+    # Largest relative steps, and the smallest they shrink to on direction changes.
+    step_up: Annotated[float, Field(gt=0, le=0.5)] = 0.05
+    step_down: Annotated[float, Field(gt=0, le=0.5)] = 0.10
+    min_step: Annotated[float, Field(gt=0, le=0.5)] = 0.005
+    # A window needs this many samples since the last change to decide anything.
+    min_samples: Annotated[int, Field(ge=1, le=1_000_000)] = 50
+    # Grow only while the pool uses this much of its current rate (no windup at idle).
+    min_utilization: Annotated[float, Field(ge=0, le=1)] = 0.8
+    # Bounds of the admitted rate, as fractions of the configured capacity.
+    min_capacity: Annotated[float, Field(gt=0, le=100)] = 0.2
+    max_capacity: Annotated[float, Field(gt=0, le=100)] = 2.0
+    # The leader holds a lease this long and renews it every interval.
+    leader_lease_s: Annotated[float, Field(ge=0.1, le=600)] = 3.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ControlConfig:
+        if not self.tolerance < self.target <= self.target + self.margin < 1:
+            raise ValueError("needs tolerance < target and target + margin < 1")
+        if self.min_capacity > 1 or self.max_capacity < 1:
+            raise ValueError("needs min_capacity <= 1 <= max_capacity")
+        if self.min_step > min(self.step_up, self.step_down):
+            raise ValueError("min_step must not exceed step_up or step_down")
+        if self.leader_lease_s <= self.interval_s:
+            raise ValueError("leader_lease_s must exceed interval_s (the leader renews it)")
+        return self
 
 
 class ServerConfig(_Strict):
@@ -208,6 +259,7 @@ class Config(_Strict):
     limits: LimitsConfig = LimitsConfig()
     report: ReportConfig = ReportConfig()
     waiting: WaitingConfig = WaitingConfig()
+    control: ControlConfig = ControlConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -278,17 +330,27 @@ class ClassPolicy:
     aging_ms: int
     tenant_rate: float  # tokens per second one tenant may use; 0: no tenant limit
     tenant_burst: float
+    floor_rate: float  # what the SLO loop leaves the class however far it cuts
+    burst_s: float  # burst in seconds of rate; 0 when burst_tokens fixes it
+    tenant_share: float  # tenant_max_share, 0 when none
 
 
 @dataclass(frozen=True, slots=True)
 class PoolPolicy:
-    """A pool's resolved budget: its classes in priority order and its shared tokens."""
+    """A pool's resolved budget: its classes in priority order and its shared tokens.
+
+    As configured; ``qosd.budget.effective_pool`` derives the policy at the admitted
+    rate the SLO loop sets, which is what the stores enforce.
+    """
 
     name: str
     capacity: float  # tokens per second
     free_rate: float  # capacity no class is assured: it refills the shared tokens
     shared_burst: float  # most unused tokens the shared pool holds
     classes: tuple[ClassPolicy, ...]
+    burst_s: float  # shared tokens hold this many seconds of capacity
+    min_capacity: float  # bounds of the admitted rate, tokens per second
+    max_capacity: float
 
 
 def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
@@ -317,15 +379,23 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
                     aging_ms=cls.aging_ms,
                     tenant_rate=tenant_rate,
                     tenant_burst=tenant_rate * cls.burst_s,
+                    floor_rate=cls.floor_share * pool.capacity_tokens_s,
+                    burst_s=0.0 if cls.burst_tokens else cls.burst_s,
+                    tenant_share=cls.tenant_max_share or 0.0,
                 )
             )
         assured = sum(c.share for c in config.classes.values())
+        floors = sum(c.floor_rate for c in classes)
+        control = config.control
         pools[pool_name] = PoolPolicy(
             name=pool_name,
             capacity=pool.capacity_tokens_s,
             free_rate=max(0.0, 1.0 - assured) * pool.capacity_tokens_s,
             shared_burst=pool.burst_s * pool.capacity_tokens_s,
             classes=tuple(classes),
+            burst_s=pool.burst_s,
+            min_capacity=max(control.min_capacity * pool.capacity_tokens_s, floors),
+            max_capacity=control.max_capacity * pool.capacity_tokens_s,
         )
     return pools
 

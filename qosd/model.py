@@ -114,12 +114,45 @@ class ClassStatus:
     tokens: float
     waiting: int
     oldest_wait_ms: int  # how long the longest waiter has waited; 0 when none
+    rate: float  # assured tokens per second at the pool's admitted rate now
+    burst: float
 
 
 @dataclass(frozen=True, slots=True)
 class PoolStatus:
     shared_tokens: float
     classes: dict[str, ClassStatus]
+    capacity: float  # the admitted rate the SLO loop set (or the configured one)
+    admitted_tokens: float  # tokens admitted since the pool's state was created
+    now_ms: int  # the store's clock
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRecord:
+    """What the SLO loop keeps per pool in the store, so a new leader carries on."""
+
+    capacity: float
+    pinned: bool
+    changed_ms: int  # store time of the last change; 0: never
+    reason: str
+    changed_from: float
+    changed_by: str
+    step_up: float  # current step sizes, adapted on reversals and streaks
+    step_down: float
+    direction: int  # of the last move: -1 down, 1 up, 0 none yet
+    streak: int  # moves in a row in that direction
+    probe_wait: int  # good evaluations needed before the next move up
+
+
+@dataclass(frozen=True, slots=True)
+class Adjustment:
+    """One change of a pool's admitted rate, as the history keeps it."""
+
+    at_ms: int
+    changed_from: float
+    changed_to: float
+    reason: str
+    by: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,9 @@ from typing import Protocol
 
 from qosd.config import ClassPolicy, PoolPolicy
 from qosd.model import (
+    Adjustment,
     BucketDecision,
+    ControlRecord,
     LeaseSpec,
     PoolStatus,
     PumpResult,
@@ -75,6 +77,28 @@ class BucketStore(Protocol):
 
     async def status(self, pool: PoolPolicy) -> PoolStatus:
         """The pool's budget and queues now; read-only."""
+        ...
+
+    async def control(self, pool: PoolPolicy) -> ControlRecord:
+        """The SLO loop's record of the pool (defaults when it never changed)."""
+        ...
+
+    async def adjust(
+        self, pool: PoolPolicy, update: ControlRecord, cooldown_ms: int, *, force: bool = False
+    ) -> bool:
+        """Sets the pool's admitted rate to ``update.capacity`` and keeps ``update``,
+        atomically: the pool is refilled at the old rate up to now first. Refused
+        (False) while pinned or within ``cooldown_ms`` of the last change, unless
+        ``force`` (pinning and unpinning), so that two controllers can never both
+        change a pool within one cooldown. Logged in the pool's history."""
+        ...
+
+    async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
+        """The pool's latest adjustments, newest first."""
+        ...
+
+    async def lead(self, daemon_id: str, lease_ms: int) -> str:
+        """Takes or renews the controller lease if free or ours; returns the leader."""
         ...
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:

@@ -10,6 +10,7 @@ and nothing survives a restart.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -18,8 +19,10 @@ from dataclasses import dataclass, field
 from qosd import budget
 from qosd.config import ClassPolicy, PoolPolicy
 from qosd.model import (
+    Adjustment,
     BucketDecision,
     ClassStatus,
+    ControlRecord,
     LeaseExpired,
     LeaseNotFound,
     LeaseSpec,
@@ -90,6 +93,8 @@ class EmbeddedStore:
         self._stale_after_us = stale_after_ms * 1000
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
+        self._control: dict[str, ControlRecord] = {}
+        self._history: dict[str, deque[Adjustment]] = {}
         self._daemons: dict[str, int] = {}
         self._tenants: dict[tuple[str, str, str], budget.TenantBucket] = {}
         self._leases: dict[str, _Lease] = {}
@@ -112,15 +117,17 @@ class EmbeddedStore:
 
     # -- shared parts (_pool.lua) ---------------------------------------------------
 
-    def _pool(self, pool: PoolPolicy, now_us: int) -> _Pool:
+    def _pool(self, pool: PoolPolicy, now_us: int) -> tuple[_Pool, PoolPolicy]:
+        """The pool's record, refilled to now, and its policy at the admitted rate."""
         record = self._pools.get(pool.name)
         if record is None:
             record = _Pool(budget.fresh_state(pool, now_us))
             self._pools[pool.name] = record
         for cls in pool.classes:
             record.queues.setdefault(cls.name, {})
-        budget.refill(record.state, pool, now_us)
-        return record
+        effective = budget.effective_pool(pool, record.state.capacity)
+        budget.refill(record.state, effective, now_us)
+        return record, effective
 
     def _daemon_alive(self, daemon: str, now_us: int) -> bool:
         return self._daemons.get(daemon, 0) >= now_us - self._stale_after_us
@@ -208,7 +215,8 @@ class EmbeddedStore:
         now_us = self._clock()
         if now_us >= self._next_sweep_us:
             self._sweep(now_us)
-        record = self._pool(pool, now_us)
+        record, pool = self._pool(pool, now_us)
+        cls = budget.class_in(pool, cls.name)
         state = record.state
 
         def answer(
@@ -291,7 +299,7 @@ class EmbeddedStore:
         if len(self._daemons) > 32:  # every restart brings a new id: forget the silent
             silent = now_us - 10 * self._stale_after_us
             self._daemons = {d: seen for d, seen in self._daemons.items() if seen >= silent}
-        record = self._pool(pool, now_us)
+        record, pool = self._pool(pool, now_us)
         state = record.state
         mine = {waiter.id: waiter for waiter in waiters}
         admitted: dict[str, BucketDecision] = {}
@@ -350,7 +358,7 @@ class EmbeddedStore:
     # -- cancel.lua -----------------------------------------------------------------
 
     async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
-        record = self._pool(pool, self._clock())
+        record, _ = self._pool(pool, self._clock())
         for waiter in waiters:
             record.queues[waiter.qos_class].pop(waiter.id, None)
 
@@ -371,7 +379,9 @@ class EmbeddedStore:
         # time have passed, released or not.
         if record is None or record.expires_us + self._tombstone_us <= now_us:
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
-        state = self._pool(pool, now_us).state
+        pool_record, pool = self._pool(pool, now_us)
+        cls = budget.class_in(pool, cls.name)
+        state = pool_record.state
         if record.released:
             return Settlement(True, record.final, record.adjustment, state.tokens[cls.name])
         if now_us >= record.expires_us:
@@ -398,20 +408,75 @@ class EmbeddedStore:
             queues: dict[str, dict[str, _Queued]] = {}
         else:
             state = budget.PoolState(
-                dict(existing.state.tokens), existing.state.shared, existing.state.updated_us
+                dict(existing.state.tokens),
+                existing.state.shared,
+                existing.state.updated_us,
+                existing.state.capacity,
+                existing.state.admitted,
             )
-            budget.refill(state, pool, now_us)
             queues = existing.queues
+        effective = budget.effective_pool(pool, state.capacity)
+        budget.refill(state, effective, now_us)
         classes: dict[str, ClassStatus] = {}
-        for cls in pool.classes:
+        for cls in effective.classes:
             queue = queues.get(cls.name, {})
             oldest = min((w.enqueued_us for w in queue.values()), default=now_us)
             classes[cls.name] = ClassStatus(
                 tokens=state.tokens[cls.name],
                 waiting=len(queue),
                 oldest_wait_ms=(now_us - oldest) // 1000,
+                rate=cls.rate,
+                burst=cls.burst,
             )
-        return PoolStatus(shared_tokens=state.shared, classes=classes)
+        return PoolStatus(
+            shared_tokens=state.shared,
+            classes=classes,
+            capacity=state.capacity,
+            admitted_tokens=state.admitted,
+            now_ms=now_us // 1000,
+        )
+
+    # -- control.lua, adjust.lua, lead.lua ------------------------------------------
+
+    async def control(self, pool: PoolPolicy) -> ControlRecord:
+        record = self._control.get(pool.name)
+        if record is None:
+            existing = self._pools.get(pool.name)
+            capacity = existing.state.capacity if existing else pool.capacity
+            return ControlRecord(capacity, False, 0, "", capacity, "", 0.0, 0.0, 0, 0, 1)
+        return record
+
+    async def adjust(
+        self, pool: PoolPolicy, update: ControlRecord, cooldown_ms: int, *, force: bool = False
+    ) -> bool:
+        now_us = self._clock()
+        now_ms = now_us // 1000
+        current = self._control.get(pool.name)
+        if not force and current is not None:
+            if current.pinned:
+                return False
+            if current.changed_ms and now_ms - current.changed_ms < cooldown_ms:
+                return False
+        record, _ = self._pool(pool, now_us)  # refilled at the old rate up to now
+        old = record.state.capacity
+        record.state.capacity = update.capacity
+        effective = budget.effective_pool(pool, update.capacity)
+        for cls in effective.classes:
+            record.state.tokens[cls.name] = min(record.state.tokens[cls.name], cls.burst)
+        record.state.shared = min(record.state.shared, effective.shared_burst)
+        self._control[pool.name] = dataclasses.replace(update, changed_ms=now_ms, changed_from=old)
+        history = self._history.setdefault(pool.name, deque(maxlen=100))
+        history.appendleft(
+            Adjustment(now_ms, old, update.capacity, update.reason, update.changed_by)
+        )
+        return True
+
+    async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
+        return list(self._history.get(pool.name, ()))[:limit]
+
+    async def lead(self, daemon_id: str, lease_ms: int) -> str:
+        """One process, one store: this daemon always leads its own pools."""
+        return daemon_id
 
     # -- report.lua and admin -------------------------------------------------------
 

@@ -22,8 +22,10 @@ from typing import Any
 
 from qosd.config import ClassPolicy, PoolPolicy, RedisConfig, RedisMode
 from qosd.model import (
+    Adjustment,
     BucketDecision,
     ClassStatus,
+    ControlRecord,
     LeaseExpired,
     LeaseNotFound,
     LeaseSpec,
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
 # Scripts that start with the shared pool prelude, _pool.lua.
-_POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status"})
+_POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status", "adjust"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,10 @@ class RedisStore:
             connect_timeout_s=config.connect_timeout_ms / 1000,
             connections_per_node=config.connections_per_node,
         )
-        names = ("acquire", "pump", "cancel", "release", "status", "report", "leases")
+        names = (
+            "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",
+            "report", "leases",
+        )  # fmt: skip
         self._scripts = {name: _Script.load(name) for name in names}
         self._pool_args: dict[str, _PoolArgs] = {}
         self._pools: dict[str, PoolPolicy] = {}
@@ -136,8 +141,8 @@ class RedisStore:
                 f"{prefix}daemons",
             )
             policy: list[Any] = [
-                repr(pool.free_rate),
-                repr(pool.shared_burst),
+                repr(pool.capacity),
+                repr(pool.burst_s),
                 self._stale_after_ms,
                 len(pool.classes),
             ]
@@ -152,6 +157,9 @@ class RedisStore:
                     cls.aging_ms,
                     repr(cls.tenant_rate),
                     repr(cls.tenant_burst),
+                    repr(cls.floor_rate),
+                    repr(cls.burst_s),
+                    repr(cls.tenant_share),
                 ]
             cached = _PoolArgs(prefix, keys, tuple(policy))
             self._pool_args[pool.name] = cached
@@ -415,13 +423,85 @@ class RedisStore:
         now_us = int(reply[0])
         classes: dict[str, ClassStatus] = {}
         for index, cls in enumerate(pool.classes):
-            tokens, waiting, oldest = reply[2 + 3 * index : 5 + 3 * index]
+            tokens, waiting, oldest, rate, burst = reply[4 + 5 * index : 9 + 5 * index]
             classes[cls.name] = ClassStatus(
                 tokens=float(tokens),
                 waiting=int(waiting),
                 oldest_wait_ms=(now_us - int(float(oldest))) // 1000 if oldest else 0,
+                rate=float(rate),
+                burst=float(burst),
             )
-        return PoolStatus(shared_tokens=float(reply[1]), classes=classes)
+        return PoolStatus(
+            shared_tokens=float(reply[1]),
+            classes=classes,
+            capacity=float(reply[2]),
+            admitted_tokens=float(reply[3]),
+            now_ms=now_us // 1000,
+        )
+
+    # -- the SLO loop's state -------------------------------------------------------
+
+    def _control_keys(self, pool: PoolPolicy) -> tuple[str, str]:
+        prefix = self._args_for(pool).prefix
+        return f"{prefix}control", f"{prefix}history"
+
+    async def control(self, pool: PoolPolicy) -> ControlRecord:
+        args_for = self._args_for(pool)
+        control_key, _ = self._control_keys(pool)
+        reply = await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
+        _now, capacity, pinned, changed, reason, old, by, up, down, direction, streak, wait = reply
+        return ControlRecord(
+            capacity=float(capacity) if capacity else pool.capacity,
+            pinned=pinned == "1",
+            changed_ms=int(float(changed)) if changed else 0,
+            reason=reason,
+            changed_from=float(old) if old else pool.capacity,
+            changed_by=by,
+            step_up=float(up) if up else 0.0,
+            step_down=float(down) if down else 0.0,
+            direction=int(direction) if direction else 0,
+            streak=int(streak) if streak else 0,
+            probe_wait=int(wait) if wait else 1,
+        )
+
+    async def adjust(
+        self, pool: PoolPolicy, update: ControlRecord, cooldown_ms: int, *, force: bool = False
+    ) -> bool:
+        args_for = self._args_for(pool)
+        control_key, history_key = self._control_keys(pool)
+        applied, _detail = await self._run(
+            self._scripts["adjust"],
+            (*args_for.keys, control_key, history_key),
+            (
+                0,
+                *args_for.policy,
+                cooldown_ms,
+                1 if force else 0,
+                repr(update.capacity),
+                update.reason,
+                update.changed_by,
+                repr(update.step_up),
+                repr(update.step_down),
+                update.direction,
+                update.streak,
+                update.probe_wait,
+                1 if update.pinned else 0,
+            ),
+        )
+        return bool(applied == 1)
+
+    async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
+        _, history_key = self._control_keys(pool)
+        raw = await self._client.execute(history_key, "LRANGE", history_key, 0, limit - 1)
+        entries = []
+        for item in raw:
+            at_ms, old, new, by, reason = item.split("|", 4)
+            entries.append(Adjustment(int(float(at_ms)), float(old), float(new), reason, by))
+        return entries
+
+    async def lead(self, daemon_id: str, lease_ms: int) -> str:
+        key = f"{self._config.key_prefix}:{{control}}:leader"
+        return str(await self._run(self._scripts["lead"], (key,), (daemon_id, lease_ms)))
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
         by_pool: dict[str, list[Sample]] = defaultdict(list)

@@ -3,16 +3,18 @@
 -- another). It restates qosd/budget.py; the conformance suite holds them equal.
 --
 -- KEYS[1]        pool state hash: u (updated, us of Redis TIME), s (shared tokens),
---                t:<class> (class tokens), w:<class> (waiters queued in the class)
+--                R (admitted rate the SLO loop set; absent: as configured), a (tokens
+--                admitted so far), t:<class> (class tokens), w:<class> (waiters queued)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
 --                tenant_blocked_until" (times in us)
 -- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
 -- ARGV[1]        number of calls in the batch
--- ARGV[2..]      the pool's policy: free_rate, shared_burst, stale_after_ms, n, then
---                per class in priority order: name, rate, burst, max_cost, can_borrow,
---                max_queue, aging_ms, tenant_rate, tenant_burst
+-- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
+--                tokens), stale_after_ms, n, then per class in priority order: name,
+--                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
+--                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
 
 local now_parts = redis.call('TIME')
@@ -24,8 +26,8 @@ local function num(x)
   return string.format('%.17g', x)
 end
 
-local free_rate = tonumber(ARGV[2])
-local shared_burst = tonumber(ARGV[3])
+local capacity = tonumber(ARGV[2])
+local pool_burst_s = tonumber(ARGV[3])
 local stale_after_us = tonumber(ARGV[4]) * 1000
 local class_count = tonumber(ARGV[5])
 local classes = {}
@@ -38,34 +40,83 @@ do
       max_cost = tonumber(ARGV[a + 3]), can_borrow = ARGV[a + 4] == '1',
       max_queue = tonumber(ARGV[a + 5]), aging_us = tonumber(ARGV[a + 6]) * 1000,
       tenant_rate = tonumber(ARGV[a + 7]), tenant_burst = tonumber(ARGV[a + 8]),
+      floor_rate = tonumber(ARGV[a + 9]), burst_s = tonumber(ARGV[a + 10]),
+      tenant_share = tonumber(ARGV[a + 11]),
       rank = i - 1, queue = KEYS[i + 1],
     }
+    c.nominal_rate, c.nominal_burst, c.nominal_tenant_burst = c.rate, c.burst, c.tenant_burst
     classes[i] = c
     class_index[c.name] = i
-    a = a + 9
+    a = a + 12
   end
 end
-local NEXT_ARG = 6 + 9 * class_count
+local NEXT_ARG = 6 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
 local DAEMONS = KEYS[class_count + 3]
 
+-- The pool's policy at the admitted rate R (qosd/budget.py: effective_pool): floors
+-- first, then the configured rates in priority order, and what is above them shared.
+local free_rate = 0
+local shared_burst = 0
+local function allocate(rate_total)
+  local assigned = 0
+  for i = 1, class_count do
+    assigned = assigned + classes[i].nominal_rate
+  end
+  local rates = {}
+  if rate_total >= assigned then
+    for i = 1, class_count do
+      rates[i] = classes[i].nominal_rate
+    end
+    free_rate = rate_total - assigned
+  else
+    local left = rate_total
+    for i = 1, class_count do
+      left = left - classes[i].floor_rate
+    end
+    left = math.max(0, left)
+    for i = 1, class_count do
+      local extra = math.min(classes[i].nominal_rate - classes[i].floor_rate, left)
+      rates[i] = classes[i].floor_rate + extra
+      left = left - extra
+    end
+    free_rate = 0
+  end
+  local scale = rate_total / capacity
+  for i = 1, class_count do
+    local c = classes[i]
+    c.rate = rates[i]
+    if c.burst_s > 0 then
+      c.burst = c.burst_s * rates[i]
+    else
+      c.burst = c.nominal_burst
+    end
+    c.tenant_rate = c.tenant_share * rate_total
+    c.tenant_burst = c.nominal_tenant_burst * scale
+  end
+  shared_burst = pool_burst_s * rate_total
+end
+
 -- The pool's state, refilled to now (qosd/budget.py: fresh_state, refill).
 local state = {tokens = {}, waiting = {}}
 do
-  local fields = {'u', 's'}
+  local fields = {'u', 's', 'R', 'a'}
   for i = 1, class_count do
     fields[#fields + 1] = 't:' .. classes[i].name
     fields[#fields + 1] = 'w:' .. classes[i].name
   end
   local values = redis.call('HMGET', STATE, unpack(fields))
+  state.capacity = tonumber(values[3]) or capacity
+  state.admitted = tonumber(values[4]) or 0
+  allocate(state.capacity)
   if values[1] then
     state.updated = tonumber(values[1])
     state.shared = tonumber(values[2])
     for i = 1, class_count do
-      state.tokens[i] = tonumber(values[1 + 2 * i]) or classes[i].burst
-      state.waiting[i] = tonumber(values[2 + 2 * i]) or 0
+      state.tokens[i] = tonumber(values[3 + 2 * i]) or classes[i].burst
+      state.waiting[i] = tonumber(values[4 + 2 * i]) or 0
     end
   else
     state.updated = now
@@ -96,7 +147,8 @@ local function save_state()
   if not state_changed then
     return
   end
-  local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared)}
+  local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared),
+    'a', num(state.admitted), 'R', num(state.capacity)}
   for i = 1, class_count do
     fields[#fields + 1] = 't:' .. classes[i].name
     fields[#fields + 1] = num(state.tokens[i])
@@ -127,6 +179,7 @@ end
 
 local function take(i, cost, how)
   state_changed = true
+  state.admitted = state.admitted + cost
   if how == OWN then
     state.tokens[i] = state.tokens[i] - cost
     return
