@@ -85,13 +85,13 @@ class ClassConfig(_Strict):
     # Most of the pool's capacity one tenant of this class may use (None: no limit).
     tenant_max_share: Annotated[float, Field(gt=0, le=1)] | None = None
     # The share the class keeps however far the SLO loop cuts the pool (a fraction of
-    # the configured capacity); None: half its share.
+    # the configured capacity); None: a quarter of its share.
     min_share: Annotated[float, Field(ge=0, le=1)] | None = None
     slo: SloConfig = SloConfig()
 
     @property
     def floor_share(self) -> float:
-        return self.share / 2 if self.min_share is None else min(self.min_share, self.share)
+        return self.share / 4 if self.min_share is None else min(self.min_share, self.share)
 
 
 class PoolConfig(_Strict):
@@ -182,10 +182,17 @@ class ControlConfig(_Strict):
     target: Annotated[float, Field(gt=0, lt=1)] = 0.99
     margin: Annotated[float, Field(ge=0, lt=1)] = 0.005
     tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.95
-    # Largest relative steps, and the smallest they shrink to on direction changes.
+    # Relative steps: a cut; the largest growth, and the smallest a failed probe
+    # halves it to.
     step_up: Annotated[float, Field(gt=0, le=0.5)] = 0.05
     step_down: Annotated[float, Field(gt=0, le=0.5)] = 0.10
     min_step: Annotated[float, Field(gt=0, le=0.5)] = 0.005
+    # Near the known ceiling, growth waits this many cooldowns of good evidence; a
+    # failed probe doubles the wait (up to this), a probe that held halves it.
+    max_probe_wait: Annotated[int, Field(ge=1, le=10_000)] = 8
+    # Growth needs the requests started within this long (and since the last change)
+    # to meet target + margin.
+    growth_window_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # A window needs this many samples since the last change to decide anything.
     min_samples: Annotated[int, Field(ge=1, le=1_000_000)] = 50
     # Grow only while the pool uses this much of its current rate (no windup at idle).
@@ -202,8 +209,8 @@ class ControlConfig(_Strict):
             raise ValueError("needs tolerance < target and target + margin < 1")
         if self.min_capacity > 1 or self.max_capacity < 1:
             raise ValueError("needs min_capacity <= 1 <= max_capacity")
-        if self.min_step > min(self.step_up, self.step_down):
-            raise ValueError("min_step must not exceed step_up or step_down")
+        if self.min_step > self.step_up:
+            raise ValueError("min_step must not exceed step_up")
         if self.leader_lease_s <= self.interval_s:
             raise ValueError("leader_lease_s must exceed interval_s (the leader renews it)")
         return self

@@ -131,17 +131,17 @@ class PoolStatus:
 class ControlRecord:
     """What the SLO loop keeps per pool in the store, so a new leader carries on."""
 
-    capacity: float
+    capacity: float  # the admitted rate now, tokens per second
     pinned: bool
     changed_ms: int  # store time of the last change; 0: never
     reason: str
     changed_from: float
     changed_by: str
-    step_up: float  # current step sizes, adapted on reversals and streaks
-    step_down: float
+    probe_step: float  # the next growth's size, relative; 0: not set yet
+    probe_wait: int  # cooldowns of good evidence needed before the next probe
+    last_good: float  # the rate before the last growth: where a failed probe returns
     direction: int  # of the last move: -1 down, 1 up, 0 none yet
-    streak: int  # moves in a row in that direction
-    probe_wait: int  # good evaluations needed before the next move up
+    ceiling: float  # the rate a probe last failed at; 0: none known
 
 
 @dataclass(frozen=True, slots=True)

@@ -443,7 +443,7 @@ class EmbeddedStore:
         if record is None:
             existing = self._pools.get(pool.name)
             capacity = existing.state.capacity if existing else pool.capacity
-            return ControlRecord(capacity, False, 0, "", capacity, "", 0.0, 0.0, 0, 0, 1)
+            return ControlRecord(capacity, False, 0, "", capacity, "", 0.0, 1, capacity, 0, 0.0)
         return record
 
     async def adjust(

@@ -449,19 +449,22 @@ class RedisStore:
         args_for = self._args_for(pool)
         control_key, _ = self._control_keys(pool)
         reply = await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
-        _now, capacity, pinned, changed, reason, old, by, up, down, direction, streak, wait = reply
+        _now, capacity, pinned, changed, reason, old, by, probe, wait, good, direction, ceiling = (
+            reply
+        )
+        rate = float(capacity) if capacity else pool.capacity
         return ControlRecord(
-            capacity=float(capacity) if capacity else pool.capacity,
+            capacity=rate,
             pinned=pinned == "1",
             changed_ms=int(float(changed)) if changed else 0,
             reason=reason,
-            changed_from=float(old) if old else pool.capacity,
+            changed_from=float(old) if old else rate,
             changed_by=by,
-            step_up=float(up) if up else 0.0,
-            step_down=float(down) if down else 0.0,
-            direction=int(direction) if direction else 0,
-            streak=int(streak) if streak else 0,
+            probe_step=float(probe) if probe else 0.0,
             probe_wait=int(wait) if wait else 1,
+            last_good=float(good) if good else rate,
+            direction=int(direction) if direction else 0,
+            ceiling=float(ceiling) if ceiling else 0.0,
         )
 
     async def adjust(
@@ -480,12 +483,12 @@ class RedisStore:
                 repr(update.capacity),
                 update.reason,
                 update.changed_by,
-                repr(update.step_up),
-                repr(update.step_down),
-                update.direction,
-                update.streak,
+                repr(update.probe_step),
                 update.probe_wait,
+                repr(update.last_good),
+                update.direction,
                 1 if update.pinned else 0,
+                repr(update.ceiling),
             ),
         )
         return bool(applied == 1)

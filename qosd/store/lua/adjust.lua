@@ -9,9 +9,10 @@
 --
 -- Keys (after the pool's): control hash, history list.
 -- Script arguments: cooldown_ms, force (1: pin or unpin, no cooldown or pin check),
--- then the new record: capacity, reason, by, step_up, step_down, direction, streak,
--- probe_wait, pinned.
--- Control hash: p pinned, c changed_ms, r reason, f from, b by, su, sd, d, k, w.
+-- then the new record: capacity, reason, by, probe_step, probe_wait, last_good,
+-- direction, pinned, ceiling.
+-- Control hash: p pinned, c changed_ms, r reason, f from, b by, s probe_step,
+-- w probe_wait, g last_good, d direction, h ceiling.
 -- Returns {1, changed_ms} when applied, {0, 'pinned' | 'cooldown'} when refused.
 local control_key = KEYS[NEXT_KEY]
 local history_key = KEYS[NEXT_KEY + 1]
@@ -36,9 +37,9 @@ end
 state.shared = math.min(state.shared, shared_burst)
 state_changed = true
 save_state()
-redis.call('HSET', control_key, 'p', ARGV[a + 10], 'c', now_ms, 'r', ARGV[a + 3],
-  'f', num(old), 'b', ARGV[a + 4], 'su', ARGV[a + 5], 'sd', ARGV[a + 6], 'd', ARGV[a + 7],
-  'k', ARGV[a + 8], 'w', ARGV[a + 9])
+redis.call('HSET', control_key, 'p', ARGV[a + 9], 'c', now_ms, 'r', ARGV[a + 3],
+  'f', num(old), 'b', ARGV[a + 4], 's', ARGV[a + 5], 'w', ARGV[a + 6], 'g', ARGV[a + 7],
+  'd', ARGV[a + 8], 'h', ARGV[a + 10])
 redis.call('LPUSH', history_key, string.format('%.0f', now_ms) .. '|' .. num(old) .. '|' ..
   ARGV[a + 2] .. '|' .. ARGV[a + 4] .. '|' .. ARGV[a + 3])
 redis.call('LTRIM', history_key, 0, 99)

@@ -1,0 +1,402 @@
+"""The SLO loop: one leader in the fleet retunes each pool's admitted rate.
+
+The controlled quantity is one number per pool, R, the tokens per second the pool
+admits; class rates follow from it by a fixed allocation (``budget.effective_pool``).
+Every ``control.interval_s`` the leader judges each pool and moves R by the law
+below; docs/control.md argues for it and shows it stable against a simulated server.
+
+Evidence, per class with objectives (``slo``), from its latency window. Reports come
+when requests end, so what the server does now and what the current rate does are
+different questions:
+- *recent*: samples reported since the last change (the newest half, once there are
+  twice ``min_samples``): how the server is doing now;
+- *started*: requests started since the last change (the newest half, once
+  plentiful): how the current rate is doing, known a request's latency later;
+- *growth*: requests started since the last change and within ``growth_window_s``;
+- *improving*: whether, among samples reported since the change, later-started
+  requests fare better than earlier-started ones (a backlog draining).
+
+The law:
+- **Cut** when a class's recent compliance is below ``tolerance`` (95 %). If the
+  last change was a growth, that growth was a failed probe: **undo** it (R returns
+  to ``last_good``), and remember the level as the ceiling. Otherwise cut by
+  ``step_down`` (10 %). After a cut, cut again only while the trouble persists under
+  the new rate: the started evidence is not back within tolerance and later requests
+  fare no better than earlier ones. A server draining a backlog recovers, and must
+  not be cut into the ground; one still overloaded gets a cut per cooldown. After
+  an undo, wait two cooldowns before judging again: the probe's load takes about as
+  long to clear as it lasted.
+- **Grow** when every class's growth evidence complies at ``target + margin``
+  (99.5 %) or better and the pool uses its rate (``min_utilization``: no windup
+  while idle): by ``step_up`` (5 %) while below the ceiling by more than a step,
+  up to that point; near the ceiling, by the adaptive probe step, once the evidence
+  has been good for ``probe_wait`` cooldowns.
+- **Hold** otherwise: within the band, or without enough samples.
+
+Probing adapts, so R settles just under the server's capacity instead of cycling,
+yet finds capacity that comes back: a failed probe halves the probe step (not below
+``min_step``) and doubles ``probe_wait`` (up to ``max_probe_wait``); a probe that
+held doubles the step (up to ``step_up``) and halves the wait, and one that held
+above the ceiling forgets it. Cuts following cuts do not lower the ceiling: they act
+on evidence that lags behind them. Changes respect a cooldown, enforced by the
+store's script, and the bounds ``[min_capacity, max_capacity]``; each is logged with
+its reason and kept in the pool's history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qosd.config import Config, ControlConfig, PoolPolicy
+from qosd.model import ControlRecord, StoreUnavailable
+from qosd.slo import WindowStats, improving, trend, window_stats
+from qosd.store.base import BucketStore
+
+log = logging.getLogger(__name__)
+
+UP = 1
+DOWN = -1
+HOLD = 0
+UNDO = -2  # a cut back to where the last growth started (stored as the direction)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    direction: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """Per class, as the module's docstring defines them."""
+
+    recent: dict[str, WindowStats]
+    started: dict[str, WindowStats]
+    growth: dict[str, WindowStats]
+    improving: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+
+def _judged(stats: dict[str, WindowStats], config: ControlConfig) -> dict[str, float]:
+    return {
+        name: s.compliance
+        for name, s in stats.items()
+        if s.compliance is not None and s.samples >= config.min_samples
+    }
+
+
+def judge(
+    evidence: Evidence,
+    utilization: float | None,
+    config: ControlConfig,
+    *,
+    last_direction: int = HOLD,
+    since_change_ms: int | None = None,
+) -> Verdict:
+    """Cut, grow or hold, by the law in the module's docstring."""
+    recent = _judged(evidence.recent, config)
+    started_since = _judged(evidence.started, config)
+    growth = _judged(evidence.growth, config)
+    if recent:
+        name, worst = min(recent.items(), key=lambda item: item[1])
+        if worst < config.tolerance:
+            samples = evidence.recent[name].samples
+            detail = f"{name} compliance {worst:.3f} < {config.tolerance} ({samples} samples)"
+            if last_direction not in (DOWN, UNDO):
+                return Verdict(DOWN, detail)
+            if (
+                last_direction == UNDO
+                and since_change_ms is not None
+                and since_change_ms < 2 * config.cooldown_s * 1000
+            ):
+                # The failed probe lasted a cooldown; the server needs about as long
+                # to shake it off before the rate it was undone to can be judged.
+                return Verdict(HOLD, f"{detail}; judging the undone probe's rate later")
+            # Just cut: cut again only while the trouble persists under the new rate.
+            # Requests started since the cut that meet the objectives show it is
+            # enough; so do later-started requests faring better than earlier ones (a
+            # server draining a backlog, or shaking off a failed probe, recovers and
+            # must not be cut into the ground). Otherwise the load is still too high.
+            for cls_name, value in sorted(recent.items(), key=lambda item: item[1]):
+                if value >= config.tolerance:
+                    continue
+                started = started_since.get(cls_name)
+                if started is not None and started >= config.tolerance:
+                    continue
+                if evidence.improving.get(cls_name):
+                    continue
+                shown = "too few" if started is None else f"{started:.3f}"
+                return Verdict(
+                    DOWN,
+                    f"{detail}; requests started since the last change: {shown}, "
+                    "later ones faring no better",
+                )
+            return Verdict(HOLD, f"{detail}; recovering under the last cut")
+    good = config.target + config.margin
+    if not growth:
+        return Verdict(
+            HOLD, f"fewer than {config.min_samples} samples started since the last change"
+        )
+    # A class with too few requests started since the change to judge still speaks
+    # through what it has reported since: a quiet class must not stall growth, nor a
+    # troubled one allow it.
+    judged = dict(growth)
+    for cls_name, stats in evidence.recent.items():
+        if cls_name not in judged and stats.compliance is not None:
+            judged[cls_name] = stats.compliance
+    name, worst = min(judged.items(), key=lambda item: item[1])
+    if worst >= good:
+        evidence_text = ", ".join(
+            f"{n} {value:.3f} ({evidence.growth[n].samples if n in growth else 'recent'})"
+            for n, value in judged.items()
+        )
+        if utilization is None or utilization < config.min_utilization:
+            used = "unknown" if utilization is None else f"{utilization:.2f}"
+            return Verdict(HOLD, f"compliance >= {good} but utilization {used}")
+        return Verdict(UP, f"compliance >= {good}: {evidence_text}; utilization {utilization:.2f}")
+    return Verdict(HOLD, f"{name} compliance {worst:.3f} within [{config.tolerance}, {good})")
+
+
+def near_ceiling(record: ControlRecord, config: ControlConfig) -> bool:
+    """Growth near (or above) the lowest level recently too high is a careful probe."""
+    return record.ceiling > 0 and record.capacity >= record.ceiling * (1 - config.step_up) * (
+        1 - 1e-9
+    )
+
+
+def step(
+    record: ControlRecord, direction: int, config: ControlConfig, pool: PoolPolicy
+) -> ControlRecord | None:
+    """The record after one move; None when the bounds leave nothing to move."""
+    probe = record.probe_step or config.step_up
+    wait = max(1, record.probe_wait)
+    last_good = record.last_good
+    ceiling = record.ceiling
+    if direction == DOWN:
+        # The rate just left was too high: the ceiling is the lowest such level. Not
+        # so for cuts following cuts: they act on evidence that lags behind them.
+        if record.direction not in (DOWN, UNDO):
+            ceiling = min(ceiling, record.capacity) if ceiling > 0 else record.capacity
+        if record.direction == UP:  # the last growth was a failed probe: undo it
+            capacity = min(last_good, record.capacity * (1 - config.min_step))
+            probe = max(config.min_step, probe / 2)
+            wait = min(config.max_probe_wait, wait * 2)
+            direction = UNDO
+        else:
+            capacity = record.capacity * (1 - config.step_down)
+    elif near_ceiling(record, config):
+        if record.direction == UP:  # the last probe held
+            probe = min(config.step_up, probe * 2)
+            wait = max(1, wait // 2)
+            # Held above the ceiling: the limit it stood for has gone (capacity came
+            # back); grow at full speed until the next failure sets a new one.
+            ceiling = 0.0 if record.capacity > ceiling else ceiling
+        last_good = record.capacity
+        capacity = record.capacity * (1 + probe)
+    else:
+        last_good = record.capacity
+        capacity = record.capacity * (1 + config.step_up)
+        if ceiling > 0:  # quickly back up to just under the ceiling
+            capacity = min(capacity, ceiling * (1 - config.step_up))
+    capacity = min(pool.max_capacity, max(pool.min_capacity, capacity))
+    if abs(capacity - record.capacity) < 1e-9 * pool.capacity:
+        return None
+    return dataclasses.replace(
+        record,
+        capacity=capacity,
+        probe_step=probe,
+        probe_wait=wait,
+        last_good=last_good,
+        direction=direction,
+        ceiling=ceiling,
+    )
+
+
+@dataclass
+class _PoolMemory:
+    """What the leader remembers between evaluations (lost on failover: harmless)."""
+
+    admitted: float | None = None
+    at_ms: int = 0
+
+
+class Controller:
+    """Runs the SLO loop in every daemon; only the holder of the lease acts."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: BucketStore,
+        pools: dict[str, PoolPolicy],
+        daemon_id: str,
+        on_adjust: Callable[[str, ControlRecord], None] | None = None,
+    ) -> None:
+        self._config = config
+        self._control = config.control
+        self._store = store
+        self._pools = pools
+        self._daemon_id = daemon_id
+        self._on_adjust = on_adjust
+        self._memory: dict[str, _PoolMemory] = {name: _PoolMemory() for name in pools}
+        self.leader = ""
+        self.last_verdicts: dict[str, Verdict] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        lease_ms = int(self._control.leader_lease_s * 1000)
+        while True:
+            try:
+                await self.tick(lease_ms)
+            except StoreUnavailable as exc:
+                log.debug("SLO loop skipped a turn: %s", exc)
+            except Exception:
+                log.exception("SLO loop failed a turn")
+            await asyncio.sleep(self._control.interval_s)
+
+    async def tick(self, lease_ms: int) -> None:
+        """One turn: hold (or take) the lease, and if ours, judge every pool."""
+        leader = await self._store.lead(self._daemon_id, lease_ms)
+        if leader != self.leader:
+            log.info("SLO loop leader is now %s%s", leader,
+                     " (this daemon)" if leader == self._daemon_id else "")  # fmt: skip
+            self.leader = leader
+        if leader != self._daemon_id:
+            return
+        for pool in self._pools.values():
+            await self.evaluate(pool)
+
+    async def evidence(self, pool: PoolPolicy, since_ms: int, now_ms: int) -> Evidence:
+        """Each class's evidence since ``since_ms`` (the last change)."""
+        max_age = self._config.report.max_age_s
+        max_age_ms = None if max_age is None else int(max_age * 1000)
+        enough = self._control.min_samples
+        growth_window_ms = int(self._control.growth_window_s * 1000)
+        recent: dict[str, WindowStats] = {}
+        started: dict[str, WindowStats] = {}
+        growth: dict[str, WindowStats] = {}
+        getting_better: dict[str, bool] = {}
+        for cls in pool.classes:
+            slo = self._config.classes[cls.name].slo
+            samples = await self._store.window(pool.name, cls.name)
+
+            def stats(newest: int | None = None, started_after: int | None = None) -> WindowStats:
+                return window_stats(
+                    samples,  # noqa: B023 - used at once, in this iteration
+                    slo,  # noqa: B023
+                    reported_after=since_ms,
+                    started_after=started_after,
+                    now_ms=now_ms,
+                    max_age_ms=max_age_ms,
+                    newest=newest,
+                )
+
+            everything = stats()
+            recent[cls.name] = (
+                stats(newest=everything.samples // 2)
+                if everything.samples >= 2 * enough
+                else everything
+            )
+            since = stats(started_after=since_ms)
+            started[cls.name] = (
+                stats(started_after=since_ms, newest=since.samples // 2)
+                if since.samples >= 2 * enough
+                else since
+            )
+            # Growth needs the requests of the last growth_window_s to be good: an
+            # older bad spell (the load a cut or an undo removed) must not stall it.
+            growth[cls.name] = stats(started_after=max(since_ms, now_ms - growth_window_ms))
+            halves = trend(samples, slo, reported_after=since_ms)
+            if halves is not None:
+                getting_better[cls.name] = improving(*halves, slo)
+        return Evidence(recent, started, growth, getting_better)
+
+    async def evaluate(self, pool: PoolPolicy) -> ControlRecord | None:
+        """Judges one pool and moves its rate if the law says so; returns the change."""
+        record = await self._store.control(pool)
+        status = await self._store.status(pool)
+        memory = self._memory[pool.name]
+        utilization = None
+        if memory.admitted is not None and status.now_ms > memory.at_ms:
+            rate = (
+                (status.admitted_tokens - memory.admitted) * 1000 / (status.now_ms - memory.at_ms)
+            )
+            utilization = rate / status.capacity
+        memory.admitted, memory.at_ms = status.admitted_tokens, status.now_ms
+        if record.pinned:
+            self.last_verdicts[pool.name] = Verdict(HOLD, "pinned by an operator")
+            return None
+        evidence = await self.evidence(pool, record.changed_ms, status.now_ms)
+        verdict = judge(
+            evidence,
+            utilization,
+            self._control,
+            last_direction=record.direction,
+            since_change_ms=status.now_ms - record.changed_ms,
+        )
+        cooldown_ms = int(self._control.cooldown_s * 1000)
+        waited = status.now_ms - record.changed_ms
+        if (
+            verdict.direction == UP
+            and near_ceiling(record, self._control)
+            and waited < record.probe_wait * cooldown_ms
+        ):
+            needed_s = record.probe_wait * cooldown_ms / 1000
+            verdict = Verdict(
+                HOLD, f"good for {waited / 1000:.0f} s of the {needed_s:.0f} s a probe waits for"
+            )
+        self.last_verdicts[pool.name] = verdict
+        if verdict.direction == HOLD:
+            return None
+        update = step(record, verdict.direction, self._control, pool)
+        if update is None:
+            return None
+        percent = (update.capacity / record.capacity - 1) * 100
+        kind = "grow" if verdict.direction == UP else "cut"
+        if update.direction == UNDO:
+            kind = "undo the last growth"
+        update = dataclasses.replace(
+            update,
+            reason=f"{kind} {percent:+.1f}%: {verdict.reason}",
+            changed_by=self._daemon_id,
+            changed_from=record.capacity,
+        )
+        if not await self._store.adjust(pool, update, cooldown_ms):
+            return None  # cooling down (or pinned meanwhile)
+        log.info(
+            "pool %s admitted rate %.0f -> %.0f tokens/s (%s)",
+            pool.name, record.capacity, update.capacity, update.reason,
+        )  # fmt: skip
+        if self._on_adjust is not None:
+            self._on_adjust(pool.name, update)
+        return update
+
+    async def pin(self, pool: PoolPolicy, capacity: float | None) -> ControlRecord:
+        """Fixes a pool's admitted rate (the loop leaves it alone), or frees it."""
+        record = await self._store.control(pool)
+        if capacity is None:
+            update = dataclasses.replace(
+                record, pinned=False, reason="unpinned by an operator",
+                changed_by=self._daemon_id, changed_from=record.capacity,
+            )  # fmt: skip
+        else:
+            update = dataclasses.replace(
+                record, capacity=capacity, pinned=True, direction=HOLD, last_good=capacity,
+                reason=f"pinned at {capacity:.0f} tokens/s by an operator",
+                changed_by=self._daemon_id, changed_from=record.capacity,
+            )  # fmt: skip
+        await self._store.adjust(pool, update, 0, force=True)
+        log.info("pool %s: %s", pool.name, update.reason)
+        return update
