@@ -127,6 +127,14 @@ class Admission:
     def store(self) -> BucketStore:
         return self._store
 
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def pools(self) -> dict[str, PoolPolicy]:
+        return dict(self._pools)
+
     def policy(self, pool: str, qos_class: str) -> ClassPolicy:
         return self._policies[(pool, qos_class)]
 

@@ -1,4 +1,5 @@
-"""``qosd`` command line: ``serve``, ``demo`` and ``config check``."""
+"""``qosd`` command line: ``serve``, ``demo``, ``config check``, and the operator
+commands ``status``, ``pin`` and ``unpin`` (qosd.ctl)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import uvloop
 
+from qosd import ctl
 from qosd.config import Config, ConfigError, load_config
 from qosd.demo import run_demo
 from qosd.server import StartupError, serve
@@ -70,8 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     check_cmd = check.add_parser("check", help="validate a config file and print it resolved")
     check_cmd.add_argument("path")
+    ctl.add_commands(commands)
 
     args = parser.parse_args(argv)
+    if args.command in ("status", "pin", "unpin"):
+        return ctl.run(args)
     if args.command == "config":
         try:
             config = load_config(args.path)

@@ -246,14 +246,25 @@ class Controller:
         self.last_verdicts: dict[str, Verdict] = {}
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def leads(self) -> bool:
+        """Whether this daemon held the controller lease at its last turn."""
+        return self.running and self.leader == self._daemon_id
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stops the loop; a successor takes over when the lease runs out."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
 
     async def _run(self) -> None:
         lease_ms = int(self._control.leader_lease_s * 1000)
@@ -386,6 +397,8 @@ class Controller:
     async def pin(self, pool: PoolPolicy, capacity: float | None) -> ControlRecord:
         """Fixes a pool's admitted rate (the loop leaves it alone), or frees it."""
         record = await self._store.control(pool)
+        if capacity is None and not record.pinned:
+            return record  # nothing to free: no change, no cooldown
         if capacity is None:
             update = dataclasses.replace(
                 record, pinned=False, reason="unpinned by an operator",
@@ -398,5 +411,6 @@ class Controller:
                 changed_by=self._daemon_id, changed_from=record.capacity,
             )  # fmt: skip
         await self._store.adjust(pool, update, 0, force=True)
+        self.last_verdicts[pool.name] = Verdict(HOLD, update.reason)
         log.info("pool %s: %s", pool.name, update.reason)
         return update

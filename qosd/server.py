@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
+from qosd.control import Controller
 from qosd.service import AdminService, QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
@@ -55,6 +56,7 @@ class Daemon:
     config: Config
     server: grpc.aio.Server
     admission: Admission
+    controller: Controller
     health: health.aio.HealthServicer
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
@@ -62,6 +64,7 @@ class Daemon:
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.server.drain_grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
+        await self.controller.stop()
         self.admission.begin_drain()
         await self.server.stop(grace)
         await self.admission.waiting_room.close()
@@ -94,13 +97,20 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_to_server(QoSService(admission), AdminService(admission), server)
+    controller = Controller(config, store, admission.pools, admission.daemon_id)
+    add_to_server(QoSService(admission), AdminService(admission, controller), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    daemon = Daemon(config=config, server=server, admission=admission, health=health_servicer)
+    daemon = Daemon(
+        config=config,
+        server=server,
+        admission=admission,
+        controller=controller,
+        health=health_servicer,
+    )
     for address in config.server.listen:
         parsed = parse_listen_address(address)
         if parsed.unix_path is not None:
@@ -118,6 +128,8 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             host = parsed.target.rpartition(":")[0]
             daemon.addresses.append(f"{host}:{port}")
     await server.start()
+    if config.control.enabled:
+        controller.start()
     for service in ("", QOS_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info(

@@ -7,6 +7,7 @@ or expired leases, and store outages on Release/Report become error statuses.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,7 +15,18 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from qosd.admission import Admission, InvalidArgument
-from qosd.model import LeaseExpired, LeaseNotFound, Outcome, Sample, StoreUnavailable
+from qosd.budget import effective_pool
+from qosd.config import PoolPolicy, SloConfig
+from qosd.control import Controller
+from qosd.model import (
+    Adjustment,
+    LeaseExpired,
+    LeaseNotFound,
+    Outcome,
+    Sample,
+    StoreUnavailable,
+)
+from qosd.slo import WindowStats, window_stats
 from qosd.v1 import qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -123,8 +135,9 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
 
 
 class AdminService(qosd_pb2_grpc.AdminServicer):
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, controller: Controller) -> None:
         self._admission = admission
+        self._controller = controller
 
     async def GetStatus(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -137,38 +150,146 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                     grpc.StatusCode.NOT_FOUND, f"pool {request.pool!r} is not configured"
                 )
             names = [request.pool]
-        response = qosd_pb2.GetStatusResponse(
-            daemon_id=admission.daemon_id, store=admission.store_kind
-        )
-        for name in names:
-            pool = admission.pool(name)
-            try:
-                status = await admission.store.status(pool)
-            except StoreUnavailable as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
-            entry = response.pools.add(
-                name=name,
-                capacity_tokens_s=pool.capacity,
-                shared_tokens=status.shared_tokens,
-                shared_burst_tokens=pool.shared_burst,
+        if not 0 <= request.history <= MAX_HISTORY:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"history must be between 0 and {MAX_HISTORY} (got {request.history})",
             )
-            held = admission.waiting_room.held(name)
-            for cls in pool.classes:
-                now = status.classes[cls.name]
-                entry.classes.add(
-                    name=cls.name,
-                    priority=cls.priority,
-                    rate_tokens_s=cls.rate,
-                    burst_tokens=cls.burst,
-                    tokens=now.tokens,
-                    waiting=now.waiting,
-                    oldest_wait_ms=now.oldest_wait_ms,
-                    waiting_here=held.get(cls.name, 0),
-                    max_wait_ms=cls.max_wait_ms,
-                    max_queue=cls.max_queue,
-                    can_borrow=cls.can_borrow,
-                )
+        response = qosd_pb2.GetStatusResponse(
+            daemon_id=admission.daemon_id,
+            store=admission.store_kind,
+            controller=self._controller.leader if self._controller.running else "",
+        )
+        try:
+            for name in names:
+                response.pools.append(await self._pool_status(name, request.history))
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
         return response
+
+    async def PinRate(  # noqa: N802 - gRPC method name
+        self, request: qosd_pb2.PinRateRequest, context: grpc.aio.ServicerContext
+    ) -> qosd_pb2.PinRateResponse:
+        pool = await self._known_pool(request.pool, context)
+        rate = request.rate_tokens_s
+        if not (math.isfinite(rate) and pool.min_capacity <= rate <= pool.max_capacity):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rate_tokens_s must lie within the control bounds of pool {pool.name!r}, "
+                f"{pool.min_capacity:g} to {pool.max_capacity:g} tokens/s (got {rate:g})",
+            )
+        return await self._pin(pool, rate, context)
+
+    async def UnpinRate(  # noqa: N802 - gRPC method name
+        self, request: qosd_pb2.UnpinRateRequest, context: grpc.aio.ServicerContext
+    ) -> qosd_pb2.PinRateResponse:
+        return await self._pin(await self._known_pool(request.pool, context), None, context)
+
+    async def _known_pool(self, name: str, context: grpc.aio.ServicerContext) -> PoolPolicy:
+        if name not in self._admission.pool_names():
+            known = ", ".join(self._admission.pool_names())
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"pool {name!r} is not configured (pools: {known})"
+            )
+        return self._admission.pool(name)
+
+    async def _pin(
+        self, pool: PoolPolicy, rate: float | None, context: grpc.aio.ServicerContext
+    ) -> qosd_pb2.PinRateResponse:
+        try:
+            await self._controller.pin(pool, rate)
+            return qosd_pb2.PinRateResponse(pool=await self._pool_status(pool.name, 0))
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}; retry")
+        raise AssertionError("unreachable")  # abort raises
+
+    async def _pool_status(self, name: str, history: int) -> qosd_pb2.PoolStatus:
+        """One pool as the store sees it now, with the SLO loop's state."""
+        admission = self._admission
+        config = admission.config
+        pool = admission.pool(name)
+        store = admission.store
+        status = await store.status(pool)
+        record = await store.control(pool)
+        adjustments = await store.history(pool, max(1, history))
+        verdict = self._controller.last_verdicts.get(name)
+        entry = qosd_pb2.PoolStatus(
+            name=name,
+            capacity_tokens_s=pool.capacity,
+            shared_tokens=status.shared_tokens,
+            shared_burst_tokens=effective_pool(pool, status.capacity).shared_burst,
+            admitted_rate_tokens_s=status.capacity,
+            pinned=record.pinned,
+            verdict=verdict.reason if verdict and self._controller.leads else "",
+            min_rate_tokens_s=pool.min_capacity,
+            max_rate_tokens_s=pool.max_capacity,
+        )
+        if adjustments:
+            entry.last_adjustment.CopyFrom(_adjustment(adjustments[0], status.now_ms))
+            if history:
+                entry.history.extend(_adjustment(a, status.now_ms) for a in adjustments[:history])
+        held = admission.waiting_room.held(name)
+        max_age = config.report.max_age_s
+        for cls in pool.classes:
+            now = status.classes[cls.name]
+            slo = config.classes[cls.name].slo
+            window = window_stats(
+                await store.window(name, cls.name),
+                slo,
+                now_ms=status.now_ms,
+                max_age_ms=None if max_age is None else int(max_age * 1000),
+            )
+            entry.classes.add(
+                name=cls.name,
+                priority=cls.priority,
+                rate_tokens_s=now.rate,
+                burst_tokens=now.burst,
+                tokens=now.tokens,
+                waiting=now.waiting,
+                oldest_wait_ms=now.oldest_wait_ms,
+                waiting_here=held.get(cls.name, 0),
+                max_wait_ms=cls.max_wait_ms,
+                max_queue=cls.max_queue,
+                can_borrow=cls.can_borrow,
+                configured_rate_tokens_s=cls.rate,
+                latency=_latency(window, slo),
+            )
+        return entry
+
+
+MAX_HISTORY = 100  # what the store keeps per pool
+
+
+def _adjustment(adjustment: Adjustment, now_ms: int) -> qosd_pb2.Adjustment:
+    return qosd_pb2.Adjustment(
+        at_ms=adjustment.at_ms,
+        from_tokens_s=adjustment.changed_from,
+        to_tokens_s=adjustment.changed_to,
+        reason=adjustment.reason,
+        by=adjustment.by,
+        age_ms=max(0, now_ms - adjustment.at_ms),
+    )
+
+
+def _latency(stats: WindowStats, slo: SloConfig) -> qosd_pb2.LatencyStatus:
+    compliance = stats.compliance
+    message = qosd_pb2.LatencyStatus(
+        samples=stats.samples,
+        compliance=-1.0 if compliance is None else compliance,
+        slo_ttft_ms=slo.ttft_ms or 0.0,
+        slo_tpot_ms=slo.tpot_ms or 0.0,
+        slo_e2e_ms=slo.e2e_ms or 0.0,
+    )
+    for field, measured in (
+        ("ttft_ms", stats.ttft_ms),
+        ("tpot_ms", stats.tpot_ms),
+        ("e2e_ms", stats.e2e_ms),
+    ):
+        if measured is not None:
+            getattr(message, field).CopyFrom(
+                qosd_pb2.Percentiles(p50=measured.p50, p95=measured.p95, p99=measured.p99)
+            )
+    return message
 
 
 def _sample_status(value: int) -> Outcome:
@@ -201,12 +322,18 @@ def add_to_server(service: QoSService, admin: AdminService, server: grpc.aio.Ser
     }
     service_name = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    admin_methods: dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]] = {
+        "GetStatus": (qosd_pb2.GetStatusRequest, admin.GetStatus),
+        "PinRate": (qosd_pb2.PinRateRequest, admin.PinRate),
+        "UnpinRate": (qosd_pb2.UnpinRateRequest, admin.UnpinRate),
+    }
     admin_handlers = {
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            _decoding(qosd_pb2.GetStatusRequest, admin.GetStatus),
+        name: grpc.unary_unary_rpc_method_handler(
+            _decoding(message_type, method),
             request_deserializer=None,
             response_serializer=_serialize,
         )
+        for name, (message_type, method) in admin_methods.items()
     }
     admin_name = qosd_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
     server.add_generic_rpc_handlers(

@@ -127,8 +127,9 @@ async def test_every_key_of_a_pool_shares_one_slot(backend: Any) -> None:
         by_pool.setdefault(pool, set()).add(key_slot(key.encode()))
     kinds = sorted({key.split("}:", 1)[1].split(":", 1)[0] for key in keys})
     print(f"\n{len(keys)} keys, kinds {kinds}, slots per pool {by_pool}")
-    assert kinds == ["leases", "req", "state", "window"]
-    assert set(by_pool) == {"alpha", "beta"}
+    assert kinds == ["leader", "leases", "req", "state", "window"]
+    # The SLO loop's leader lease is the fleet's, in a slot of its own.
+    assert set(by_pool) == {"alpha", "beta", "control"}
     assert all(len(slots) == 1 for slots in by_pool.values())
 
 

@@ -11,11 +11,15 @@ from qosd_client.types import (
     DeadlineExceeded,
     InvalidRequest,
     LatencySample,
+    LatencyState,
     LeaseExpired,
     LeaseNotFound,
+    NotFound,
     Outcome,
+    Percentiles,
     PoolState,
     QosdError,
+    RateChange,
     Reason,
     ReleaseResult,
     ReportResult,
@@ -130,40 +134,85 @@ def report_result(response: qosd_pb2.ReportResponse) -> ReportResult:
     )
 
 
-def status_result(response: qosd_pb2.GetStatusResponse) -> Status:
-    return Status(
-        pools=tuple(
-            PoolState(
-                name=pool.name,
-                capacity_tokens_s=pool.capacity_tokens_s,
-                shared_tokens=pool.shared_tokens,
-                shared_burst_tokens=pool.shared_burst_tokens,
-                classes=tuple(
-                    ClassState(
-                        name=c.name,
-                        priority=c.priority,
-                        rate_tokens_s=c.rate_tokens_s,
-                        burst_tokens=c.burst_tokens,
-                        tokens=c.tokens,
-                        waiting=c.waiting,
-                        oldest_wait_s=c.oldest_wait_ms / 1000,
-                        waiting_here=c.waiting_here,
-                        max_wait_s=c.max_wait_ms / 1000,
-                        max_queue=c.max_queue,
-                        can_borrow=c.can_borrow,
-                    )
-                    for c in pool.classes
-                ),
-            )
-            for pool in response.pools
-        ),
-        daemon_id=response.daemon_id,
-        store=response.store,
+def _percentiles(message: qosd_pb2.LatencyStatus, field: str) -> Percentiles | None:
+    if not message.HasField(field):  # type: ignore[arg-type]  # one of three fields
+        return None
+    value: qosd_pb2.Percentiles = getattr(message, field)
+    return Percentiles(value.p50, value.p95, value.p99)
+
+
+def _latency(message: qosd_pb2.LatencyStatus) -> LatencyState:
+    return LatencyState(
+        samples=message.samples,
+        compliance=None if message.compliance < 0 else message.compliance,
+        slo_ttft_ms=message.slo_ttft_ms or None,
+        slo_tpot_ms=message.slo_tpot_ms or None,
+        slo_e2e_ms=message.slo_e2e_ms or None,
+        ttft=_percentiles(message, "ttft_ms"),
+        tpot=_percentiles(message, "tpot_ms"),
+        e2e=_percentiles(message, "e2e_ms"),
     )
 
 
-def translate(error: grpc.RpcError) -> QosdError:
-    """Turns a gRPC error into the client's typed exception."""
+def _change(message: qosd_pb2.Adjustment) -> RateChange:
+    return RateChange(
+        at_ms=message.at_ms,
+        from_tokens_s=message.from_tokens_s,
+        to_tokens_s=message.to_tokens_s,
+        reason=message.reason,
+        by=message.by,
+        age_s=message.age_ms / 1000,
+    )
+
+
+def pool_state(pool: qosd_pb2.PoolStatus) -> PoolState:
+    return PoolState(
+        name=pool.name,
+        capacity_tokens_s=pool.capacity_tokens_s,
+        shared_tokens=pool.shared_tokens,
+        shared_burst_tokens=pool.shared_burst_tokens,
+        classes=tuple(
+            ClassState(
+                name=c.name,
+                priority=c.priority,
+                rate_tokens_s=c.rate_tokens_s,
+                burst_tokens=c.burst_tokens,
+                tokens=c.tokens,
+                waiting=c.waiting,
+                oldest_wait_s=c.oldest_wait_ms / 1000,
+                waiting_here=c.waiting_here,
+                max_wait_s=c.max_wait_ms / 1000,
+                max_queue=c.max_queue,
+                can_borrow=c.can_borrow,
+                configured_rate_tokens_s=c.configured_rate_tokens_s,
+                latency=_latency(c.latency),
+            )
+            for c in pool.classes
+        ),
+        admitted_rate_tokens_s=pool.admitted_rate_tokens_s,
+        pinned=pool.pinned,
+        last_change=_change(pool.last_adjustment) if pool.HasField("last_adjustment") else None,
+        history=tuple(_change(item) for item in pool.history),
+        verdict=pool.verdict,
+        min_rate_tokens_s=pool.min_rate_tokens_s,
+        max_rate_tokens_s=pool.max_rate_tokens_s,
+    )
+
+
+def status_result(response: qosd_pb2.GetStatusResponse) -> Status:
+    return Status(
+        pools=tuple(pool_state(pool) for pool in response.pools),
+        daemon_id=response.daemon_id,
+        store=response.store,
+        controller=response.controller,
+    )
+
+
+def translate(error: grpc.RpcError, *, admin: bool = False) -> QosdError:
+    """Turns a gRPC error into the client's typed exception. From the admin calls,
+    NOT_FOUND names a pool, not a lease."""
     code = error.code()
     details = error.details() or code.name
+    if admin and code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(f"{code.name}: {details}")
     return _ERRORS.get(code, QosdError)(f"{code.name}: {details}")

@@ -22,6 +22,7 @@ from qosd_client.types import (
     AcquireResult,
     LatencySample,
     Outcome,
+    PoolState,
     QosdError,
     Rejected,
     ReleaseResult,
@@ -143,14 +144,37 @@ class QosdClient:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
 
-    async def status(self, pool: str = "", *, timeout_s: float | None = None) -> Status:
-        """Budgets and waiting rooms now (the Admin service), fleet-wide with Redis."""
-        request = qosd_pb2.GetStatusRequest(pool=pool)
+    async def status(
+        self, pool: str = "", *, history: int = 0, timeout_s: float | None = None
+    ) -> Status:
+        """Budgets, waiting rooms and the SLO loop's state now (the Admin service),
+        fleet-wide with Redis; ``history`` past rate changes per pool."""
+        request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
         try:
             response = await self._admin.GetStatus(request, timeout=timeout_s or self._timeout_s)
         except grpc.RpcError as error:
-            raise _convert.translate(error) from error
+            raise _convert.translate(error, admin=True) from error
         return _convert.status_result(response)
+
+    async def pin_rate(
+        self, pool: str, rate_tokens_s: float, *, timeout_s: float | None = None
+    ) -> PoolState:
+        """Fixes the pool's admitted rate fleet-wide; the SLO loop leaves it alone."""
+        request = qosd_pb2.PinRateRequest(pool=pool, rate_tokens_s=rate_tokens_s)
+        try:
+            response = await self._admin.PinRate(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error, admin=True) from error
+        return _convert.pool_state(response.pool)
+
+    async def unpin_rate(self, pool: str, *, timeout_s: float | None = None) -> PoolState:
+        """Hands the pool's rate back to the SLO loop."""
+        request = qosd_pb2.UnpinRateRequest(pool=pool)
+        try:
+            response = await self._admin.UnpinRate(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error, admin=True) from error
+        return _convert.pool_state(response.pool)
 
     @asynccontextmanager
     async def lease(
@@ -265,13 +289,31 @@ class SyncQosdClient:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
 
-    def status(self, pool: str = "", *, timeout_s: float | None = None) -> Status:
-        request = qosd_pb2.GetStatusRequest(pool=pool)
+    def status(self, pool: str = "", *, history: int = 0, timeout_s: float | None = None) -> Status:
+        request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
         try:
             response = self._admin.GetStatus(request, timeout=timeout_s or self._timeout_s)
         except grpc.RpcError as error:
-            raise _convert.translate(error) from error
+            raise _convert.translate(error, admin=True) from error
         return _convert.status_result(response)
+
+    def pin_rate(
+        self, pool: str, rate_tokens_s: float, *, timeout_s: float | None = None
+    ) -> PoolState:
+        request = qosd_pb2.PinRateRequest(pool=pool, rate_tokens_s=rate_tokens_s)
+        try:
+            response = self._admin.PinRate(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error, admin=True) from error
+        return _convert.pool_state(response.pool)
+
+    def unpin_rate(self, pool: str, *, timeout_s: float | None = None) -> PoolState:
+        request = qosd_pb2.UnpinRateRequest(pool=pool)
+        try:
+            response = self._admin.UnpinRate(request, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as error:
+            raise _convert.translate(error, admin=True) from error
+        return _convert.pool_state(response.pool)
 
     @contextmanager
     def lease(self, qos_class: str, input_tokens: int, **acquire: Any) -> Iterator[Lease]:

@@ -74,12 +74,33 @@ class ReportResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyState:
+    """A class's latency window (see qosd.v1.LatencyStatus)."""
+
+    samples: int
+    compliance: float | None  # None: no objectives, or no samples
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+    slo_e2e_ms: float | None
+    ttft: Percentiles | None
+    tpot: Percentiles | None
+    e2e: Percentiles | None
+
+
+@dataclass(frozen=True, slots=True)
 class ClassState:
     """One class in one pool, as GetStatus saw it (see qosd.v1.ClassStatus)."""
 
     name: str
     priority: int
-    rate_tokens_s: float
+    rate_tokens_s: float  # at the pool's admitted rate now
     burst_tokens: float
     tokens: float
     waiting: int
@@ -88,15 +109,36 @@ class ClassState:
     max_wait_s: float
     max_queue: int
     can_borrow: bool
+    configured_rate_tokens_s: float
+    latency: LatencyState
+
+
+@dataclass(frozen=True, slots=True)
+class RateChange:
+    """One change of a pool's admitted rate (see qosd.v1.Adjustment)."""
+
+    at_ms: int  # store time
+    from_tokens_s: float
+    to_tokens_s: float
+    reason: str
+    by: str
+    age_s: float  # how long before the status was read
 
 
 @dataclass(frozen=True, slots=True)
 class PoolState:
     name: str
-    capacity_tokens_s: float
+    capacity_tokens_s: float  # configured
     shared_tokens: float
     shared_burst_tokens: float
     classes: tuple[ClassState, ...]
+    admitted_rate_tokens_s: float  # set by the SLO loop or a pin
+    pinned: bool
+    last_change: RateChange | None
+    history: tuple[RateChange, ...]
+    verdict: str  # the SLO loop's latest, when the answering daemon leads it
+    min_rate_tokens_s: float
+    max_rate_tokens_s: float
 
     def cls(self, name: str) -> ClassState:
         return next(c for c in self.classes if c.name == name)
@@ -107,6 +149,7 @@ class Status:
     pools: tuple[PoolState, ...]
     daemon_id: str
     store: str
+    controller: str  # the daemon running the SLO loop, as the answering daemon saw it
 
     def pool(self, name: str) -> PoolState:
         return next(p for p in self.pools if p.name == name)
@@ -140,7 +183,11 @@ class InvalidRequest(QosdError):
     """qosd could not interpret the request (gRPC INVALID_ARGUMENT)."""
 
 
-class LeaseNotFound(QosdError):
+class NotFound(QosdError):
+    """NOT_FOUND: the lease, or (from the admin calls) the pool, is unknown."""
+
+
+class LeaseNotFound(NotFound):
     """The lease is unknown to qosd (gRPC NOT_FOUND)."""
 
 

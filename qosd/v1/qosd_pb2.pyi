@@ -523,16 +523,22 @@ class GetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POOL_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     """Only this pool; empty: every configured pool."""
+    history: _builtins.int
+    """How many past adjustments to return per pool, newest first (at most 100);
+    0: only the last one (in `last_adjustment`).
+    """
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
+        history: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -553,6 +559,8 @@ class ClassStatus(_message.Message):
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     MAX_QUEUE_FIELD_NUMBER: _builtins.int
     CAN_BORROW_FIELD_NUMBER: _builtins.int
+    CONFIGURED_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Class name, as configured."""
     priority: _builtins.int
@@ -582,6 +590,16 @@ class ClassStatus(_message.Message):
     """
     max_queue: _builtins.int
     can_borrow: _builtins.bool
+    configured_rate_tokens_s: _builtins.float
+    """The rate the class would have at the configured capacity; `rate_tokens_s` is
+    its rate at the pool's admitted rate now (the SLO loop's or a pin's).
+    """
+    @_builtins.property
+    def latency(self) -> Global___LatencyStatus:
+        """Latency over the class's window (its samples of the last `report.max_age_s`, or
+        all of them when that is null).
+        """
+
     def __init__(
         self,
         *,
@@ -596,14 +614,137 @@ class ClassStatus(_message.Message):
         max_wait_ms: _builtins.int = ...,
         max_queue: _builtins.int = ...,
         can_borrow: _builtins.bool = ...,
+        configured_rate_tokens_s: _builtins.float = ...,
+        latency: Global___LatencyStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "configured_rate_tokens_s", b"configured_rate_tokens_s", "latency", b"latency", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClassStatus: _TypeAlias = ClassStatus  # noqa: Y015
+
+@_typing.final
+class LatencyStatus(_message.Message):
+    """LatencyStatus summarises one (pool, class) latency window."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    COMPLIANCE_FIELD_NUMBER: _builtins.int
+    SLO_TTFT_MS_FIELD_NUMBER: _builtins.int
+    SLO_TPOT_MS_FIELD_NUMBER: _builtins.int
+    SLO_E2E_MS_FIELD_NUMBER: _builtins.int
+    TTFT_MS_FIELD_NUMBER: _builtins.int
+    TPOT_MS_FIELD_NUMBER: _builtins.int
+    E2E_MS_FIELD_NUMBER: _builtins.int
+    samples: _builtins.int
+    """Samples judged (cancelled requests are left out)."""
+    compliance: _builtins.float
+    """Share of them within every objective of the class; -1 when the class has no
+    objectives or there are no samples.
+    """
+    slo_ttft_ms: _builtins.float
+    """The class's objectives, milliseconds; 0: none on that latency."""
+    slo_tpot_ms: _builtins.float
+    slo_e2e_ms: _builtins.float
+    @_builtins.property
+    def ttft_ms(self) -> Global___Percentiles:
+        """Nearest-rank percentiles, milliseconds; absent when no sample measured it."""
+
+    @_builtins.property
+    def tpot_ms(self) -> Global___Percentiles: ...
+    @_builtins.property
+    def e2e_ms(self) -> Global___Percentiles: ...
+    def __init__(
+        self,
+        *,
+        samples: _builtins.int = ...,
+        compliance: _builtins.float = ...,
+        slo_ttft_ms: _builtins.float = ...,
+        slo_tpot_ms: _builtins.float = ...,
+        slo_e2e_ms: _builtins.float = ...,
+        ttft_ms: Global___Percentiles | None = ...,
+        tpot_ms: Global___Percentiles | None = ...,
+        e2e_ms: Global___Percentiles | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["e2e_ms", b"e2e_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compliance", b"compliance", "e2e_ms", b"e2e_ms", "samples", b"samples", "slo_e2e_ms", b"slo_e2e_ms", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LatencyStatus: _TypeAlias = LatencyStatus  # noqa: Y015
+
+@_typing.final
+class Percentiles(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    P50_FIELD_NUMBER: _builtins.int
+    P95_FIELD_NUMBER: _builtins.int
+    P99_FIELD_NUMBER: _builtins.int
+    p50: _builtins.float
+    p95: _builtins.float
+    p99: _builtins.float
+    def __init__(
+        self,
+        *,
+        p50: _builtins.float = ...,
+        p95: _builtins.float = ...,
+        p99: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["p50", b"p50", "p95", b"p95", "p99", b"p99"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Percentiles: _TypeAlias = Percentiles  # noqa: Y015
+
+@_typing.final
+class Adjustment(_message.Message):
+    """Adjustment is one change of a pool's admitted rate, as the SLO loop or an
+    operator made it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_MS_FIELD_NUMBER: _builtins.int
+    FROM_TOKENS_S_FIELD_NUMBER: _builtins.int
+    TO_TOKENS_S_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BY_FIELD_NUMBER: _builtins.int
+    AGE_MS_FIELD_NUMBER: _builtins.int
+    at_ms: _builtins.int
+    """Store time (Unix milliseconds with Redis; the daemon's monotonic clock with the
+    embedded store).
+    """
+    from_tokens_s: _builtins.float
+    to_tokens_s: _builtins.float
+    reason: _builtins.str
+    """Why, e.g. "cut -10.0%: P0 compliance 0.912 < 0.95 (500 samples)"."""
+    by: _builtins.str
+    """The daemon id that made it."""
+    age_ms: _builtins.int
+    """How long ago, by the store's clock when the status was read."""
+    def __init__(
+        self,
+        *,
+        at_ms: _builtins.int = ...,
+        from_tokens_s: _builtins.float = ...,
+        to_tokens_s: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        by: _builtins.str = ...,
+        age_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "at_ms", b"at_ms", "by", b"by", "from_tokens_s", b"from_tokens_s", "reason", b"reason", "to_tokens_s", b"to_tokens_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Adjustment: _TypeAlias = Adjustment  # noqa: Y015
 
 @_typing.final
 class PoolStatus(_message.Message):
@@ -614,16 +755,43 @@ class PoolStatus(_message.Message):
     SHARED_TOKENS_FIELD_NUMBER: _builtins.int
     SHARED_BURST_TOKENS_FIELD_NUMBER: _builtins.int
     CLASSES_FIELD_NUMBER: _builtins.int
+    ADMITTED_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    LAST_ADJUSTMENT_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    MIN_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
+    MAX_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     capacity_tokens_s: _builtins.float
     """Configured capacity, tokens per second."""
     shared_tokens: _builtins.float
     """Unused capacity the classes may borrow now, and the most it can hold."""
     shared_burst_tokens: _builtins.float
+    admitted_rate_tokens_s: _builtins.float
+    """The rate the pool admits now, tokens per second: set by the SLO loop (or pinned
+    by an operator) between the control bounds; the configured capacity until then.
+    Kept relative to the configured capacity, so a changed capacity scales it.
+    """
+    pinned: _builtins.bool
+    """Pinned by an operator: the SLO loop leaves the rate alone."""
+    verdict: _builtins.str
+    """The SLO loop's latest verdict on the pool, when this daemon leads the loop
+    (empty otherwise), e.g. "P0 compliance 0.982 within [0.95, 0.995)".
+    """
+    min_rate_tokens_s: _builtins.float
+    """The control bounds, tokens per second."""
+    max_rate_tokens_s: _builtins.float
     @_builtins.property
     def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassStatus]:
         """In priority order."""
 
+    @_builtins.property
+    def last_adjustment(self) -> Global___Adjustment:
+        """The latest change, and (with GetStatusRequest.history) earlier ones, newest first."""
+
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adjustment]: ...
     def __init__(
         self,
         *,
@@ -632,10 +800,17 @@ class PoolStatus(_message.Message):
         shared_tokens: _builtins.float = ...,
         shared_burst_tokens: _builtins.float = ...,
         classes: _abc.Iterable[Global___ClassStatus] | None = ...,
+        admitted_rate_tokens_s: _builtins.float = ...,
+        pinned: _builtins.bool = ...,
+        last_adjustment: Global___Adjustment | None = ...,
+        history: _abc.Iterable[Global___Adjustment] | None = ...,
+        verdict: _builtins.str = ...,
+        min_rate_tokens_s: _builtins.float = ...,
+        max_rate_tokens_s: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_adjustment", b"last_adjustment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "name", b"name", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -648,10 +823,16 @@ class GetStatusResponse(_message.Message):
     POOLS_FIELD_NUMBER: _builtins.int
     DAEMON_ID_FIELD_NUMBER: _builtins.int
     STORE_FIELD_NUMBER: _builtins.int
+    CONTROLLER_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     """This daemon's id in the waiting rooms."""
     store: _builtins.str
     """"embedded" or "redis"."""
+    controller: _builtins.str
+    """The daemon that runs the SLO loop now (the holder of the controller lease), as
+    this daemon saw it at its loop's last turn; empty when this daemon's loop is
+    disabled or has not turned yet.
+    """
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolStatus]: ...
     def __init__(
@@ -660,11 +841,76 @@ class GetStatusResponse(_message.Message):
         pools: _abc.Iterable[Global___PoolStatus] | None = ...,
         daemon_id: _builtins.str = ...,
         store: _builtins.str = ...,
+        controller: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "pools", b"pools", "store", b"store"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller", b"controller", "daemon_id", b"daemon_id", "pools", b"pools", "store", b"store"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class PinRateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    rate_tokens_s: _builtins.float
+    """Tokens per second the pool admits while pinned."""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        rate_tokens_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool", "rate_tokens_s", b"rate_tokens_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinRateRequest: _TypeAlias = PinRateRequest  # noqa: Y015
+
+@_typing.final
+class UnpinRateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinRateRequest: _TypeAlias = UnpinRateRequest  # noqa: Y015
+
+@_typing.final
+class PinRateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pool(self) -> Global___PoolStatus:
+        """The pool after the change."""
+
+    def __init__(
+        self,
+        *,
+        pool: Global___PoolStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinRateResponse: _TypeAlias = PinRateResponse  # noqa: Y015

@@ -210,6 +210,16 @@ class AdminStub(object):
                 request_serializer=qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.PinRate = channel.unary_unary(
+                '/qosd.v1.Admin/PinRate',
+                request_serializer=qosd_dot_v1_dot_qosd__pb2.PinRateRequest.SerializeToString,
+                response_deserializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+                _registered_method=True)
+        self.UnpinRate = channel.unary_unary(
+                '/qosd.v1.Admin/UnpinRate',
+                request_serializer=qosd_dot_v1_dot_qosd__pb2.UnpinRateRequest.SerializeToString,
+                response_deserializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer(object):
@@ -218,7 +228,28 @@ class AdminServicer(object):
 
     def GetStatus(self, request, context):
         """A snapshot of every pool's budget and waiting rooms, read from the store (so
-        fleet-wide with Redis), plus what this daemon holds itself.
+        fleet-wide with Redis), plus what this daemon holds itself, and the SLO loop's
+        state: admitted rate, pin, last adjustments, latency compliance per class.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinRate(self, request, context):
+        """PinRate fixes a pool's admitted rate, fleet-wide and at once; the SLO loop
+        leaves a pinned pool alone until UnpinRate. The rate must lie within the pool's
+        control bounds (`PoolStatus.min_rate_tokens_s` .. `max_rate_tokens_s`: at least
+        `control.min_capacity` times its configured capacity and the sum of its classes'
+        floors, at most `control.max_capacity` times it): INVALID_ARGUMENT otherwise,
+        NOT_FOUND for an unknown pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinRate(self, request, context):
+        """UnpinRate hands a pool back to the SLO loop, from the rate it was pinned at. A
+        pool that is not pinned is left as it is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,6 +262,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.FromString,
                     response_serializer=qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'PinRate': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinRate,
+                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.PinRateRequest.FromString,
+                    response_serializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.SerializeToString,
+            ),
+            'UnpinRate': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinRate,
+                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.UnpinRateRequest.FromString,
+                    response_serializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +302,60 @@ class Admin(object):
             '/qosd.v1.Admin/GetStatus',
             qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
             qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinRate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qosd.v1.Admin/PinRate',
+            qosd_dot_v1_dot_qosd__pb2.PinRateRequest.SerializeToString,
+            qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinRate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qosd.v1.Admin/UnpinRate',
+            qosd_dot_v1_dot_qosd__pb2.UnpinRateRequest.SerializeToString,
+            qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
             options,
             channel_credentials,
             insecure,

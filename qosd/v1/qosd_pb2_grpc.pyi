@@ -134,7 +134,20 @@ class AdminStub:
     def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
     GetStatus: _grpc.UnaryUnaryMultiCallable[_qosd_pb2.GetStatusRequest, _qosd_pb2.GetStatusResponse]
     """A snapshot of every pool's budget and waiting rooms, read from the store (so
-    fleet-wide with Redis), plus what this daemon holds itself.
+    fleet-wide with Redis), plus what this daemon holds itself, and the SLO loop's
+    state: admitted rate, pin, last adjustments, latency compliance per class.
+    """
+    PinRate: _grpc.UnaryUnaryMultiCallable[_qosd_pb2.PinRateRequest, _qosd_pb2.PinRateResponse]
+    """PinRate fixes a pool's admitted rate, fleet-wide and at once; the SLO loop
+    leaves a pinned pool alone until UnpinRate. The rate must lie within the pool's
+    control bounds (`PoolStatus.min_rate_tokens_s` .. `max_rate_tokens_s`: at least
+    `control.min_capacity` times its configured capacity and the sum of its classes'
+    floors, at most `control.max_capacity` times it): INVALID_ARGUMENT otherwise,
+    NOT_FOUND for an unknown pool.
+    """
+    UnpinRate: _grpc.UnaryUnaryMultiCallable[_qosd_pb2.UnpinRateRequest, _qosd_pb2.PinRateResponse]
+    """UnpinRate hands a pool back to the SLO loop, from the rate it was pinned at. A
+    pool that is not pinned is left as it is.
     """
 
 @_typing.type_check_only
@@ -144,7 +157,20 @@ class AdminAsyncStub(AdminStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStatus: _aio.UnaryUnaryMultiCallable[_qosd_pb2.GetStatusRequest, _qosd_pb2.GetStatusResponse]  # type: ignore[assignment]
     """A snapshot of every pool's budget and waiting rooms, read from the store (so
-    fleet-wide with Redis), plus what this daemon holds itself.
+    fleet-wide with Redis), plus what this daemon holds itself, and the SLO loop's
+    state: admitted rate, pin, last adjustments, latency compliance per class.
+    """
+    PinRate: _aio.UnaryUnaryMultiCallable[_qosd_pb2.PinRateRequest, _qosd_pb2.PinRateResponse]  # type: ignore[assignment]
+    """PinRate fixes a pool's admitted rate, fleet-wide and at once; the SLO loop
+    leaves a pinned pool alone until UnpinRate. The rate must lie within the pool's
+    control bounds (`PoolStatus.min_rate_tokens_s` .. `max_rate_tokens_s`: at least
+    `control.min_capacity` times its configured capacity and the sum of its classes'
+    floors, at most `control.max_capacity` times it): INVALID_ARGUMENT otherwise,
+    NOT_FOUND for an unknown pool.
+    """
+    UnpinRate: _aio.UnaryUnaryMultiCallable[_qosd_pb2.UnpinRateRequest, _qosd_pb2.PinRateResponse]  # type: ignore[assignment]
+    """UnpinRate hands a pool back to the SLO loop, from the rate it was pinned at. A
+    pool that is not pinned is left as it is.
     """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
@@ -157,7 +183,32 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_qosd_pb2.GetStatusResponse, _abc.Awaitable[_qosd_pb2.GetStatusResponse]]:
         """A snapshot of every pool's budget and waiting rooms, read from the store (so
-        fleet-wide with Redis), plus what this daemon holds itself.
+        fleet-wide with Redis), plus what this daemon holds itself, and the SLO loop's
+        state: admitted rate, pin, last adjustments, latency compliance per class.
+        """
+
+    @_abc_1.abstractmethod
+    def PinRate(
+        self,
+        request: _qosd_pb2.PinRateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_qosd_pb2.PinRateResponse, _abc.Awaitable[_qosd_pb2.PinRateResponse]]:
+        """PinRate fixes a pool's admitted rate, fleet-wide and at once; the SLO loop
+        leaves a pinned pool alone until UnpinRate. The rate must lie within the pool's
+        control bounds (`PoolStatus.min_rate_tokens_s` .. `max_rate_tokens_s`: at least
+        `control.min_capacity` times its configured capacity and the sum of its classes'
+        floors, at most `control.max_capacity` times it): INVALID_ARGUMENT otherwise,
+        NOT_FOUND for an unknown pool.
+        """
+
+    @_abc_1.abstractmethod
+    def UnpinRate(
+        self,
+        request: _qosd_pb2.UnpinRateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_qosd_pb2.PinRateResponse, _abc.Awaitable[_qosd_pb2.PinRateResponse]]:
+        """UnpinRate hands a pool back to the SLO loop, from the rate it was pinned at. A
+        pool that is not pinned is left as it is.
         """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,122 @@
+"""Operator commands against a running daemon: ``qosd status``, ``pin`` and ``unpin``.
+
+They speak the Admin gRPC service, so they work against any replica: with the Redis
+store, the state shown and the pins set are the fleet's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from qosd_client import ClassState, PoolState, QosdError, Status, SyncQosdClient
+
+
+def add_commands(commands: Any) -> None:
+    """Adds the subcommands to ``qosd``'s parser (``commands`` from add_subparsers)."""
+
+    def address(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--address", "-a", default="127.0.0.1:50051", help="a daemon's gRPC address"
+        )
+        parser.add_argument("--timeout", type=float, default=5.0, help="seconds")
+
+    status = commands.add_parser(
+        "status", help="admitted rates, pins, compliance and rate changes of a running fleet"
+    )
+    address(status)
+    status.add_argument("--pool", default="", help="only this pool")
+    status.add_argument("--history", type=int, default=5, help="rate changes to show per pool")
+    status.add_argument("--json", action="store_true", help="print JSON")
+
+    pin = commands.add_parser("pin", help="fix a pool's admitted rate; the SLO loop waits")
+    address(pin)
+    pin.add_argument("pool")
+    pin.add_argument("rate", type=float, help="tokens per second")
+
+    unpin = commands.add_parser("unpin", help="hand a pool's rate back to the SLO loop")
+    address(unpin)
+    unpin.add_argument("pool")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with SyncQosdClient(args.address, timeout_s=args.timeout) as client:
+            if args.command == "status":
+                status = client.status(args.pool, history=args.history)
+                if args.json:
+                    print(json.dumps(dataclasses.asdict(status), indent=2))
+                else:
+                    print(render(status))
+            elif args.command == "pin":
+                print(render_pool(client.pin_rate(args.pool, args.rate)))
+            else:
+                print(render_pool(client.unpin_rate(args.pool)))
+    except QosdError as exc:
+        print(f"qosd {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def render(status: Status) -> str:
+    lines = [
+        f"daemon {status.daemon_id}, {status.store} store, "
+        f"SLO loop led by {status.controller or '(disabled)'}"
+    ]
+    for pool in status.pools:
+        lines.append("")
+        lines.append(render_pool(pool))
+    return "\n".join(lines)
+
+
+def render_pool(pool: PoolState) -> str:
+    share = pool.admitted_rate_tokens_s / pool.capacity_tokens_s
+    lines = [
+        f"pool {pool.name}: admitting {pool.admitted_rate_tokens_s:,.0f} tokens/s "
+        f"({share:.0%} of the configured {pool.capacity_tokens_s:,.0f})"
+        + (", PINNED" if pool.pinned else "")
+        + f"; bounds {pool.min_rate_tokens_s:,.0f}..{pool.max_rate_tokens_s:,.0f}",
+    ]
+    if pool.verdict:
+        lines.append(f"  loop: {pool.verdict}")
+    lines.append(
+        f"  {'class':<6}{'rate/s':>10}{'of conf':>9}{'tokens':>10}{'waiting':>9}"
+        f"{'samples':>9}{'comply':>8}  {'p50 / p99 (ms)':<28}objectives"
+    )
+    lines.extend(_class_line(cls) for cls in pool.classes)
+    changes = pool.history or ((pool.last_change,) if pool.last_change else ())
+    for change in changes:
+        lines.append(
+            f"  {change.age_s:,.0f} s ago, {change.by}: {change.from_tokens_s:,.0f} -> "
+            f"{change.to_tokens_s:,.0f} ({change.reason})"
+        )
+    return "\n".join(lines)
+
+
+def _class_line(cls: ClassState) -> str:
+    latency = cls.latency
+    compliance = "-" if latency.compliance is None else f"{latency.compliance:.1%}"
+    shown = []
+    for name, value in (("ttft", latency.ttft), ("tpot", latency.tpot), ("e2e", latency.e2e)):
+        if value is not None:
+            shown.append(f"{name} {value.p50_ms:.0f}/{value.p99_ms:.0f}")
+    objectives = [
+        f"{name}<={value:.0f}"
+        for name, value in (
+            ("ttft", latency.slo_ttft_ms),
+            ("tpot", latency.slo_tpot_ms),
+            ("e2e", latency.slo_e2e_ms),
+        )
+        if value
+    ]
+    of_configured = (
+        cls.rate_tokens_s / cls.configured_rate_tokens_s if cls.configured_rate_tokens_s else 0
+    )
+    return (
+        f"  {cls.name:<6}{cls.rate_tokens_s:>10,.0f}{of_configured:>9.0%}{cls.tokens:>10,.0f}"
+        f"{cls.waiting:>9}{latency.samples:>9}{compliance:>8}  {', '.join(shown) or '-':<28}"
+        f"{', '.join(objectives) or 'none'}"
+    )
