@@ -317,6 +317,48 @@ async def test_the_admitted_rate_sets_class_rates_for_acquire(backend: Backend) 
         await store.close()
 
 
+@pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
+async def test_a_reconfigured_capacity_keeps_the_loops_proportion(backend: Backend) -> None:
+    """R and the loop's memory live in Redis relative to the configured capacity, so a
+    changed capacity_tokens_s (or a fleet mid-way through a rolling deploy) runs the
+    pool at the same fraction of its capacity, and an untouched pool at the new one."""
+    before = store_config(backend)
+    store = await started_store(before)
+    pool = resolve_pools(before)["default"]
+    try:
+        untouched = await store.control(pool)
+        cut = dataclasses.replace(untouched, capacity=8_000, ceiling=9_000, last_good=8_500)
+        assert await store.adjust(pool, cut, 0)
+    finally:
+        await store.close()
+    doubled = store_config(backend, {"pools": {"default": {"capacity_tokens_s": 20_000}}})
+    store = await started_store(doubled)
+    pool = resolve_pools(doubled)["default"]
+    try:
+        assert (await store.status(pool)).capacity == pytest.approx(16_000)
+        record = await store.control(pool)
+        assert (record.capacity, record.ceiling, record.last_good) == pytest.approx(
+            (16_000, 18_000, 17_000)
+        )
+    finally:
+        await store.close()
+    other = store_config(backend, {"pools": {"other": {"capacity_tokens_s": 10_000}}})
+    store = await started_store(other)
+    try:  # a pool the loop never changed follows its configured capacity
+        fresh = resolve_pools(other)["other"]
+        p1 = next(cls for cls in fresh.classes if cls.name == "P1")
+        lease = LeaseSpec(f"other:P1:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
+        assert (await store.acquire(fresh, p1, 10, lease, 0, "test")).admitted
+    finally:
+        await store.close()
+    grown = store_config(backend, {"pools": {"other": {"capacity_tokens_s": 30_000}}})
+    store = await started_store(grown)
+    try:
+        assert (await store.status(resolve_pools(grown)["other"])).capacity == 30_000
+    finally:
+        await store.close()
+
+
 async def test_reports_from_several_replicas_share_one_window(backend: Backend) -> None:
     config = store_config(backend, {"report": {"window_size": 300}})
     replicas = [await started_store(config) for _ in range(1 if backend.redis is None else 3)]

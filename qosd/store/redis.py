@@ -449,22 +449,23 @@ class RedisStore:
         args_for = self._args_for(pool)
         control_key, _ = self._control_keys(pool)
         reply = await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
-        _now, capacity, pinned, changed, reason, old, by, probe, wait, good, direction, ceiling = (
-            reply
-        )
-        rate = float(capacity) if capacity else pool.capacity
+        (_now, capacity, written_under, pinned, changed, reason, old, by, probe, wait, good,
+         direction, ceiling) = reply  # fmt: skip
+        # Rates are kept relative to the configured capacity (see _pool.lua).
+        scale = pool.capacity / float(written_under) if written_under else 1.0
+        rate = float(capacity) * scale if capacity else pool.capacity
         return ControlRecord(
             capacity=rate,
             pinned=pinned == "1",
             changed_ms=int(float(changed)) if changed else 0,
             reason=reason,
-            changed_from=float(old) if old else rate,
+            changed_from=float(old) * scale if old else rate,
             changed_by=by,
             probe_step=float(probe) if probe else 0.0,
             probe_wait=int(wait) if wait else 1,
-            last_good=float(good) if good else rate,
+            last_good=float(good) * scale if good else rate,
             direction=int(direction) if direction else 0,
-            ceiling=float(ceiling) if ceiling else 0.0,
+            ceiling=float(ceiling) * scale if ceiling else 0.0,
         )
 
     async def adjust(

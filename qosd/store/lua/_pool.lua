@@ -3,8 +3,9 @@
 -- another). It restates qosd/budget.py; the conformance suite holds them equal.
 --
 -- KEYS[1]        pool state hash: u (updated, us of Redis TIME), s (shared tokens),
---                R (admitted rate the SLO loop set; absent: as configured), a (tokens
---                admitted so far), t:<class> (class tokens), w:<class> (waiters queued)
+--                R (admitted rate the SLO loop set; absent: as configured), K (the
+--                configured capacity R was written under), a (tokens admitted so
+--                far), t:<class> (class tokens), w:<class> (waiters queued)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
@@ -102,7 +103,7 @@ end
 -- The pool's state, refilled to now (qosd/budget.py: fresh_state, refill).
 local state = {tokens = {}, waiting = {}}
 do
-  local fields = {'u', 's', 'R', 'a'}
+  local fields = {'u', 's', 'R', 'a', 'K'}
   for i = 1, class_count do
     fields[#fields + 1] = 't:' .. classes[i].name
     fields[#fields + 1] = 'w:' .. classes[i].name
@@ -110,13 +111,19 @@ do
   local values = redis.call('HMGET', STATE, unpack(fields))
   state.capacity = tonumber(values[3]) or capacity
   state.admitted = tonumber(values[4]) or 0
+  -- R is kept relative to the configured capacity: a pool re-configured (or a fleet
+  -- mid-way through a rolling deploy) runs at the same fraction of its capacity.
+  local written_under = tonumber(values[5])
+  if written_under and written_under > 0 and written_under ~= capacity then
+    state.capacity = state.capacity * capacity / written_under
+  end
   allocate(state.capacity)
   if values[1] then
     state.updated = tonumber(values[1])
     state.shared = tonumber(values[2])
     for i = 1, class_count do
-      state.tokens[i] = tonumber(values[3 + 2 * i]) or classes[i].burst
-      state.waiting[i] = tonumber(values[4 + 2 * i]) or 0
+      state.tokens[i] = tonumber(values[4 + 2 * i]) or classes[i].burst
+      state.waiting[i] = tonumber(values[5 + 2 * i]) or 0
     end
   else
     state.updated = now
@@ -148,7 +155,7 @@ local function save_state()
     return
   end
   local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared),
-    'a', num(state.admitted), 'R', num(state.capacity)}
+    'a', num(state.admitted), 'R', num(state.capacity), 'K', num(capacity)}
   for i = 1, class_count do
     fields[#fields + 1] = 't:' .. classes[i].name
     fields[#fields + 1] = num(state.tokens[i])
