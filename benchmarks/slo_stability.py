@@ -35,6 +35,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,13 +290,52 @@ def plot(trajectories: list[Trajectory], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# The figures summarised across seeds: (scenario, path into figures(), label).
+SUMMARY = (
+    ("step", ("changes_until_slo_regained",), "changes until the SLO holds again"),
+    ("step", ("slo_regained_after_s",), "seconds until the SLO holds again"),
+    ("step", ("lowest_rate_vs_halved_capacity",), "lowest rate / halved capacity"),
+    ("step", ("settled_halved", "band"), "rate band, last 90 s halved"),
+    ("step", ("back_to_95pct_of_before_after_s",), "seconds back to 95% of the rate before"),
+    ("step", ("highest_rate_after_recovery_vs_capacity",), "highest rate / capacity after"),
+    ("steady", ("settled", "moves"), "steady: changes in the last 240 s"),
+    ("steady", ("settled", "reversals"), "steady: reversals in the last 240 s"),
+    ("steady", ("settled", "band"), "steady: rate band"),
+    ("steady", ("settled", "rate_vs_capacity"), "steady: rate / capacity"),
+    ("steady", ("settled", "compliance"), "steady: P0+P1 compliance"),
+    ("noisy", ("settled", "moves"), "noisy: changes in the last 240 s"),
+    ("noisy", ("settled", "reversals"), "noisy: reversals in the last 240 s"),
+    ("noisy", ("settled", "compliance"), "noisy: P0+P1 compliance"),
+)
+
+
+def _one_seed(seed: int) -> dict[str, dict[str, Any]]:
+    return {name: figures(simulate(name, seed)) for name in SCENARIOS}
+
+
+def summarise(per_seed: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for scenario, path, label in SUMMARY:
+        values = []
+        for figures_of in per_seed.values():
+            value: Any = figures_of[scenario]
+            for key in path:
+                value = value[key]
+            values.append(value)
+        rows.append({"figure": label, "per_seed": values})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot", help="write a PNG of the trajectories here")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seeds", type=int, default=0, help="also summarise seeds 1..N (2 processes)"
+    )
     args = parser.parse_args()
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"seed": args.seed}
     trajectories = []
     for name in SCENARIOS:
         trajectory = simulate(name, args.seed)
@@ -305,6 +345,16 @@ def main() -> int:
         print(f"\n== {name}: {json.dumps(measured)}")
         for at, old, new, reason in trajectory.changes:
             print(f"  t={at:6.1f}s  {old:8.0f} -> {new:8.0f}  {reason}")
+    if args.seeds:
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            seeds = list(range(1, args.seeds + 1))
+            per_seed = dict(zip(seeds, pool.map(_one_seed, seeds), strict=True))
+        rows = summarise(per_seed)
+        results["seeds"] = {"seeds": seeds, "summary": rows}
+        print(f"\n== across seeds {seeds[0]}..{seeds[-1]}")
+        for row in rows:
+            shown = "  ".join(f"{v:>6}" for v in row["per_seed"])
+            print(f"  {row['figure']:<42}{shown}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results) + "\n")
     if args.plot:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qosd.config import ConfigError, FailMode, load_config, resolve_policies
+from qosd.config import Config, ConfigError, FailMode, load_config, resolve_policies
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -104,3 +104,9 @@ def test_bad_environment_value_names_the_variable() -> None:
     with pytest.raises(ConfigError, match=r"\$QOSD_REDIS_TIMEOUT_MS") as info:
         load_config(env={"QOSD_REDIS_TIMEOUT_MS": "soon"})
     assert "redis.timeout_ms" in str(info.value)
+
+
+def test_the_example_config_spells_out_the_defaults() -> None:
+    """qosd/examples/qosd.yaml documents every setting at its default; keep it true."""
+    example = Path(__file__).resolve().parents[1] / "qosd" / "examples" / "qosd.yaml"
+    assert load_config(str(example), env={}).model_dump() == Config().model_dump()
