@@ -211,8 +211,11 @@ class ControlConfig(_Strict):
             raise ValueError("needs min_capacity <= 1 <= max_capacity")
         if self.min_step > self.step_up:
             raise ValueError("min_step must not exceed step_up")
-        if self.leader_lease_s <= self.interval_s:
-            raise ValueError("leader_lease_s must exceed interval_s (the leader renews it)")
+        if self.leader_lease_s < 2 * self.interval_s:
+            raise ValueError(
+                "leader_lease_s must be at least twice interval_s (the leader renews it "
+                "every turn, and a turn takes time)"
+            )
         return self
 
 

@@ -49,11 +49,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from qosd.config import Config, ControlConfig, PoolPolicy
-from qosd.model import ControlRecord, StoreUnavailable
+from qosd.config import Config, ControlConfig, PoolPolicy, SloConfig
+from qosd.model import ControlRecord, StoredSample, StoreUnavailable
 from qosd.slo import WindowStats, improving, trend, window_stats
 from qosd.store.base import BucketStore
 
@@ -141,12 +140,13 @@ def judge(
         return Verdict(
             HOLD, f"fewer than {config.min_samples} samples started since the last change"
         )
-    # A class with too few requests started since the change to judge still speaks
-    # through what it has reported since: a quiet class must not stall growth, nor a
-    # troubled one allow it.
+    # A class with too few requests started since the change to judge alone still
+    # speaks through what it has reported since (a fifth of min_samples at least): a
+    # quiet class must not stall growth, nor a troubled one allow it.
     judged = dict(growth)
+    speaks = max(1, config.min_samples // 5)
     for cls_name, stats in evidence.recent.items():
-        if cls_name not in judged and stats.compliance is not None:
+        if cls_name not in judged and stats.compliance is not None and stats.samples >= speaks:
             judged[cls_name] = stats.compliance
     name, worst = min(judged.items(), key=lambda item: item[1])
     if worst >= good:
@@ -224,6 +224,58 @@ class _PoolMemory:
     at_ms: int = 0
 
 
+def gather_evidence(
+    windows: dict[str, list[StoredSample]],
+    objectives: dict[str, SloConfig],
+    config: ControlConfig,
+    *,
+    since_ms: int,
+    now_ms: int,
+    max_age_ms: int | None,
+) -> Evidence:
+    """The evidence of each class's window (newest first), as the module's docstring
+    defines it, relative to the last change at ``since_ms``."""
+    enough = config.min_samples
+    growth_window_ms = int(config.growth_window_s * 1000)
+    recent: dict[str, WindowStats] = {}
+    started: dict[str, WindowStats] = {}
+    growth: dict[str, WindowStats] = {}
+    getting_better: dict[str, bool] = {}
+    for name, samples in windows.items():
+        slo = objectives[name]
+
+        def stats(newest: int | None = None, started_after: int | None = None) -> WindowStats:
+            return window_stats(
+                samples,  # noqa: B023 - used at once, in this iteration
+                slo,  # noqa: B023
+                reported_after=since_ms,
+                started_after=started_after,
+                now_ms=now_ms,
+                max_age_ms=max_age_ms,
+                newest=newest,
+            )
+
+        everything = stats()
+        recent[name] = (
+            stats(newest=everything.samples // 2)
+            if everything.samples >= 2 * enough
+            else everything
+        )
+        since = stats(started_after=since_ms)
+        started[name] = (
+            stats(started_after=since_ms, newest=since.samples // 2)
+            if since.samples >= 2 * enough
+            else since
+        )
+        # Growth needs the requests of the last growth_window_s to be good: an older
+        # bad spell (the load a cut or an undo removed) must not stall it.
+        growth[name] = stats(started_after=max(since_ms, now_ms - growth_window_ms))
+        halves = trend(samples, slo, reported_after=since_ms)
+        if halves is not None:
+            getting_better[name] = improving(*halves, slo)
+    return Evidence(recent, started, growth, getting_better)
+
+
 class Controller:
     """Runs the SLO loop in every daemon; only the holder of the lease acts."""
 
@@ -233,14 +285,12 @@ class Controller:
         store: BucketStore,
         pools: dict[str, PoolPolicy],
         daemon_id: str,
-        on_adjust: Callable[[str, ControlRecord], None] | None = None,
     ) -> None:
         self._config = config
         self._control = config.control
         self._store = store
         self._pools = pools
         self._daemon_id = daemon_id
-        self._on_adjust = on_adjust
         self._memory: dict[str, _PoolMemory] = {name: _PoolMemory() for name in pools}
         self.leader = ""
         self.last_verdicts: dict[str, Verdict] = {}
@@ -259,20 +309,33 @@ class Controller:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        """Stops the loop; a successor takes over when the lease runs out."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stops the loop and hands the lease back, so that a successor takes over at
+        its next turn rather than when the lease runs out (a rolling deploy restarts
+        the leader too)."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        if self.leader == self._daemon_id:
+            self.leader = ""
+            with contextlib.suppress(Exception):
+                await self._store.lead(self._daemon_id, 0)
 
     async def _run(self) -> None:
         lease_ms = int(self._control.leader_lease_s * 1000)
+        store_down = False
         while True:
             try:
                 await self.tick(lease_ms)
+                if store_down:
+                    log.warning("SLO loop: the store answers again")
+                store_down = False
             except StoreUnavailable as exc:
-                log.debug("SLO loop skipped a turn: %s", exc)
+                if not store_down:
+                    log.warning("SLO loop paused while the store is unavailable: %s", exc)
+                store_down = True
             except Exception:
                 log.exception("SLO loop failed a turn")
             await asyncio.sleep(self._control.interval_s)
@@ -287,52 +350,29 @@ class Controller:
         if leader != self._daemon_id:
             return
         for pool in self._pools.values():
-            await self.evaluate(pool)
+            try:  # one pool's trouble must not stop the others' control
+                await self.evaluate(pool)
+            except StoreUnavailable:
+                raise
+            except Exception:
+                log.exception("SLO loop failed to judge pool %s", pool.name)
 
     async def evidence(self, pool: PoolPolicy, since_ms: int, now_ms: int) -> Evidence:
-        """Each class's evidence since ``since_ms`` (the last change)."""
+        """Each class's evidence since ``since_ms`` (the last change). The arithmetic
+        runs in a worker thread: windows can be large, and the event loop it would
+        otherwise hold up also answers Acquire."""
+        windows = {cls.name: await self._store.window(pool.name, cls.name) for cls in pool.classes}
+        objectives = {name: self._config.classes[name].slo for name in windows}
         max_age = self._config.report.max_age_s
-        max_age_ms = None if max_age is None else int(max_age * 1000)
-        enough = self._control.min_samples
-        growth_window_ms = int(self._control.growth_window_s * 1000)
-        recent: dict[str, WindowStats] = {}
-        started: dict[str, WindowStats] = {}
-        growth: dict[str, WindowStats] = {}
-        getting_better: dict[str, bool] = {}
-        for cls in pool.classes:
-            slo = self._config.classes[cls.name].slo
-            samples = await self._store.window(pool.name, cls.name)
-
-            def stats(newest: int | None = None, started_after: int | None = None) -> WindowStats:
-                return window_stats(
-                    samples,  # noqa: B023 - used at once, in this iteration
-                    slo,  # noqa: B023
-                    reported_after=since_ms,
-                    started_after=started_after,
-                    now_ms=now_ms,
-                    max_age_ms=max_age_ms,
-                    newest=newest,
-                )
-
-            everything = stats()
-            recent[cls.name] = (
-                stats(newest=everything.samples // 2)
-                if everything.samples >= 2 * enough
-                else everything
-            )
-            since = stats(started_after=since_ms)
-            started[cls.name] = (
-                stats(started_after=since_ms, newest=since.samples // 2)
-                if since.samples >= 2 * enough
-                else since
-            )
-            # Growth needs the requests of the last growth_window_s to be good: an
-            # older bad spell (the load a cut or an undo removed) must not stall it.
-            growth[cls.name] = stats(started_after=max(since_ms, now_ms - growth_window_ms))
-            halves = trend(samples, slo, reported_after=since_ms)
-            if halves is not None:
-                getting_better[cls.name] = improving(*halves, slo)
-        return Evidence(recent, started, growth, getting_better)
+        return await asyncio.to_thread(
+            gather_evidence,
+            windows,
+            objectives,
+            self._control,
+            since_ms=since_ms,
+            now_ms=now_ms,
+            max_age_ms=None if max_age is None else int(max_age * 1000),
+        )
 
     async def evaluate(self, pool: PoolPolicy) -> ControlRecord | None:
         """Judges one pool and moves its rate if the law says so; returns the change."""
@@ -340,7 +380,10 @@ class Controller:
         status = await self._store.status(pool)
         memory = self._memory[pool.name]
         utilization = None
-        if memory.admitted is not None and status.now_ms > memory.at_ms:
+        stale_ms = 3 * self._control.interval_s * 1000  # from before a gap in leadership
+        if memory.admitted is not None and memory.at_ms < status.now_ms <= memory.at_ms + max(
+            stale_ms, 1000
+        ):
             rate = (
                 (status.admitted_tokens - memory.admitted) * 1000 / (status.now_ms - memory.at_ms)
             )
@@ -368,6 +411,12 @@ class Controller:
             verdict = Verdict(
                 HOLD, f"good for {waited / 1000:.0f} s of the {needed_s:.0f} s a probe waits for"
             )
+        if verdict.direction != HOLD and record.changed_ms and waited < cooldown_ms:
+            # The store would refuse it; say so instead of a change that is not made.
+            verdict = Verdict(
+                HOLD, f"cooling down ({waited / 1000:.1f} of {cooldown_ms / 1000:g} s): "
+                f"would {'grow' if verdict.direction == UP else 'cut'}: {verdict.reason}",
+            )  # fmt: skip
         self.last_verdicts[pool.name] = verdict
         if verdict.direction == HOLD:
             return None
@@ -390,8 +439,6 @@ class Controller:
             "pool %s admitted rate %.0f -> %.0f tokens/s (%s)",
             pool.name, record.capacity, update.capacity, update.reason,
         )  # fmt: skip
-        if self._on_adjust is not None:
-            self._on_adjust(pool.name, update)
         return update
 
     async def pin(self, pool: PoolPolicy, capacity: float | None) -> ControlRecord:

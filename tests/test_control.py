@@ -335,6 +335,11 @@ async def test_a_reconfigured_capacity_keeps_the_loops_proportion(backend: Backe
     store = await started_store(doubled)
     pool = resolve_pools(doubled)["default"]
     try:
+        # A budget call under the new configuration rewrites R and K; the loop's
+        # record keeps its own scale.
+        p0 = next(cls for cls in pool.classes if cls.name == "P0")
+        lease = LeaseSpec(f"default:P0:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
+        assert (await store.acquire(pool, p0, 10, lease, 0, "test")).admitted
         assert (await store.status(pool)).capacity == pytest.approx(16_000)
         record = await store.control(pool)
         assert (record.capacity, record.ceiling, record.last_good) == pytest.approx(
@@ -391,6 +396,7 @@ async def test_the_embedded_store_always_leads_itself() -> None:
     store = await started_store(Config.model_validate(BASE_CONFIG))
     assert await store.lead("a", 300) == "a"
     assert await store.lead("b", 300) == "b"  # one process, one store: no one else
+    assert await store.lead("b", 0) == ""
     await store.close()
 
 
@@ -405,6 +411,9 @@ async def test_one_leader_at_a_time_and_takeover_after_the_lease(backend: Backen
         await asyncio.sleep(0.4)  # "a" stops renewing
         assert await second.lead("b", 300) == "b"
         assert await first.lead("a", 300) == "b"
+        assert await first.lead("a", 0) == "b"  # only the holder can hand it back
+        assert await second.lead("b", 0) == ""  # handed back: free at once
+        assert await first.lead("a", 10_000) == "a"
     finally:
         await first.close()
         await second.close()

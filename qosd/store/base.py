@@ -98,7 +98,8 @@ class BucketStore(Protocol):
         ...
 
     async def lead(self, daemon_id: str, lease_ms: int) -> str:
-        """Takes or renews the controller lease if free or ours; returns the leader."""
+        """Takes or renews the controller lease if free or ours; returns the leader.
+        ``lease_ms`` 0 hands it back if ours (returns the leader after: '' or another)."""
         ...
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:

@@ -476,7 +476,7 @@ class EmbeddedStore:
 
     async def lead(self, daemon_id: str, lease_ms: int) -> str:
         """One process, one store: this daemon always leads its own pools."""
-        return daemon_id
+        return daemon_id if lease_ms > 0 else ""
 
     # -- report.lua and admin -------------------------------------------------------
 

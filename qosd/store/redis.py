@@ -450,10 +450,13 @@ class RedisStore:
         control_key, _ = self._control_keys(pool)
         reply = await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
         (_now, capacity, written_under, pinned, changed, reason, old, by, probe, wait, good,
-         direction, ceiling) = reply  # fmt: skip
-        # Rates are kept relative to the configured capacity (see _pool.lua).
+         direction, ceiling, recorded_under) = reply  # fmt: skip
+        # Rates are kept relative to the configured capacity they were written under:
+        # R under the state's K (rewritten by every budget call), the record's own
+        # rates under its k (written by adjust.lua).
         scale = pool.capacity / float(written_under) if written_under else 1.0
         rate = float(capacity) * scale if capacity else pool.capacity
+        scale = pool.capacity / float(recorded_under) if recorded_under else scale
         return ControlRecord(
             capacity=rate,
             pinned=pinned == "1",
@@ -495,6 +498,8 @@ class RedisStore:
         return bool(applied == 1)
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
+        if limit <= 0:
+            return []
         _, history_key = self._control_keys(pool)
         raw = await self._client.execute(history_key, "LRANGE", history_key, 0, limit - 1)
         entries = []

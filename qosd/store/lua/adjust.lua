@@ -12,7 +12,7 @@
 -- then the new record: capacity, reason, by, probe_step, probe_wait, last_good,
 -- direction, pinned, ceiling.
 -- Control hash: p pinned, c changed_ms, r reason, f from, b by, s probe_step,
--- w probe_wait, g last_good, d direction, h ceiling.
+-- w probe_wait, g last_good, d direction, h ceiling, k configured capacity.
 -- Returns {1, changed_ms} when applied, {0, 'pinned' | 'cooldown'} when refused.
 local control_key = KEYS[NEXT_KEY]
 local history_key = KEYS[NEXT_KEY + 1]
@@ -37,9 +37,11 @@ end
 state.shared = math.min(state.shared, shared_burst)
 state_changed = true
 save_state()
+-- k: the configured capacity f, g and h were written under (they scale with it, as
+-- R does with K in the state hash).
 redis.call('HSET', control_key, 'p', ARGV[a + 9], 'c', now_ms, 'r', ARGV[a + 3],
   'f', num(old), 'b', ARGV[a + 4], 's', ARGV[a + 5], 'w', ARGV[a + 6], 'g', ARGV[a + 7],
-  'd', ARGV[a + 8], 'h', ARGV[a + 10])
+  'd', ARGV[a + 8], 'h', ARGV[a + 10], 'k', num(capacity))
 redis.call('LPUSH', history_key, string.format('%.0f', now_ms) .. '|' .. num(old) .. '|' ..
   ARGV[a + 2] .. '|' .. ARGV[a + 4] .. '|' .. ARGV[a + 3])
 redis.call('LTRIM', history_key, 0, 99)
