@@ -336,6 +336,7 @@ class Controller:
                 if not store_down:
                     log.warning("SLO loop paused while the store is unavailable: %s", exc)
                 store_down = True
+                self.leader = ""  # unknown until the store answers again
             except Exception:
                 log.exception("SLO loop failed a turn")
             await asyncio.sleep(self._control.interval_s)

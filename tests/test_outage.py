@@ -105,11 +105,21 @@ async def test_redis_killed_then_restarted(daemon: Daemon, own_redis: RedisServe
             await qos.release(before.lease_id)
         with pytest.raises(Unavailable, match="samples not stored"):
             await qos.report([LatencySample("llama-3-8b", "P1", e2e_ms=5.0)])
+        with pytest.raises(Unavailable, match="store unavailable"):
+            await qos.status()
+        with pytest.raises(Unavailable, match="store unavailable"):
+            await qos.pin_rate("default", 8_000)
 
         own_redis.start()  # same port, empty: scripts must be loaded again (NOSCRIPT)
         took = await recovers(qos, within_s=RETRY_MS / 1000 + 2.0)
         print(f"{fail_mode}: service resumed {took * 1000:.0f} ms after Redis came back")
         assert (await qos.report([LatencySample("llama-3-8b", "P1", e2e_ms=5.0)])).accepted == 1
+        # The SLO loop carried on through the outage: it leads the emptied store again.
+        deadline = time.monotonic() + 2 * daemon.config.control.interval_s + 1.0
+        while (await qos.status()).controller != daemon.admission.daemon_id:
+            assert time.monotonic() < deadline, "the SLO loop did not take the lease again"
+            await asyncio.sleep(0.05)
+        assert (await qos.pin_rate("default", 8_000)).admitted_rate_tokens_s == 8_000
 
 
 async def test_redis_hung_then_resumed(daemon: Daemon, own_redis: RedisServer) -> None:
