@@ -118,9 +118,11 @@ async def test_every_key_of_a_pool_shares_one_slot(backend: Any) -> None:
                     )
                     await qos.release(lease.lease_id, input_tokens=5)
                 await qos.report([LatencySample(pool, "P0", e2e_ms=1.0)])
+        keys = keys_with_prefix(settings["url"], settings["key_prefix"], backend.name == "cluster")
     finally:
         await daemon.stop(0)
-    keys = keys_with_prefix(settings["url"], settings["key_prefix"], backend.name == "cluster")
+    after = keys_with_prefix(settings["url"], settings["key_prefix"], backend.name == "cluster")
+    assert set(keys) - set(after) == {f"{settings['key_prefix']}:{{control}}:leader"}
     by_pool: dict[str, set[int]] = {}
     for key in keys:
         pool = key.split("{", 1)[1].split("}", 1)[0]
@@ -128,7 +130,8 @@ async def test_every_key_of_a_pool_shares_one_slot(backend: Any) -> None:
     kinds = sorted({key.split("}:", 1)[1].split(":", 1)[0] for key in keys})
     print(f"\n{len(keys)} keys, kinds {kinds}, slots per pool {by_pool}")
     assert kinds == ["leader", "leases", "req", "state", "window"]
-    # The SLO loop's leader lease is the fleet's, in a slot of its own.
+    # The SLO loop's leader lease is the fleet's, in a slot of its own, and handed back
+    # when the daemon stops.
     assert set(by_pool) == {"alpha", "beta", "control"}
     assert all(len(slots) == 1 for slots in by_pool.values())
 
