@@ -157,7 +157,10 @@ def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonP
     assert p2.reasons.get("QUEUE_TIMEOUT", 0) > 100  # the deadline path is exercised
     assert set(p2.reasons) <= {"NONE", "QUEUE_TIMEOUT", "RATE_LIMITED"}
     assert p2.worst_waited_s <= 0.300 + 0.050
-    assert p2.worst_elapsed_s <= 0.300 + 0.050  # as the caller saw it, RPC included
+    # As the caller saw it, RPC included: on a shared 2-core machine the client worker
+    # itself can be descheduled for tens of milliseconds, so this bound is looser. It
+    # still fails if a waiter outlived its deadline by a poll cycle or more.
+    assert p2.worst_elapsed_s <= 0.300 + 0.150
 
 
 SCARCE: dict[str, Any] = {
