@@ -13,7 +13,6 @@ import uvloop
 
 from qosd import ctl
 from qosd.config import Config, ConfigError, load_config
-from qosd.demo import run_demo
 from qosd.server import StartupError, serve
 
 
@@ -61,11 +60,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_cmd.add_argument("--ready-file", help="write {pid, addresses} as JSON here once serving")
 
     demo = commands.add_parser(
-        "demo", help="start a daemon and replay a trace sample against it, printing decisions"
+        "demo",
+        help="qosd, a simulated Triton GPU and a trace replay: the seed's problem, fixed "
+        "(needs the [sim] extra)",
     )
     _add_config_flags(demo)
-    demo.add_argument("--seconds", type=float, default=14.0, help="how long to replay")
-    demo.add_argument("--speedup", type=float, default=30.0, help="trace time compression")
+    demo.add_argument(
+        "--duration", "--seconds", type=float, default=60.0, help="seconds of arrivals"
+    )
+    demo.add_argument("--load", type=float, default=1.5, help="offered load / GPU capacity")
+    demo.add_argument("--trace", help="arrival_s,input_tokens,output_tokens CSV (default: bundled)")
+    demo.add_argument(
+        "--inject-every", type=float, default=10.0, help="a 32K-token prompt every N s (0: none)"
+    )
+    demo.add_argument("--out", default="qosd-demo", help="directory for the plots")
+
+    sim = commands.add_parser(
+        "sim-triton",
+        help="run a simulated Triton server (KServe v2 gRPC, Triton metrics) for demos "
+        "and benchmarks; needs the [sim] extra",
+    )
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8001, help="gRPC port (0: a free one)")
+    sim.add_argument("--metrics-port", type=int, default=8002, help="HTTP /metrics port")
+    sim.add_argument("--model", default="llm", help="the model name it serves")
+    sim.add_argument("--qosd", default="", metavar="ADDR", help="Report latencies to this qosd")
+    sim.add_argument("--stream-every", type=int, default=0, help="stream a response every N tokens")
+    sim.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a cost model constant, e.g. prefill_chunk_tokens=2048 (docs/simulator.md)",
+    )
+    sim.add_argument("--ready-file", help="write {pid, port, metrics_port} as JSON once serving")
+    sim.add_argument("--log-level", default="WARNING")
 
     check = commands.add_parser("config", help="configuration tools").add_subparsers(
         dest="config_command", required=True
@@ -87,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     _configure_logging(args.log_level)
+    if args.command == "sim-triton":
+        return _sim_triton(args)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
@@ -101,7 +132,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
 
-    return run_demo(config, seconds=args.seconds, speedup=args.speedup)
+    try:
+        from qosd.demo import run_demo  # noqa: PLC0415 - needs the optional [sim] extra
+    except ImportError as exc:
+        print(f"qosd demo needs the [sim] extra ({exc}): pip install 'qosd[sim]'")
+        return 2
+    return run_demo(
+        config,
+        duration_s=args.duration,
+        load=args.load,
+        out_dir=args.out,
+        trace=args.trace,
+        inject_every_s=args.inject_every,
+    )
+
+
+def _sim_triton(args: argparse.Namespace) -> int:
+    try:
+        from qosd.sim.gpu import GpuModel  # noqa: PLC0415 - the optional [sim] extra
+        from qosd.sim.server import (  # noqa: PLC0415
+            SimulatorSettings,
+            serve_until_signalled,
+        )
+    except ImportError as exc:
+        print(f"qosd sim-triton needs the [sim] extra ({exc}): pip install 'qosd[sim]'")
+        return 2
+    try:
+        gpu = GpuModel.from_options(dict(_parse_option(item) for item in args.gpu))
+    except ValueError as exc:
+        print(f"qosd sim-triton: {exc}", file=sys.stderr)
+        return 2
+    settings = SimulatorSettings(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        model_name=args.model,
+        gpu=gpu,
+        qosd_target=args.qosd,
+        stream_every=args.stream_every,
+    )
+    serve_until_signalled(settings, args.ready_file)
+    return 0
+
+
+def _parse_option(item: str) -> tuple[str, int | float | None]:
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise ValueError(f"--gpu takes KEY=VALUE, got {item!r}")
+    if text.lower() in ("", "none", "null"):
+        return key, None
+    try:
+        return key, int(text)
+    except ValueError:
+        try:
+            return key, float(text)
+        except ValueError:
+            raise ValueError(f"--gpu {key}: not a number: {text!r}") from None
 
 
 if __name__ == "__main__":

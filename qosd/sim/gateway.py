@@ -1,0 +1,181 @@
+"""A gateway's request loop, as a platform would write it around qosd and Triton.
+
+For every request: ``Acquire`` from qosd (unless the policy is plain FIFO), stream the
+inference from the model server through the real ``tritonclient``, then ``Release``
+with the tokens actually generated. Latencies are measured here, at the gateway, from
+the moment the request arrived: time spent waiting for admission counts against TTFT,
+as a user would feel it. The model server separately reports its own view of the
+latencies to qosd, which is what the SLO loop judges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc.aio as triton
+
+from qosd.sim.replay import Request
+from qosd_client import Outcome, QosdClient, QosdError
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What became of one request, as the gateway saw it."""
+
+    request: Request
+    decision: str = "NONE"  # qosd's reason: NONE (admitted), RATE_LIMITED, QUEUE_TIMEOUT...
+    admitted: bool = False
+    waited_ms: float = 0.0  # in qosd's waiting room
+    ttft_ms: float | None = None  # from arrival at the gateway
+    e2e_ms: float | None = None
+    completed: bool = False
+    error: str = ""
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.ttft_ms is None or self.e2e_ms is None or self.request.output_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.request.output_tokens - 1)
+
+
+def _inputs(request: Request) -> list[triton.InferInput]:
+    tensors = []
+    for name, value in (
+        ("input_tokens", request.input_tokens),
+        ("output_tokens", request.output_tokens),
+    ):
+        tensor = triton.InferInput(name, [1], "INT32")
+        tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
+        tensors.append(tensor)
+    return tensors
+
+
+class Gateway:
+    """Replays a workload; one instance per run."""
+
+    def __init__(
+        self,
+        triton_client: triton.InferenceServerClient,
+        *,
+        model: str,
+        qos: QosdClient | None,
+        expected_output_tokens: int = 256,
+        on_record: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
+        self._triton = triton_client
+        self._model = model
+        self._qos = qos
+        self._expected_output_tokens = expected_output_tokens
+        self._on_record = on_record
+        self.records: list[RequestRecord] = []
+
+    async def _stream(self, request: Request, lease_id: str) -> AsyncIterator[Any]:
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield {
+                "model_name": self._model,
+                "inputs": _inputs(request),
+                "request_id": str(request.index),
+                "parameters": {
+                    "qos_class": request.qos_class,
+                    "tenant": request.tenant,
+                    "lease_id": lease_id,
+                },
+            }
+
+        responses = self._triton.stream_infer(one_request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise RuntimeError(str(error))
+                yield result
+        finally:
+            responses.cancel()
+
+    async def _infer(self, request: Request, record: RequestRecord, arrived: float) -> None:
+        lease_id = ""
+        if self._qos is not None:
+            decision = await self._qos.acquire(
+                request.qos_class,
+                request.input_tokens,
+                model=self._model,
+                expected_output_tokens=self._expected_output_tokens,
+                tenant=request.tenant,
+            )
+            record.decision = decision.reason.name
+            record.waited_ms = decision.waited_s * 1000
+            if not decision.admitted:
+                return
+            lease_id = decision.lease_id
+        record.admitted = True
+        outcome = Outcome.ERROR
+        try:
+            async for result in self._stream(request, lease_id):
+                now = time.monotonic()
+                if record.ttft_ms is None:
+                    record.ttft_ms = (now - arrived) * 1000
+                parameter = result.get_response().parameters.get("triton_final_response")
+                if parameter is not None and parameter.bool_param:
+                    record.e2e_ms = (now - arrived) * 1000
+                    record.completed = True
+                    break
+            outcome = Outcome.OK if record.completed else Outcome.ERROR
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
+            raise
+        finally:
+            if lease_id and self._qos is not None:
+                await self._release(lease_id, request, record, outcome)
+
+    async def _release(
+        self, lease_id: str, request: Request, record: RequestRecord, outcome: Outcome
+    ) -> None:
+        try:
+            await asyncio.shield(
+                self._qos.release(  # type: ignore[union-attr]
+                    lease_id,
+                    input_tokens=request.input_tokens,
+                    output_tokens=request.output_tokens if record.completed else 0,
+                    outcome=outcome,
+                )
+            )
+        except QosdError as exc:
+            record.error = record.error or f"release: {exc}"
+
+    async def _one(self, request: Request, started: float) -> None:
+        record = RequestRecord(request)
+        arrived = time.monotonic()
+        self.records.append(record)
+        try:
+            await self._infer(request, record, arrived)
+        except asyncio.CancelledError:
+            record.error = record.error or "unfinished at the end of the run"
+            if not record.admitted and record.decision == "NONE":
+                record.decision = "UNANSWERED"  # still waiting for admission
+        except Exception as exc:  # a failed request is a result, not a crash
+            record.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self._on_record is not None:
+                self._on_record(record)
+
+    async def replay(self, workload: Sequence[Request], *, drain_s: float = 30.0) -> None:
+        """Sends each request at its offset, then waits up to ``drain_s`` for the rest.
+
+        What is still running after that is cancelled and recorded unfinished.
+        """
+        started = time.monotonic()
+        tasks: list[asyncio.Task[None]] = []
+        for request in workload:
+            delay = started + request.at_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self._one(request, started)))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,96 @@
+"""PNG plots of replay runs: per-class latency over time, and rates over time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from qosd.sim.experiment import PolicyRun
+from qosd.sim.results import Objectives
+
+CLASSES = ("P0", "P1", "P2")
+COLORS = {"P0": "tab:red", "P1": "tab:blue", "P2": "tab:gray"}
+
+
+def plot_runs(
+    runs: Sequence[PolicyRun],
+    objectives: dict[str, Objectives],
+    prefix: Path,
+    output_weight: float = 4.0,
+) -> list[Path]:
+    import matplotlib  # noqa: PLC0415 - heavy; only plotting needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    latency_path = prefix.with_name(prefix.name + "_latency.png")
+    figure, axes = plt.subplots(len(runs), 2, figsize=(13, 3.2 * len(runs)), squeeze=False)
+    for row, run in enumerate(runs):
+        for col, (metric, label) in enumerate((("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"))):
+            ax = axes[row][col]
+            for name in CLASSES:
+                points = [
+                    (r.request.at_s, getattr(r, metric))
+                    for r in run.records
+                    if r.request.qos_class == name and r.completed and getattr(r, metric)
+                ]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.scatter(xs, ys, s=4, alpha=0.5, color=COLORS[name], label=name)
+                slo = getattr(objectives[name], metric)
+                if slo:
+                    ax.axhline(slo, color=COLORS[name], linestyle="--", linewidth=1)
+            injected = [r.request.at_s for r in run.records if r.request.injected and r.admitted]
+            for at in injected:
+                ax.axvline(at, color="black", alpha=0.15, linewidth=2)
+            ax.set_yscale("log")
+            ax.set_title(
+                f"{run.policy.value}: {label} by arrival (dashed: SLO; bars: 32K admitted)"
+            )
+            ax.set_xlabel("arrival, s")
+            ax.set_ylabel(f"{label}, ms")
+            ax.legend(loc="upper left", markerscale=3, fontsize=8)
+    figure.tight_layout()
+    figure.savefig(latency_path, dpi=90)
+    plt.close(figure)
+
+    rates_path = prefix.with_name(prefix.name + "_rates.png")
+    figure, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), squeeze=False)
+    for col, run in enumerate(runs):
+        ax = axes[0][col]
+        bin_s = 4.0
+        end = max((r.request.at_s for r in run.records), default=0.0)
+        bins = int(end // bin_s) + 1
+        starts = [i * bin_s for i in range(bins)]
+        stacked: list[list[float]] = []
+        for name in CLASSES:
+            served = [0.0] * bins
+            for r in run.records:
+                if r.request.qos_class == name and r.admitted:
+                    cost = r.request.input_tokens + output_weight * r.request.output_tokens
+                    served[int(r.request.at_s // bin_s)] += cost / bin_s
+            stacked.append(served)
+        ax.stackplot(
+            starts,
+            stacked,
+            colors=[COLORS[name] for name in CLASSES],
+            alpha=0.6,
+            labels=[f"{name} admitted" for name in CLASSES],
+            step="post",
+        )
+        if run.rates:
+            ax.step(
+                [p.t_s for p in run.rates],
+                [p.pool_rate for p in run.rates],
+                color="black",
+                where="post",
+                label="pool rate R",
+            )
+        ax.set_ylabel(f"cost/s (input + {output_weight:g} x output tokens)")
+        ax.set_title(f"{run.policy.value}: admitted by arrival, and qosd's rate")
+        ax.set_xlabel("s")
+        ax.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(rates_path, dpi=90)
+    plt.close(figure)
+    return [latency_path, rates_path]

@@ -1,0 +1,438 @@
+"""A simulated Triton server: the KServe v2 gRPC protocol in front of the GPU cost model.
+
+It speaks the real protocol (the service definitions that ship inside ``tritonclient``),
+so an unmodified ``tritonclient`` calls it, and a gateway under test cannot tell it from
+Triton serving a decoupled LLM model. Each request names its token counts as inputs:
+
+- ``input_tokens`` (INT32, shape [1]): the prompt length;
+- ``output_tokens`` (INT32, shape [1]): how many tokens the simulated model generates
+  (a trace knows this; a real model decides it).
+
+Optional request parameters, as a gateway would forward them: ``qos_class``,
+``tenant``, ``lease_id``. Requests that name a class have their TTFT, TPOT and
+end-to-end latency reported to qosd with ``Report``, measured here from arrival.
+
+Streaming (``ModelStreamInfer``) answers each request with a response at its first
+token, one every ``stream_every`` tokens if set, and a last one flagged
+``triton_final_response``; each carries ``token_count``, the tokens since the previous
+response. Unary ``ModelInfer`` answers once, at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import uvloop
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from qosd.sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
+from qosd.sim.metrics import TritonMetrics, serve_metrics
+from qosd_client import LatencySample, QosdClient
+from qosd_client.reporter import LatencyReporter
+
+log = logging.getLogger("qosd.sim")
+
+INPUT_NAMES = ("input_tokens", "output_tokens")
+OUTPUT_NAME = "token_count"
+
+
+class RealTimeGpu:
+    """Runs the engine's iterations against the wall clock, one at a time."""
+
+    def __init__(self, model: GpuModel) -> None:
+        self.engine = Engine(model)
+        self._wake = asyncio.Event()
+        self._queues: dict[Sequence, asyncio.Queue[TokenEvent]] = {}
+        self._stream_every: dict[Sequence, int] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.iterations = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="simulated-gpu")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            iteration = self.engine.plan(time.monotonic())
+            if iteration is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(iteration.duration_s)
+            self.iterations += 1
+            # Tokens are stamped when the event loop wakes: that is when a caller could
+            # see them, and the next iteration starts from there, as on a busy GPU.
+            for event in self.engine.complete(time.monotonic()):
+                self._deliver(event)
+
+    def _deliver(self, event: TokenEvent) -> None:
+        queue = self._queues.get(event.sequence)
+        if queue is None:
+            return
+        every = self._stream_every.get(event.sequence, 0)
+        wanted = (
+            event.finished
+            or event.kind is TokenKind.FIRST
+            or (every > 0 and event.sequence.generated % every == 0)
+        )
+        if wanted:
+            queue.put_nowait(event)
+        if event.finished:
+            del self._queues[event.sequence]
+            self._stream_every.pop(event.sequence, None)
+
+    async def generate(
+        self, sequence: Sequence, stream_every: int = 0
+    ) -> AsyncIterator[TokenEvent]:
+        """Yields the first token, every ``stream_every``-th token, and the last."""
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[sequence] = queue
+        self._stream_every[sequence] = stream_every
+        self.engine.submit(sequence)
+        self._wake.set()
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if not sequence.done:
+                self.engine.cancel(sequence)
+                self._queues.pop(sequence, None)
+                self._stream_every.pop(sequence, None)
+
+
+class BadRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    input_tokens: int
+    output_tokens: int
+    qos_class: str
+    tenant: str
+    lease_id: str
+
+
+def _int_input(request: service_pb2.ModelInferRequest, name: str) -> int:
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name != name:
+            continue
+        if tensor.datatype != "INT32":
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be INT32")
+        if index < len(request.raw_input_contents):
+            raw = request.raw_input_contents[index]
+            if len(raw) != 4:
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must hold one value")
+            return int(struct.unpack("<i", raw)[0])
+        if len(tensor.contents.int_contents) == 1:
+            return int(tensor.contents.int_contents[0])
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must hold one value")
+    raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"missing input {name}")
+
+
+def _string_parameter(request: service_pb2.ModelInferRequest, name: str) -> str:
+    parameter = request.parameters.get(name)
+    return parameter.string_param if parameter is not None else ""
+
+
+class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        gpu: RealTimeGpu,
+        *,
+        model_name: str = "llm",
+        metrics: TritonMetrics | None = None,
+        reporter: LatencyReporter | None = None,
+        stream_every: int = 0,
+    ) -> None:
+        self.gpu = gpu
+        self.model_name = model_name
+        self.metrics = metrics or TritonMetrics()
+        self.reporter = reporter
+        self.stream_every = stream_every
+
+    # Health and metadata -------------------------------------------------------------
+
+    async def ServerLive(self, request: object, context: object) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: object, context: object
+    ) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=True)
+
+    async def ModelReady(
+        self, request: service_pb2.ModelReadyRequest, context: object
+    ) -> service_pb2.ModelReadyResponse:
+        return service_pb2.ModelReadyResponse(ready=request.name == self.model_name)
+
+    async def ServerMetadata(
+        self, request: object, context: object
+    ) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(
+            name="qosd-simulated-triton", version="2.41.0", extensions=["parameters"]
+        )
+
+    async def ModelMetadata(
+        self, request: service_pb2.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.ModelMetadataResponse:
+        if request.name != self.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        tensor = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=self.model_name,
+            versions=["1"],
+            platform="qosd_simulated_llm",
+            inputs=[tensor(name=name, datatype="INT32", shape=[1]) for name in INPUT_NAMES],
+            outputs=[tensor(name=OUTPUT_NAME, datatype="INT32", shape=[1])],
+        )
+
+    # Inference ---------------------------------------------------------------------------
+
+    def _parse(self, request: service_pb2.ModelInferRequest) -> _Parsed:
+        if request.model_name != self.model_name:
+            raise BadRequest(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_name!r}")
+        parsed = _Parsed(
+            input_tokens=_int_input(request, "input_tokens"),
+            output_tokens=_int_input(request, "output_tokens"),
+            qos_class=_string_parameter(request, "qos_class"),
+            tenant=_string_parameter(request, "tenant"),
+            lease_id=_string_parameter(request, "lease_id"),
+        )
+        if parsed.input_tokens < 1 or parsed.output_tokens < 1:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT, "input_tokens and output_tokens must be >= 1"
+            )
+        limit = self.gpu.engine.model.kv_capacity_tokens
+        if parsed.input_tokens + parsed.output_tokens > limit:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"input_tokens + output_tokens exceed the KV cache ({limit} tokens)",
+            )
+        return parsed
+
+    def _response(
+        self, request: service_pb2.ModelInferRequest, tokens: int, *, final: bool | None
+    ) -> service_pb2.ModelInferResponse:
+        response = service_pb2.ModelInferResponse(
+            model_name=self.model_name, model_version="1", id=request.id
+        )
+        response.outputs.add(name=OUTPUT_NAME, datatype="INT32", shape=[1])
+        response.raw_output_contents.append(struct.pack("<i", tokens))
+        if final is not None:
+            response.parameters["triton_final_response"].bool_param = final
+        return response
+
+    async def _serve(
+        self, request: service_pb2.ModelInferRequest, stream_every: int
+    ) -> AsyncIterator[tuple[int, bool]]:
+        """Runs one request on the GPU; yields (tokens since last, final)."""
+        parsed = self._parse(request)
+        received = time.monotonic()
+        sequence = Sequence(
+            request.id or uuid.uuid4().hex,
+            parsed.input_tokens,
+            parsed.output_tokens,
+            submitted_at=received,
+        )
+        self.metrics.pending(self.model_name, +1)
+        reported = 0
+        finished = False
+        try:
+            async for event in self.gpu.generate(sequence, stream_every):
+                if event.kind is TokenKind.FIRST:
+                    self.metrics.first_response(
+                        self.model_name, (time.monotonic() - received) * 1e3
+                    )
+                tokens, reported = sequence.generated - reported, sequence.generated
+                finished = event.finished
+                yield tokens, finished
+        finally:
+            self.metrics.pending(self.model_name, -1)
+            if finished:
+                self._account(parsed, sequence, received)
+            else:
+                self.metrics.failure(self.model_name, "CANCELED")
+
+    def _account(self, parsed: _Parsed, sequence: Sequence, received: float) -> None:
+        assert sequence.finished_at is not None and sequence.first_token_at is not None
+        started = sequence.started_at if sequence.started_at is not None else received
+        e2e_s = sequence.finished_at - received
+        self.metrics.success(
+            self.model_name,
+            request_us=e2e_s * 1e6,
+            queue_us=(started - received) * 1e6,
+            compute_us=(sequence.finished_at - started) * 1e6,
+        )
+        if self.reporter is None or not parsed.qos_class:
+            return
+        ttft_ms = (sequence.first_token_at - received) * 1000
+        tpot_ms = None
+        if sequence.output_tokens > 1:
+            decode_s = sequence.finished_at - sequence.first_token_at
+            tpot_ms = decode_s * 1000 / (sequence.output_tokens - 1)
+        self.reporter.record(
+            LatencySample(
+                self.model_name,
+                parsed.qos_class,
+                tenant=parsed.tenant,
+                ttft_ms=ttft_ms,
+                tpot_ms=tpot_ms,
+                e2e_ms=e2e_s * 1000,
+                input_tokens=parsed.input_tokens,
+                output_tokens=parsed.output_tokens,
+                lease_id=parsed.lease_id,
+            )
+        )
+
+    async def ModelInfer(
+        self, request: service_pb2.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.ModelInferResponse:
+        total = 0
+        try:
+            async for tokens, _ in self._serve(request, 0):
+                total += tokens
+        except BadRequest as error:
+            self.metrics.failure(self.model_name, "REJECTED")
+            await context.abort(error.code, str(error))
+        return self._response(request, total, final=None)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[service_pb2.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """Decoupled: requests on one stream run concurrently, responses interleave."""
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: service_pb2.ModelInferRequest) -> None:
+            try:
+                async for tokens, final in self._serve(request, self.stream_every):
+                    response = self._response(request, tokens, final=final)
+                    outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+            except BadRequest as error:
+                self.metrics.failure(self.model_name, "REJECTED")
+                outbox.put_nowait(service_pb2.ModelStreamInferResponse(error_message=str(error)))
+
+        async def read_requests() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:
+                await asyncio.gather(*running, return_exceptions=True)
+            outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (item := await outbox.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+            await asyncio.gather(reader, *running, return_exceptions=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatorSettings:
+    host: str = "127.0.0.1"
+    port: int = 8001  # Triton's gRPC port
+    metrics_port: int = 8002  # Triton's metrics port; 0 picks a free one
+    model_name: str = "llm"
+    gpu: GpuModel = field(default_factory=GpuModel)
+    qosd_target: str = ""  # where to Report latencies; empty: do not report
+    stream_every: int = 0
+
+
+async def run_simulator(
+    settings: SimulatorSettings,
+    *,
+    stop: asyncio.Event,
+    ready: asyncio.Future[tuple[int, int]] | None = None,
+) -> None:
+    """Serves until ``stop`` is set; ``ready`` gets the (grpc, metrics) ports bound."""
+    gpu = RealTimeGpu(settings.gpu)
+    metrics = TritonMetrics()
+    qos = QosdClient(settings.qosd_target) if settings.qosd_target else None
+    reporter = LatencyReporter(qos) if qos is not None else None
+    servicer = SimulatedTriton(
+        gpu,
+        model_name=settings.model_name,
+        metrics=metrics,
+        reporter=reporter,
+        stream_every=settings.stream_every,
+    )
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    http = serve_metrics(metrics, settings.host, settings.metrics_port)
+    gpu.start()
+    if reporter is not None:
+        reporter.start()
+    await server.start()
+    if ready is not None:
+        ready.set_result((port, http.server_address[1]))
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        await gpu.stop()
+        http.shutdown()
+        if reporter is not None:
+            await reporter.close()
+        if qos is not None:
+            await qos.close()
+
+
+def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = None) -> None:
+    """``qosd sim-triton``: runs until SIGINT or SIGTERM; writes the ports once serving."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        ready: asyncio.Future[tuple[int, int]] = loop.create_future()
+        runner = asyncio.create_task(run_simulator(settings, stop=stop, ready=ready))
+        port, metrics_port = await ready
+        print(
+            f"simulated Triton: gRPC {settings.host}:{port}, "
+            f"metrics http://{settings.host}:{metrics_port}/metrics",
+            flush=True,
+        )
+        if ready_file:
+            _write_ready(
+                ready_file, {"pid": os.getpid(), "port": port, "metrics_port": metrics_port}
+            )
+        await runner
+
+    uvloop.run(main())
+
+
+def _write_ready(path: str, content: dict[str, int]) -> None:
+    """Atomically, so a watcher never reads half a file."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(content, handle)
+    os.replace(temporary, path)

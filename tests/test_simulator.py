@@ -1,0 +1,268 @@
+"""The simulated Triton server: its cost model, its protocol (through the real
+``tritonclient``), its metrics, and its reports to a real qosd daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as triton
+from tritonclient.utils import InferenceServerException
+
+from qosd.sim.experiment import simulator_process
+from qosd.sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
+from qosd.testing import daemon_processes
+from qosd_client import QosdClient
+
+# --- the cost model, in virtual time ------------------------------------------------------
+
+
+def test_defaults_match_the_seed() -> None:
+    model = GpuModel()
+    assert model.prefill_s([32_768]) == pytest.approx(2.0, rel=0.05)
+    assert model.decode_s(128) == pytest.approx(0.025, rel=0.05)
+    assert model.prefill_s([1_000]) < 0.05  # a chat prompt is cheap
+
+
+def test_unchunked_32k_prefill_stalls_every_running_stream() -> None:
+    model = GpuModel()
+    # Short requests decoding; a 32K prompt arrives at t = 1 s.
+    arrivals = [(0.0, 500, 400) for _ in range(8)] + [(1.0, 32_768, 10)]
+    finished = run_virtual(model, arrivals)
+    short = finished[0]
+    long = finished[-1]
+    assert long.first_token_at is not None and long.started_at is not None
+    stall = long.first_token_at - long.started_at
+    assert stall == pytest.approx(model.prefill_s([32_768]), rel=0.01)
+    # The short streams' decode took their tokens' worth of steps plus the whole stall.
+    assert short.first_token_at is not None and short.finished_at is not None
+    decode = short.finished_at - short.first_token_at
+    steps_without_stall = 399 * model.decode_s(8)
+    assert decode - steps_without_stall == pytest.approx(stall, rel=0.1)
+
+
+def _token_gaps(model: GpuModel) -> list[float]:
+    """Gaps between one short stream's tokens while a 32K prompt arrives at t = 1 s."""
+    engine = Engine(model)
+    watched = Sequence("watched", 500, 400, submitted_at=0.0)
+    engine.submit(watched)
+    for index in range(7):
+        engine.submit(Sequence(str(index), 500, 400, submitted_at=0.0))
+    long = Sequence("long", 32_768, 10, submitted_at=1.0)
+    now, times, submitted = 0.0, [], False
+    while not watched.done:
+        if not submitted and now >= 1.0:
+            engine.submit(long)
+            submitted = True
+        iteration = engine.plan(now)
+        assert iteration is not None
+        now += iteration.duration_s
+        times += [now for e in engine.complete(now) if e.sequence is watched]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_chunked_prefill_spreads_the_stall() -> None:
+    unchunked = _token_gaps(GpuModel())
+    assert max(unchunked) == pytest.approx(GpuModel().prefill_s([32_768]), rel=0.05)
+    chunked = _token_gaps(GpuModel(prefill_chunk_tokens=2048))
+    # 16 chunks of 2,048 tokens, each riding on a decode step: no gap near 2 s, but
+    # a longer stretch of slower steps.
+    assert max(chunked) < 0.25
+    assert sum(1 for gap in chunked if gap > 0.05) >= 10
+
+
+def test_batch_and_kv_limits_hold() -> None:
+    model = GpuModel(max_batch=4, kv_capacity_tokens=10_000)
+    engine = Engine(model)
+    for index in range(10):
+        engine.submit(Sequence(str(index), 1_000, 100, submitted_at=0.0))
+    iteration = engine.plan(0.0)
+    assert iteration is not None
+    assert len(iteration.prefill) == 4  # max_batch
+    engine.complete(iteration.duration_s)
+    big = GpuModel(max_batch=64, kv_capacity_tokens=5_000)
+    engine = Engine(big)
+    for index in range(10):
+        engine.submit(Sequence(str(index), 1_000, 100, submitted_at=0.0))
+    iteration = engine.plan(0.0)
+    assert iteration is not None
+    assert len(iteration.prefill) == 4  # 4 × 1,100 fit in 5,000 KV tokens
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.submit(Sequence("huge", 5_000, 100, submitted_at=0.0))
+
+
+def test_capacity_is_configurable() -> None:
+    requests = [(1_000, 200)] * 300
+    base = saturated_throughput(GpuModel(), requests)
+    faster = saturated_throughput(GpuModel(speed=2.0), requests)
+    assert faster == pytest.approx(2 * base, rel=0.01)
+    assert saturated_throughput(GpuModel(max_batch=16), requests) < base
+
+
+def test_bad_model_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown GPU model options"):
+        GpuModel.from_options({"warp_speed": 9})
+    with pytest.raises(ValueError, match="speed"):
+        GpuModel(speed=0)
+
+
+# --- the server, through the real tritonclient --------------------------------------------
+
+FAST = GpuModel(speed=4.0)  # the seed's timings / 4: a 32K prefill takes ~0.5 s
+
+
+@pytest.fixture(scope="module")
+def simulator() -> Iterator[tuple[str, str]]:
+    with simulator_process(FAST) as addresses:
+        yield addresses
+
+
+def _inputs(input_tokens: int, output_tokens: int) -> list[triton.InferInput]:
+    tensors = []
+    for name, value in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
+        tensor = triton.InferInput(name, [1], "INT32")
+        tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
+        tensors.append(tensor)
+    return tensors
+
+
+async def _stream_times(
+    client: triton.InferenceServerClient, input_tokens: int, output_tokens: int
+) -> list[tuple[float, int]]:
+    """(arrival time, tokens) of each streamed response, until the final one."""
+
+    async def one() -> AsyncIterator[dict[str, object]]:
+        yield {"model_name": "llm", "inputs": _inputs(input_tokens, output_tokens)}
+
+    seen: list[tuple[float, int]] = []
+    responses = client.stream_infer(one())
+    async for result, error in responses:
+        assert error is None, error
+        seen.append((time.monotonic(), int(result.as_numpy("token_count")[0])))
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    return seen
+
+
+async def test_tritonclient_sees_a_triton_server(simulator: tuple[str, str]) -> None:
+    address, _ = simulator
+    async with triton.InferenceServerClient(address) as client:
+        assert await client.is_server_live()
+        assert await client.is_server_ready()
+        assert await client.is_model_ready("llm")
+        assert not await client.is_model_ready("other")
+        metadata = await client.get_model_metadata("llm")
+        assert [i.name for i in metadata.inputs] == ["input_tokens", "output_tokens"]
+        result = await client.infer("llm", _inputs(200, 7), request_id="r-1")
+        assert int(result.as_numpy("token_count")[0]) == 7
+        assert result.get_response().id == "r-1"
+        streamed = await _stream_times(client, 200, 9)
+        assert [tokens for _, tokens in streamed] == [1, 8]  # first token, then the rest
+
+
+async def test_bad_requests_get_clear_errors(simulator: tuple[str, str]) -> None:
+    address, _ = simulator
+    async with triton.InferenceServerClient(address) as client:
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            await client.infer("nope", _inputs(10, 10))
+        with pytest.raises(InferenceServerException, match="missing input output_tokens"):
+            await client.infer("llm", _inputs(10, 10)[:1])
+        with pytest.raises(InferenceServerException, match=">= 1"):
+            await client.infer("llm", _inputs(-5, 10))
+        with pytest.raises(InferenceServerException, match="KV cache"):
+            await client.infer("llm", _inputs(10_000_000, 10))
+
+
+async def test_a_32k_prefill_delays_other_streams_next_token() -> None:
+    """The seed's stall, in real time: a short stream's token gap grows by the prefill."""
+    with simulator_process(FAST, stream_every=1) as (per_token, _):
+        async with triton.InferenceServerClient(per_token) as client:
+            short = asyncio.create_task(_stream_times(client, 300, 120))
+            await asyncio.sleep(0.3)
+            await _stream_times(client, 32_768, 2)
+            times = [at for at, _ in await short]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    expected = FAST.prefill_s([32_768])
+    assert max(gaps) == pytest.approx(expected + FAST.decode_s(2), abs=0.08)
+    typical = sorted(gaps)[len(gaps) // 2]
+    assert typical < 0.02  # one decode step at speed 4: ~3 ms, plus delivery
+
+
+async def test_metrics_use_tritons_names(simulator: tuple[str, str]) -> None:
+    address, metrics_url = simulator
+    async with triton.InferenceServerClient(address) as client:
+        before = _scrape(metrics_url)
+        await asyncio.gather(*(client.infer("llm", _inputs(100, 5)) for _ in range(3)))
+        with pytest.raises(InferenceServerException):
+            await client.infer("llm", _inputs(-1, 5))
+    after = _scrape(metrics_url)
+    key = 'nv_inference_request_success{model="llm",version="1"}'
+    assert after[key] - before.get(key, 0) == 3
+    rejected = 'nv_inference_request_failure{model="llm",reason="REJECTED",version="1"}'
+    assert after[rejected] - before.get(rejected, 0) == 1
+    assert after['nv_inference_pending_request_count{model="llm",version="1"}'] == 0
+    assert after['nv_inference_request_duration_us{model="llm",version="1"}'] > before.get(
+        'nv_inference_request_duration_us{model="llm",version="1"}', 0
+    )
+    assert after['nv_inference_queue_duration_us{model="llm",version="1"}'] >= 0
+    count = 'nv_inference_first_response_histogram_ms_count{model="llm",version="1"}'
+    assert after[count] - before.get(count, 0) == 3
+    inf = 'nv_inference_first_response_histogram_ms_bucket{model="llm",version="1",le="+Inf"}'
+    assert after[inf] == after[count]
+    text = await asyncio.to_thread(_fetch, metrics_url)
+    assert "# TYPE nv_inference_request_success counter" in text
+    assert "_total" not in text  # Triton's names, not prometheus_client's
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = _fetch(url)
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+async def test_reports_reach_qosd() -> None:
+    """Requests that name a class are reported; qosd's window for the class fills."""
+    tree = {
+        "pools": {"llm": {"capacity_tokens_s": 100_000, "models": ["llm"]}},
+        "default_pool": "llm",
+    }
+    with (
+        daemon_processes(tree) as (daemon,),
+        simulator_process(FAST, qosd_target=daemon.address) as (address, _),
+    ):
+        async with (
+            triton.InferenceServerClient(address) as client,
+            QosdClient(daemon.address) as qos,
+        ):
+            await asyncio.gather(
+                *(
+                    client.infer("llm", _inputs(300, 20), parameters={"qos_class": "P0"})
+                    for _ in range(12)
+                ),
+                client.infer("llm", _inputs(300, 20)),  # no class: not reported
+            )
+            window = None
+            for _ in range(50):
+                window = (await qos.status("llm")).pool("llm").cls("P0").latency
+                if window.samples >= 12:
+                    break
+                await asyncio.sleep(0.1)
+            assert window is not None and window.samples == 12
+            assert window.ttft is not None and window.tpot is not None
+            # 20 tokens at speed 4: TPOT is about one decode step, ~3 ms.
+            assert 1.0 < window.tpot.p50_ms < 20.0
+            assert window.compliance == 1.0
