@@ -19,6 +19,8 @@ Prints a table per class, and writes a JSON file, a markdown table and two PNG p
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gzip
 import json
 import sys
 import time
@@ -29,13 +31,15 @@ from qosd.config import Config
 from qosd.sim.experiment import (
     Policy,
     PolicyRun,
+    RatePoint,
     calibrated_workload,
+    configured_capacity,
     run_policy,
-    workload_capacity,
 )
+from qosd.sim.gateway import RequestRecord
 from qosd.sim.gpu import GpuModel
 from qosd.sim.plots import plot_runs
-from qosd.sim.replay import ClassRule, read_trace
+from qosd.sim.replay import ClassRule, Request, read_trace
 from qosd.sim.results import Objectives, policy_summary
 from qosd.testing import redis_server
 
@@ -46,9 +50,10 @@ CLASSES = ("P0", "P1", "P2")
 def print_table(results: dict[str, Any]) -> str:
     header = (
         "| policy | class | SLO attainment | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-        "goodput tok/s | admitted | rejected | timed out | unfinished | worst wait ms |"
+        "goodput tok/s | admitted | rejected | timed out | unfinished | errors | "
+        "worst wait ms |"
     )
-    lines = [header, "|" + "---|" * 11]
+    lines = [header, "|" + "---|" * 12]
     for policy, classes in results["policies"].items():
         for name in CLASSES:
             c = classes[name]
@@ -57,16 +62,58 @@ def print_table(results: dict[str, Any]) -> str:
                 f"| {policy} | {name} | {attain} | {c['ttft_p50_ms']} / {c['ttft_p99_ms']} | "
                 f"{c['tpot_p50_ms']} / {c['tpot_p99_ms']} | {c['goodput_tokens_s']:,.0f} | "
                 f"{c['admitted']}/{c['offered']} | {c['rejected']} | {c['timed_out']} | "
-                f"{c['unfinished']} | {c['worst_wait_ms']:,.0f} |"
+                f"{c['unfinished']} | {c['errors']} | {c['worst_wait_ms']:,.0f} |"
             )
         total = classes["all"]
         lines.append(
             f"| {policy} | all | | | | {total['goodput_tokens_s']:,.0f} "
             f"({total['goodput_of_capacity']:.0%} of capacity) | "
             f"32K prompts {total['long_prompts_admitted']}/{total['long_prompts_offered']} "
-            "| | | | |"
+            "| | | | | |"
         )
     return "\n".join(lines)
+
+
+RECORD_FIELDS = ("decision", "admitted", "waited_ms", "ttft_ms", "e2e_ms", "completed",
+                 "tokens_seen", "error")  # fmt: skip
+
+
+def save_runs(path: Path, runs: list[PolicyRun]) -> None:
+    """Every request's outcome and the rate samples, so that the summary, the tables and
+    the plots can be recomputed (``--from-records``) without replaying again."""
+    data = {
+        run.policy.value: {
+            "duration_s": run.duration_s,
+            "adjustments": run.adjustments,
+            "rates": [[p.t_s, p.pool_rate] for p in run.rates],
+            "records": [
+                [*dataclasses.astuple(r.request), *(getattr(r, f) for f in RECORD_FIELDS)]
+                for r in run.records
+            ],
+        }
+        for run in runs
+    }
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        json.dump(data, handle)
+
+
+def load_runs(path: Path) -> list[PolicyRun]:
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        data = json.load(handle)
+    runs = []
+    width = len(dataclasses.fields(Request))
+    for policy, run in data.items():
+        records = []
+        for row in run["records"]:
+            record = RequestRecord(Request(*row[:width]))
+            for name, value in zip(RECORD_FIELDS, row[width:], strict=True):
+                setattr(record, name, value)
+            records.append(record)
+        rates = [RatePoint(t, rate, {}, {}, {}) for t, rate in run["rates"]]
+        runs.append(
+            PolicyRun(Policy(policy), records, rates, run["duration_s"], run["adjustments"])
+        )
+    return runs
 
 
 def main() -> int:
@@ -106,7 +153,28 @@ def main() -> int:
         metavar="TOKENS",
         help="chunked prefill budget (0: unchunked)",
     )
+    parser.add_argument(
+        "--long-prompts",
+        choices=["admit", "refuse"],
+        default="admit",
+        help="qosd policies: admit long prompts at P2's rate (P2 may go into debt), or "
+        "refuse those costing more than P2's burst",
+    )
+    parser.add_argument(
+        "--capacity",
+        choices=["slo", "saturated"],
+        default="slo",
+        help="the pool's configured capacity: what the GPU serves within P0's SLO (an "
+        "operator's load test), or its saturated throughput (an optimistic guess the SLO "
+        "loop must correct)",
+    )
     parser.add_argument("--policies", default="fifo,static,qosd")
+    parser.add_argument(
+        "--from-records",
+        action="store_true",
+        help="do not replay: recompute the summary, table and plots from the records "
+        "file a previous run wrote beside --json",
+    )
     parser.add_argument("--json", required=True, help="results file")
     parser.add_argument("--markdown", help="table file (default: beside --json)")
     parser.add_argument("--plots", help="PNG prefix (default: beside --json)")
@@ -125,17 +193,32 @@ def main() -> int:
         inject_output_tokens=args.inject_output,
     )
     trace_requests = [r for r in workload if not r.injected]
-    cost_capacity = workload_capacity(gpu, trace_requests, args.output_weight)
+    pool_capacity, slo_fraction = configured_capacity(gpu, workload, args.output_weight, Config())
+    if args.capacity == "saturated":
+        pool_capacity /= slo_fraction
     objectives = Objectives.from_config(Config())
     offered = sum(r.tokens() for r in trace_requests) / args.duration
     print(
         f"{len(workload)} requests in {args.duration:.0f}s (trace time / {speedup:.2f}); GPU "
-        f"capacity on the trace's mix {capacity:,.0f} tokens/s ({cost_capacity:,.0f} in "
-        f"qosd's cost units); the trace offers {offered:,.0f} tokens/s = "
-        f"{offered / capacity:.2f}x, plus a {args.inject_tokens:,}-token prompt every "
-        f"{args.inject_every:g}s",
+        f"capacity on the trace's mix {capacity:,.0f} tokens/s, of which {slo_fraction:.0%} "
+        f"within P0's SLO; the pool is configured at {pool_capacity:,.0f} cost units/s "
+        f"({args.capacity}). "
+        f"The trace offers {offered:,.0f} tokens/s = {offered / capacity:.2f}x capacity, "
+        f"plus a {args.inject_tokens:,}-token prompt every {args.inject_every:g}s",
         flush=True,
     )
+
+    records_path = Path(args.json).with_suffix(".records.json.gz")
+    if args.from_records:
+        loaded = load_runs(records_path)
+        previous: dict[str, Any] = json.loads(Path(args.json).read_text())
+        for run in loaded:
+            previous["policies"][run.policy.value] = policy_summary(
+                run.records, objectives, window_s=args.duration, capacity_tokens_s=capacity
+            )
+            if run.adjustments:
+                previous["policies"][run.policy.value]["all"]["adjustments"] = run.adjustments
+        return write_outputs(args, previous, loaded, objectives)
 
     runs: list[PolicyRun] = []
     results: dict[str, Any] = {
@@ -146,8 +229,14 @@ def main() -> int:
         "duration_s": args.duration,
         "requests": len(workload),
         "time_compression": round(speedup, 3),
+        "long_prompts": args.long_prompts,
+        "inject_every_s": args.inject_every,
+        "inject_tokens": args.inject_tokens,
+        "output_weight": args.output_weight,
         "capacity_tokens_s": round(capacity, 1),
-        "capacity_cost_s": round(cost_capacity, 1),
+        "slo_load": round(slo_fraction, 3),
+        "configured_capacity": args.capacity,
+        "pool_capacity_cost_s": round(pool_capacity, 1),
         "gpu": {name: getattr(gpu, name) for name in gpu.__dataclass_fields__},
         "policies": {},
     }
@@ -159,10 +248,11 @@ def main() -> int:
                 policy,
                 workload,
                 gpu=gpu,
-                capacity_cost_s=cost_capacity,
+                capacity_cost_s=pool_capacity,
                 output_weight=args.output_weight,
                 redis_url=redis.url,
                 drain_s=args.drain,
+                admit_long_prompts=args.long_prompts == "admit",
             )
             runs.append(run)
             results["policies"][policy.value] = policy_summary(
@@ -171,6 +261,16 @@ def main() -> int:
             if run.adjustments:
                 results["policies"][policy.value]["all"]["adjustments"] = run.adjustments
             print(f"{policy.value}: ran in {time.monotonic() - began:.0f}s", flush=True)
+    save_runs(records_path, runs)
+    return write_outputs(args, results, runs, objectives)
+
+
+def write_outputs(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    runs: list[PolicyRun],
+    objectives: dict[str, Objectives],
+) -> int:
     table = print_table(results)
     print(table)
     json_path = Path(args.json)

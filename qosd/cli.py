@@ -171,8 +171,7 @@ def _sim_triton(args: argparse.Namespace) -> int:
         qosd_target=args.qosd,
         stream_every=args.stream_every,
     )
-    serve_until_signalled(settings, args.ready_file)
-    return 0
+    return serve_until_signalled(settings, args.ready_file)
 
 
 def _parse_option(item: str) -> tuple[str, int | float | None]:

@@ -26,9 +26,9 @@ from qosd.sim.experiment import (
     PolicyRun,
     RatePoint,
     calibrated_workload,
+    configured_capacity,
     percentile,
     run_policy,
-    workload_capacity,
 )
 from qosd.sim.gateway import RequestRecord
 from qosd.sim.gpu import GpuModel
@@ -56,8 +56,9 @@ def run_demo(
         duration_s=duration_s,
         inject_every_s=inject_every_s,
     )
-    cost_capacity = workload_capacity(gpu, [r for r in workload if not r.injected], output_weight)
-    objectives = Objectives.from_config(Config())
+    cost_capacity, _ = configured_capacity(gpu, workload, output_weight, config)
+    objectives = Objectives.from_config(config)
+    class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
     records: list[RequestRecord] = []
     interactive = sys.stdout.isatty()
     store = f"redis {config.redis.url}" if config.redis.url else "the embedded store"
@@ -79,7 +80,7 @@ def run_demo(
             f"  {'class':<6}{'admitted':>10}{'rejected':>10}{'waiting':>9}"
             f"{'TTFT p99':>11}{'TPOT p99':>11}{'rate/s':>10}",
         ]
-        for name in ("P0", "P1", "P2"):
+        for name in class_names:
             mine = [r for r in records if r.request.qos_class == name]
             ttft = percentile(
                 [r.ttft_ms for r in recent if r.request.qos_class == name and r.ttft_ms], 99
@@ -110,6 +111,7 @@ def run_demo(
             output_weight=output_weight,
             redis_url=config.redis.url,
             drain_s=10.0,
+            base_config=config,
             on_record=records.append,
             on_tick=tick,
         )
@@ -121,7 +123,7 @@ def run_demo(
         records, objectives, window_s=max(window, 1.0), capacity_tokens_s=capacity
     )
     print(f"\nqosd demo report ({len(records)} requests finished or answered, {MODEL!r} pool)")
-    for name in ("P0", "P1", "P2"):
+    for name in class_names:
         c = summary[name]
         attainment = (
             "no SLO" if c["slo_attainment"] is None else f"{c['slo_attainment']:.1%} met SLO"

@@ -153,10 +153,36 @@ async def test_reporter_batches_and_never_raises() -> None:
         assert reporter.stats.failed_calls >= 1
 
 
+async def test_reporter_survives_errors_that_are_not_qosds() -> None:
+    qos = QosdClient(f"127.0.0.1:{free_port()}")
+    await qos.close()  # a closed channel raises grpc's UsageError, not a QosdError
+    reporter = LatencyReporter(qos, batch_size=1, flush_interval_s=0.01)
+    reporter.start()
+    for round_ in range(1, 3):
+        reporter.record(LatencySample("llm", "P1", ttft_ms=1.0))
+        for _ in range(100):
+            if reporter.stats.failed_calls >= round_:
+                break
+            await asyncio.sleep(0.01)
+        assert reporter.stats.failed_calls == round_  # still sending after a failure
+    await reporter.close()  # does not raise
+    assert reporter.stats.dropped == 2
+
+
 def _qosd_processes() -> set[int]:
-    found = subprocess.run(["pgrep", "-f", "qosd.cli"], capture_output=True, text=True, check=False)
-    out = found.stdout
-    return {int(pid) for pid in out.split()}
+    """Live processes running ``qosd.cli`` (daemons, simulated servers), from /proc."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().split(") ", 1)[1][:1]
+        except (OSError, IndexError):
+            continue
+        if b"qosd.cli" in command and state != "Z":
+            found.add(int(entry.name))
+    return found
 
 
 def test_demo_runs_and_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -74,6 +76,22 @@ def test_chunked_prefill_spreads_the_stall() -> None:
     # a longer stretch of slower steps.
     assert max(chunked) < 0.25
     assert sum(1 for gap in chunked if gap > 0.05) >= 10
+
+
+def test_cancelling_frees_the_batch_slot_and_kv() -> None:
+    engine = Engine(GpuModel(max_batch=1))
+    first = Sequence("first", 1_000, 50, submitted_at=0.0)
+    second = Sequence("second", 1_000, 50, submitted_at=0.0)
+    engine.submit(first)
+    engine.submit(second)
+    iteration = engine.plan(0.0)
+    assert iteration is not None and [s for s, _ in iteration.prefill] == [first]
+    engine.complete(iteration.duration_s)
+    engine.cancel(first)
+    assert engine.kv_used == 0
+    iteration = engine.plan(1.0)
+    assert iteration is not None and [s for s, _ in iteration.prefill] == [second]
+    assert engine.queued == 0 and engine.pending == 1
 
 
 def test_batch_and_kv_limits_hold() -> None:
@@ -165,6 +183,70 @@ async def test_tritonclient_sees_a_triton_server(simulator: tuple[str, str]) -> 
         assert [tokens for _, tokens in streamed] == [1, 8]  # first token, then the rest
 
 
+async def test_model_config_and_empty_final_response(simulator: tuple[str, str]) -> None:
+    address, _ = simulator
+    async with triton.InferenceServerClient(address) as client:
+        config = await client.get_model_config("llm")
+        assert config.config.model_transaction_policy.decoupled
+
+        async def one() -> AsyncIterator[dict[str, object]]:
+            yield {
+                "model_name": "llm",
+                "inputs": _inputs(100, 6),
+                "request_id": "e-1",
+                "parameters": {"triton_enable_empty_final_response": True},
+            }
+
+        seen = []
+        async for result, error in client.stream_infer(one()):
+            assert error is None
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            tokens = int(result.as_numpy("token_count")[0]) if response.outputs else None
+            seen.append((response.id, tokens, final))
+            if final:
+                break
+        # Data responses are never final; an empty one ends the request.
+        assert seen == [("e-1", 1, False), ("e-1", 5, False), ("e-1", None, True)]
+
+
+async def test_a_failed_stream_request_is_named(simulator: tuple[str, str]) -> None:
+    address, _ = simulator
+    async with triton.InferenceServerClient(address) as client:
+
+        async def two() -> AsyncIterator[dict[str, object]]:
+            yield {"model_name": "llm", "inputs": _inputs(0, 5), "request_id": "bad"}
+            yield {"model_name": "llm", "inputs": _inputs(50, 2), "request_id": "good"}
+
+        errors, finals = [], []
+        async for result, error in client.stream_infer(two()):
+            if error is not None:
+                errors.append(str(error))
+                continue
+            response = result.get_response()
+            if response.parameters["triton_final_response"].bool_param:
+                finals.append(response.id)
+                break
+        assert len(errors) == 1 and ">= 1" in errors[0]
+        assert finals == ["good"]  # the other request on the stream is unaffected
+
+
+def test_a_busy_port_fails_fast(simulator: tuple[str, str]) -> None:
+    address, _ = simulator
+    port = address.rsplit(":", 1)[1]
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "qosd.cli", "sim-triton", "--port", port, "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "cannot listen" in done.stderr
+    assert time.monotonic() - began < 15
+
+
 async def test_bad_requests_get_clear_errors(simulator: tuple[str, str]) -> None:
     address, _ = simulator
     async with triton.InferenceServerClient(address) as client:
@@ -188,9 +270,11 @@ async def test_a_32k_prefill_delays_other_streams_next_token() -> None:
             times = [at for at, _ in await short]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     expected = FAST.prefill_s([32_768])
-    assert max(gaps) == pytest.approx(expected + FAST.decode_s(2), abs=0.08)
+    # Loose bounds: this runs in real time on a shared machine. Unchunked, the gap is
+    # the whole prefill (0.5 s here); a typical gap is one decode step (~3 ms).
+    assert max(gaps) == pytest.approx(expected + FAST.decode_s(2), abs=0.15)
     typical = sorted(gaps)[len(gaps) // 2]
-    assert typical < 0.02  # one decode step at speed 4: ~3 ms, plus delivery
+    assert typical < 0.05
 
 
 async def test_metrics_use_tritons_names(simulator: tuple[str, str]) -> None:

@@ -83,16 +83,21 @@ class LatencyReporter:
             self._wake.set()
 
     async def close(self) -> None:
-        """Flushes what is buffered (bounded by ``close_timeout_s``), then stops."""
+        """Flushes what is buffered (bounded by ``close_timeout_s``), then stops.
+
+        Never raises: what could not be sent in time is counted as dropped."""
         self._closing = True
         self._wake.set()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, self._close_timeout_s)
             except TimeoutError:
-                self.stats.dropped += len(self._buffer)
-                self._buffer.clear()
+                pass
+            except Exception:  # pragma: no cover - _run catches what a batch raises
+                log.exception("qosd latency reporter stopped")
             self._task = None
+        self.stats.dropped += len(self._buffer)
+        self._buffer.clear()
 
     async def _run(self) -> None:
         while True:
@@ -111,10 +116,14 @@ class LatencyReporter:
         batch = [self._buffer.popleft() for _ in range(count)]
         try:
             result = await self._client.report(batch, timeout_s=self._call_timeout_s)
-        except QosdError as error:
+        except asyncio.CancelledError:
+            self.stats.dropped += len(batch)
+            raise
+        except Exception as error:  # QosdError, or a closed channel: keep reporting
             self.stats.failed_calls += 1
             self.stats.dropped += len(batch)
-            log.warning("qosd Report failed, %d samples dropped: %s", len(batch), error)
+            level = logging.WARNING if isinstance(error, QosdError) else logging.ERROR
+            log.log(level, "qosd Report failed, %d samples dropped: %r", len(batch), error)
             return
         self.stats.sent += result.accepted
         self.stats.refused += len(result.rejected)

@@ -27,7 +27,7 @@ import uvloop
 
 from qosd.config import Config
 from qosd.sim.gateway import Gateway, RequestRecord
-from qosd.sim.gpu import GpuModel, saturated_throughput
+from qosd.sim.gpu import GpuModel, run_virtual, saturated_throughput
 from qosd.sim.replay import (
     SEED_LONG_PROMPT_TOKENS,
     ClassRule,
@@ -36,7 +36,7 @@ from qosd.sim.replay import (
     build_workload,
     trace_token_rate,
 )
-from qosd.testing import daemon_processes, free_port
+from qosd.testing import daemon_processes
 from qosd_client import QosdClient, Status
 
 MODEL = "llm"
@@ -97,6 +97,76 @@ def workload_capacity(gpu: GpuModel, workload: Sequence[Request], output_weight:
     )
 
 
+def slo_load(
+    gpu: GpuModel,
+    workload: Sequence[Request],
+    *,
+    ttft_ms: float,
+    tpot_ms: float,
+    attainment: float = 0.99,
+) -> float:
+    """The highest fraction of saturated capacity at which the GPU, serving this
+    workload's requests first come first served, keeps ``attainment`` of them within
+    ``ttft_ms`` and ``tpot_ms``: what an operator's load test at the strictest SLO
+    would find, and so what they would configure as the pool's capacity.
+
+    Found by bisection over time compressions of the workload, in virtual time.
+    """
+    trace = sorted((r for r in workload if not r.injected), key=lambda r: r.at_s)
+    if len(trace) < 20:
+        raise ValueError("too few requests to find the SLO load")
+    span = trace[-1].at_s - trace[0].at_s
+    capacity = workload_capacity(gpu, trace, 1.0)
+    offered = sum(r.tokens() for r in trace) / span
+
+    def holds(load: float) -> bool:
+        stretch = offered / (load * capacity)  # > 1 slows the arrivals down
+        finished = run_virtual(
+            gpu, [(r.at_s * stretch, r.input_tokens, r.output_tokens) for r in trace]
+        )
+        good = 0
+        for s in finished:
+            assert s.first_token_at is not None and s.finished_at is not None
+            ttft = (s.first_token_at - s.submitted_at) * 1000
+            tpot = (
+                (s.finished_at - s.first_token_at) * 1000 / (s.output_tokens - 1)
+                if s.output_tokens > 1
+                else 0.0
+            )
+            good += ttft <= ttft_ms and tpot <= tpot_ms
+        return good >= attainment * len(finished)
+
+    low, high = 0.1, 1.0
+    if not holds(low):
+        raise ValueError(
+            f"this GPU cannot serve the workload within TTFT {ttft_ms} ms and TPOT "
+            f"{tpot_ms} ms even at a tenth of its capacity"
+        )
+    for _ in range(8):
+        middle = (low + high) / 2
+        low, high = (middle, high) if holds(middle) else (low, middle)
+    return low
+
+
+def configured_capacity(
+    gpu: GpuModel, workload: Sequence[Request], output_weight: float, config: Config
+) -> tuple[float, float]:
+    """The pool capacity, in qosd's cost units, that an operator would configure for
+    this GPU and workload: the saturated throughput times the load at which the
+    strictest class objectives still hold for 99 % of requests. Returns (capacity,
+    that load)."""
+    ttft = [c.slo.ttft_ms for c in config.classes.values() if c.slo.ttft_ms is not None]
+    tpot = [c.slo.tpot_ms for c in config.classes.values() if c.slo.tpot_ms is not None]
+    load = slo_load(
+        gpu,
+        workload,
+        ttft_ms=min(ttft, default=math.inf),
+        tpot_ms=min(tpot, default=math.inf),
+    )
+    trace = [r for r in workload if not r.injected]
+    return load * workload_capacity(gpu, trace, output_weight), load
+
+
 def calibrated_workload(
     rows: Sequence[TraceRow],
     gpu: GpuModel,
@@ -117,11 +187,14 @@ def calibrated_workload(
     """
     capacity = workload_capacity(gpu, build_workload(rows, speedup=1.0, duration_s=600), 1.0)
     speedup = load * capacity / trace_token_rate(rows)
-    for _ in range(4):
+    for _ in range(10):
         trace_only = build_workload(rows, speedup=speedup, duration_s=duration_s, rule=rule)
         capacity = workload_capacity(gpu, trace_only, 1.0)
         offered = sum(r.tokens() for r in trace_only) / duration_s
-        speedup *= load * capacity / offered
+        if abs(offered / capacity - load) <= 0.01 * load:
+            break
+        # Damped: the window's mix, and so capacity, moves with the compression.
+        speedup *= (load * capacity / offered) ** 0.7
     workload = build_workload(
         rows,
         speedup=speedup,
@@ -137,28 +210,35 @@ def calibrated_workload(
 def daemon_config(
     policy: Policy,
     *,
+    base: Config | None = None,
     capacity_cost_s: float,
     output_weight: float,
     redis_url: str | None,
+    admit_long_prompts: bool = True,
     overrides: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The daemon's config for a policy: default classes (60/35/5, the seed's split);
-    the pool sized at the GPU's measured capacity in qosd's cost units.
+    """The daemon's config for a policy: ``base``'s classes and settings (by default
+    the built-in 60/35/5 classes, the seed's split), with one pool for the simulated
+    model sized at ``capacity_cost_s`` in qosd's cost units.
 
     Bursts of half a second of a class's rate are smaller than some prompts' cost, so
     classes may go into debt for one request from a full bucket: P0 and P1 up to
     20,000 (prompts below the 16K that makes a request P2, plus its output estimate),
-    P2 up to 40,000, so that the long prompts are admitted at P2's rate rather than
-    refused outright."""
-    tree = Config().model_dump(mode="json")
+    P2 up to 40,000, so that the long prompts are admitted at P2's rate. With
+    ``admit_long_prompts`` False, P2's limit is 20,000 too: a 32K prompt is refused at
+    once with COST_EXCEEDS_BURST, as an operator would configure a pool whose servers
+    cannot prefill one without stalling everyone else."""
+    tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
-    tree["redis"]["key_prefix"] = f"qosd-{policy.value}"  # runs share a Redis, not state
+    # Runs may share a Redis; they must not share state.
+    tree["redis"]["key_prefix"] = f"{tree['redis']['key_prefix']}-{policy.value}"
     tree["pools"] = {MODEL: {"capacity_tokens_s": capacity_cost_s, "models": [MODEL]}}
     tree["default_pool"] = MODEL
     tree["cost"]["output_weight"] = output_weight
-    tree["classes"]["P0"]["max_cost_tokens"] = 20_000
-    tree["classes"]["P1"]["max_cost_tokens"] = 20_000
-    tree["classes"]["P2"]["max_cost_tokens"] = 40_000
+    debts = {"P0": 20_000, "P1": 20_000, "P2": 40_000 if admit_long_prompts else 20_000}
+    for name, debt in debts.items():
+        if name in tree["classes"] and tree["classes"][name]["max_cost_tokens"] is None:
+            tree["classes"][name]["max_cost_tokens"] = debt
     tree["control"]["enabled"] = policy is Policy.QOSD
     # A run lasts about a minute: decide on 20 samples rather than 50.
     tree["control"]["min_samples"] = 20
@@ -263,6 +343,8 @@ def run_policy(
     output_weight: float,
     redis_url: str | None,
     drain_s: float = 20.0,
+    admit_long_prompts: bool = True,
+    base_config: Config | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
     on_tick: Callable[[float, RatePoint | None], None] | None = None,
     config_overrides: Callable[[dict[str, Any]], None] | None = None,
@@ -283,9 +365,11 @@ def run_policy(
             )
     tree = daemon_config(
         policy,
+        base=base_config,
         capacity_cost_s=capacity_cost_s,
         output_weight=output_weight,
         redis_url=redis_url,
+        admit_long_prompts=admit_long_prompts,
         overrides=config_overrides,
     )
     with (
@@ -305,10 +389,6 @@ def run_policy(
                 + 2.0,
             )
         )
-
-
-def free_address() -> str:
-    return f"127.0.0.1:{free_port()}"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

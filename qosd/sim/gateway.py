@@ -11,8 +11,9 @@ latencies to qosd, which is what the SLO loop judges.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +29,15 @@ class RequestRecord:
     """What became of one request, as the gateway saw it."""
 
     request: Request
-    decision: str = "NONE"  # qosd's reason: NONE (admitted), RATE_LIMITED, QUEUE_TIMEOUT...
+    # qosd's reason: NONE (admitted), RATE_LIMITED, QUEUE_TIMEOUT...; ERROR when Acquire
+    # failed; UNANSWERED when the run ended while it waited.
+    decision: str = "NONE"
     admitted: bool = False
     waited_ms: float = 0.0  # in qosd's waiting room
     ttft_ms: float | None = None  # from arrival at the gateway
     e2e_ms: float | None = None
     completed: bool = False
+    tokens_seen: int = 0  # output tokens the server's responses carried
     error: str = ""
 
     @property
@@ -74,7 +78,7 @@ class Gateway:
         self._on_record = on_record
         self.records: list[RequestRecord] = []
 
-    async def _stream(self, request: Request, lease_id: str) -> AsyncIterator[Any]:
+    async def _stream(self, request: Request, lease_id: str) -> AsyncGenerator[Any, None]:
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {
                 "model_name": self._model,
@@ -84,6 +88,9 @@ class Gateway:
                     "qos_class": request.qos_class,
                     "tenant": request.tenant,
                     "lease_id": lease_id,
+                    # As with Triton's LLM backends: the end is an empty response
+                    # flagged final, whatever the last data response carried.
+                    "triton_enable_empty_final_response": True,
                 },
             }
 
@@ -99,13 +106,17 @@ class Gateway:
     async def _infer(self, request: Request, record: RequestRecord, arrived: float) -> None:
         lease_id = ""
         if self._qos is not None:
-            decision = await self._qos.acquire(
-                request.qos_class,
-                request.input_tokens,
-                model=self._model,
-                expected_output_tokens=self._expected_output_tokens,
-                tenant=request.tenant,
-            )
+            try:
+                decision = await self._qos.acquire(
+                    request.qos_class,
+                    request.input_tokens,
+                    model=self._model,
+                    expected_output_tokens=self._expected_output_tokens,
+                    tenant=request.tenant,
+                )
+            except QosdError:
+                record.decision = "ERROR"  # no answer: neither admitted nor refused
+                raise
             record.decision = decision.reason.name
             record.waited_ms = decision.waited_s * 1000
             if not decision.admitted:
@@ -114,15 +125,19 @@ class Gateway:
         record.admitted = True
         outcome = Outcome.ERROR
         try:
-            async for result in self._stream(request, lease_id):
-                now = time.monotonic()
-                if record.ttft_ms is None:
-                    record.ttft_ms = (now - arrived) * 1000
-                parameter = result.get_response().parameters.get("triton_final_response")
-                if parameter is not None and parameter.bool_param:
-                    record.e2e_ms = (now - arrived) * 1000
-                    record.completed = True
-                    break
+            async with contextlib.aclosing(self._stream(request, lease_id)) as stream:
+                async for result in stream:
+                    now = time.monotonic()
+                    response = result.get_response()
+                    if response.raw_output_contents:
+                        record.tokens_seen += int(result.as_numpy("token_count")[0])
+                        if record.ttft_ms is None:
+                            record.ttft_ms = (now - arrived) * 1000
+                    final = response.parameters.get("triton_final_response")
+                    if final is not None and final.bool_param:
+                        record.e2e_ms = (now - arrived) * 1000
+                        record.completed = True
+                        break
             outcome = Outcome.OK if record.completed else Outcome.ERROR
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED
@@ -139,16 +154,15 @@ class Gateway:
                 self._qos.release(  # type: ignore[union-attr]
                     lease_id,
                     input_tokens=request.input_tokens,
-                    output_tokens=request.output_tokens if record.completed else 0,
+                    output_tokens=record.tokens_seen,  # what the GPU actually produced
                     outcome=outcome,
                 )
             )
         except QosdError as exc:
             record.error = record.error or f"release: {exc}"
 
-    async def _one(self, request: Request, started: float) -> None:
+    async def _one(self, request: Request, arrived: float) -> None:
         record = RequestRecord(request)
-        arrived = time.monotonic()
         self.records.append(record)
         try:
             await self._infer(request, record, arrived)
@@ -158,6 +172,8 @@ class Gateway:
                 record.decision = "UNANSWERED"  # still waiting for admission
         except Exception as exc:  # a failed request is a result, not a crash
             record.error = f"{type(exc).__name__}: {exc}"
+            if not record.admitted and record.decision == "NONE":
+                record.decision = "ERROR"
         finally:
             if self._on_record is not None:
                 self._on_record(record)
@@ -165,17 +181,23 @@ class Gateway:
     async def replay(self, workload: Sequence[Request], *, drain_s: float = 30.0) -> None:
         """Sends each request at its offset, then waits up to ``drain_s`` for the rest.
 
-        What is still running after that is cancelled and recorded unfinished.
+        What is still running after that is cancelled and recorded unfinished. Latency
+        counts from each request's scheduled arrival, not from when this loop got to
+        it, so a busy gateway cannot hide its own delay (no coordinated omission).
         """
         started = time.monotonic()
         tasks: list[asyncio.Task[None]] = []
-        for request in workload:
-            delay = started + request.at_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(self._one(request, started)))
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=drain_s)
+        try:
+            for request in workload:
+                arrival = started + request.at_s
+                delay = arrival - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(self._one(request, arrival)))
+            if tasks:
+                await asyncio.wait(tasks, timeout=drain_s)
+        finally:
+            pending = [task for task in tasks if not task.done()]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

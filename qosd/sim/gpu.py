@@ -117,7 +117,7 @@ class Sequence:
     context: Any = None
     prefilled: int = 0
     generated: int = 0
-    started_at: float | None = None  # first scheduled: the end of its queueing
+    started_at: float | None = None  # its first prefill work began: the end of its queueing
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -135,6 +135,7 @@ class TokenEvent:
     sequence: Sequence
     kind: TokenKind
     finished: bool
+    generated: int  # the sequence's tokens so far, this one included
 
 
 @dataclass(slots=True)
@@ -158,8 +159,13 @@ class Engine:
 
     @property
     def pending(self) -> int:
-        """Requests not finished: waiting or running (Triton's pending request count)."""
+        """Requests not finished: waiting or running."""
         return len(self.waiting) + len(self.running)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for their first iteration (Triton's pending request count)."""
+        return len(self.waiting) + sum(1 for s in self.running if s.started_at is None)
 
     def submit(self, sequence: Sequence) -> None:
         if sequence.input_tokens < 1 or sequence.output_tokens < 1:
@@ -179,7 +185,6 @@ class Engine:
         self.waiting.popleft()
         self.running.append(head)
         self.kv_used += head.kv_tokens
-        head.started_at = now
         return head
 
     def plan(self, now: float) -> Iteration | None:
@@ -204,6 +209,7 @@ class Engine:
             admitted = self._admit_head(now)
             if admitted is None:
                 break
+            admitted.started_at = now
             prefill.append((admitted, admitted.input_tokens))
             tokens += admitted.input_tokens
         if prefill:
@@ -224,6 +230,8 @@ class Engine:
                 break
             remaining = sequence.input_tokens - sequence.prefilled
             if remaining > 0:
+                if sequence.started_at is None:
+                    sequence.started_at = now
                 chunk = min(remaining, left)
                 prefill.append((sequence, chunk))
                 left -= chunk
@@ -256,7 +264,7 @@ class Engine:
             sequence.finished_at = now
             self.running.remove(sequence)
             self.kv_used -= sequence.kv_tokens
-        return TokenEvent(sequence, kind, finished)
+        return TokenEvent(sequence, kind, finished, sequence.generated)
 
     def cancel(self, sequence: Sequence) -> None:
         """Drops a sequence the caller gave up on; its KV is freed at once."""

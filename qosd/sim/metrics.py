@@ -2,15 +2,15 @@
 
 Rendered here rather than with ``prometheus_client`` on purpose: that library appends
 ``_total`` to every counter, and Triton does not (``nv_inference_request_success``, not
-``nv_inference_request_success_total``). Scrapers written against Triton, including
-qosd's own, must see Triton's names and label sets byte for byte.
+``nv_inference_request_success_total``). Scrapers and dashboards written against Triton
+must see Triton's names and label sets as Triton writes them.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -34,7 +34,7 @@ _COUNTERS = (
 class _ModelCounters:
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(dict(_COUNTERS), 0.0))
     failures: dict[str, int] = field(default_factory=dict)  # by reason
-    pending: int = 0
+    pending: Callable[[], int] = lambda: 0
     first_response_counts: list[int] = field(default_factory=list)
     first_response_sum_ms: float = 0.0
     first_response_count: int = 0
@@ -55,9 +55,13 @@ class TritonMetrics:
             self._models[model] = counters
         return counters
 
-    def pending(self, model: str, delta: int) -> None:
+    def watch_pending(self, model: str, count: Callable[[], int]) -> None:
+        """Where the model's pending count comes from: requests not yet executing.
+
+        Registering a model also makes its metrics appear at once, with zeros, as
+        Triton's do when a model loads."""
         with self._lock:
-            self._model(model).pending += delta
+            self._model(model).pending = count
 
     def first_response(self, model: str, ms: float) -> None:
         with self._lock:
@@ -111,7 +115,7 @@ class TritonMetrics:
                 "per-model.",
                 f"# TYPE {name} gauge",
             ]
-            lines += [f'{name}{{model="{m}",version="1"}} {c.pending}' for m, c in models]
+            lines += [f'{name}{{model="{m}",version="1"}} {c.pending()}' for m, c in models]
             name = "nv_inference_first_response_histogram_ms"
             lines += [
                 f"# HELP {name} Duration from request to first response in milliseconds",

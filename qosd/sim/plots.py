@@ -59,7 +59,7 @@ def plot_runs(
     for col, run in enumerate(runs):
         ax = axes[0][col]
         bin_s = 4.0
-        end = max((r.request.at_s for r in run.records), default=0.0)
+        end = max((r.request.at_s + r.waited_ms / 1000 for r in run.records), default=0.0)
         bins = int(end // bin_s) + 1
         starts = [i * bin_s for i in range(bins)]
         stacked: list[list[float]] = []
@@ -68,7 +68,8 @@ def plot_runs(
             for r in run.records:
                 if r.request.qos_class == name and r.admitted:
                     cost = r.request.input_tokens + output_weight * r.request.output_tokens
-                    served[int(r.request.at_s // bin_s)] += cost / bin_s
+                    admitted_at = r.request.at_s + r.waited_ms / 1000
+                    served[min(bins - 1, int(admitted_at // bin_s))] += cost / bin_s
             stacked.append(served)
         ax.stackplot(
             starts,
@@ -87,7 +88,7 @@ def plot_runs(
                 label="pool rate R",
             )
         ax.set_ylabel(f"cost/s (input + {output_weight:g} x output tokens)")
-        ax.set_title(f"{run.policy.value}: admitted by arrival, and qosd's rate")
+        ax.set_title(f"{run.policy.value}: admitted cost by admission time; qosd's rate")
         ax.set_xlabel("s")
         ax.legend(fontsize=7)
     figure.tight_layout()

@@ -11,9 +11,11 @@ depend on them):
   because a fast, clear rejection is the outcome admission control is for; a request
   admitted but unfinished at the end of the run is a miss;
 - **goodput** is input plus output tokens per second of the trace's requests that met
-  their SLO, over the time requests arrived. The injected long prompts are left out of
-  it (they are counted on their own): 32K prompt tokens are cheap per token to prefill,
-  and would otherwise swamp the figure that says how much useful work got through.
+  their SLO and completed within the arrival window, over that window: work a policy
+  defers past the last arrival does not count as if done within it. The injected long
+  prompts are left out of it (they are counted on their own): 32K prompt tokens are
+  cheap per token to prefill, and would otherwise swamp the figure that says how much
+  useful work got through.
 """
 
 from __future__ import annotations
@@ -75,11 +77,14 @@ def class_summary(
         "admitted": len(admitted),
         "completed": len(completed),
         "rejected": sum(
-            n for reason, n in reasons.items() if reason not in ("QUEUE_TIMEOUT", "UNANSWERED")
+            n
+            for reason, n in reasons.items()
+            if reason not in ("QUEUE_TIMEOUT", "UNANSWERED", "ERROR")
         ),
         "timed_out": reasons.get("QUEUE_TIMEOUT", 0),
         "still_waiting_at_end": reasons.get("UNANSWERED", 0),
         "unfinished": sum(1 for r in admitted if not r.completed),
+        # Acquire or inference failures: neither a decision nor a served request.
         "errors": sum(1 for r in records if r.error and "unfinished" not in r.error),
         "reasons": dict(reasons),
         "slo_attainment": _round(len(met) / len(admitted), 4) if admitted and has_slo else None,
@@ -89,12 +94,18 @@ def class_summary(
         "tpot_p50_ms": _round(percentile(tpot, 50)),
         "tpot_p99_ms": _round(percentile(tpot, 99)),
         "goodput_tokens_s": round(
-            sum(r.request.tokens() for r in met if not r.request.injected) / window_s, 1
+            sum(r.request.tokens() for r in met if not r.request.injected and _done_by(r, window_s))
+            / window_s,
+            1,
         ),
         "worst_wait_ms": round(worst_wait, 1),
         "max_wait_ms": objectives.max_wait_ms,
         "waits_past_max": sum(1 for r in records if r.waited_ms > objectives.max_wait_ms + 50),
     }
+
+
+def _done_by(record: RequestRecord, window_s: float) -> bool:
+    return record.e2e_ms is not None and record.request.at_s + record.e2e_ms / 1000 <= window_s
 
 
 def policy_summary(
@@ -105,14 +116,13 @@ def policy_summary(
     capacity_tokens_s: float,
 ) -> dict[str, Any]:
     """Per class, plus ``all``: goodput against the GPU's capacity."""
+    trace = [r for r in records if not r.request.injected]
+    good = [r for r in trace if objectives[r.request.qos_class].met(r) and _done_by(r, window_s)]
     summary: dict[str, Any] = {}
     for name in sorted(objectives, key=lambda n: n):
         mine = [r for r in records if r.request.qos_class == name]
         summary[name] = class_summary(mine, objectives[name], window_s)
-    trace = [r for r in records if not r.request.injected]
-    goodput = (
-        sum(r.request.tokens() for r in trace if objectives[r.request.qos_class].met(r)) / window_s
-    )
+    goodput = sum(r.request.tokens() for r in good) / window_s
     offered = sum(r.request.tokens() for r in trace) / window_s
     summary["all"] = {
         "offered_tokens_s": round(offered, 1),

@@ -26,14 +26,16 @@ import logging
 import os
 import signal
 import struct
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import uvloop
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from qosd.sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
 from qosd.sim.metrics import TritonMetrics, serve_metrics
@@ -66,17 +68,23 @@ class RealTimeGpu:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
+        # Iterations run back to back against absolute deadlines: a late wake-up of the
+        # event loop delays when tokens are delivered, not when the GPU would have
+        # produced them, so lag does not add up into a slower GPU than the model.
+        busy_until: float | None = None
         while True:
-            iteration = self.engine.plan(time.monotonic())
+            now = time.monotonic()
+            start = now if busy_until is None else max(busy_until, now - 0.05)
+            iteration = self.engine.plan(start)
             if iteration is None:
+                busy_until = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await asyncio.sleep(iteration.duration_s)
+            busy_until = start + iteration.duration_s
+            await asyncio.sleep(max(0.0, busy_until - time.monotonic()))
             self.iterations += 1
-            # Tokens are stamped when the event loop wakes: that is when a caller could
-            # see them, and the next iteration starts from there, as on a busy GPU.
-            for event in self.engine.complete(time.monotonic()):
+            for event in self.engine.complete(busy_until):
                 self._deliver(event)
 
     def _deliver(self, event: TokenEvent) -> None:
@@ -87,7 +95,7 @@ class RealTimeGpu:
         wanted = (
             event.finished
             or event.kind is TokenKind.FIRST
-            or (every > 0 and event.sequence.generated % every == 0)
+            or (every > 0 and event.generated % every == 0)
         )
         if wanted:
             queue.put_nowait(event)
@@ -154,6 +162,11 @@ def _string_parameter(request: service_pb2.ModelInferRequest, name: str) -> str:
     return parameter.string_param if parameter is not None else ""
 
 
+def _bool_parameter(request: service_pb2.ModelInferRequest, name: str) -> bool:
+    parameter = request.parameters.get(name)
+    return bool(parameter.bool_param) if parameter is not None else False
+
+
 class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -167,6 +180,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         self.gpu = gpu
         self.model_name = model_name
         self.metrics = metrics or TritonMetrics()
+        self.metrics.watch_pending(model_name, lambda: gpu.engine.queued)
         self.reporter = reporter
         self.stream_every = stream_every
 
@@ -205,6 +219,20 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
             inputs=[tensor(name=name, datatype="INT32", shape=[1]) for name in INPUT_NAMES],
             outputs=[tensor(name=OUTPUT_NAME, datatype="INT32", shape=[1])],
         )
+
+    async def ModelConfig(
+        self, request: service_pb2.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.ModelConfigResponse:
+        if request.name != self.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        config = model_config_pb2.ModelConfig(
+            name=self.model_name, platform="qosd_simulated_llm", max_batch_size=0
+        )
+        for name in INPUT_NAMES:
+            config.input.add(name=name, data_type=model_config_pb2.TYPE_INT32, dims=[1])
+        config.output.add(name=OUTPUT_NAME, data_type=model_config_pb2.TYPE_INT32, dims=[1])
+        config.model_transaction_policy.decoupled = True
+        return service_pb2.ModelConfigResponse(config=config)
 
     # Inference ---------------------------------------------------------------------------
 
@@ -254,7 +282,6 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
             parsed.output_tokens,
             submitted_at=received,
         )
-        self.metrics.pending(self.model_name, +1)
         reported = 0
         finished = False
         try:
@@ -263,11 +290,10 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
                     self.metrics.first_response(
                         self.model_name, (time.monotonic() - received) * 1e3
                     )
-                tokens, reported = sequence.generated - reported, sequence.generated
+                tokens, reported = event.generated - reported, event.generated
                 finished = event.finished
                 yield tokens, finished
         finally:
-            self.metrics.pending(self.model_name, -1)
             if finished:
                 self._account(parsed, sequence, received)
             else:
@@ -325,14 +351,36 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
+        def failed(request: service_pb2.ModelInferRequest, message: str) -> None:
+            # As Triton does, name the request, so the client knows which one failed.
+            outbox.put_nowait(
+                service_pb2.ModelStreamInferResponse(
+                    error_message=message,
+                    infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, id=request.id
+                    ),
+                )
+            )
+
         async def one(request: service_pb2.ModelInferRequest) -> None:
+            empty_final = _bool_parameter(request, "triton_enable_empty_final_response")
             try:
                 async for tokens, final in self._serve(request, self.stream_every):
-                    response = self._response(request, tokens, final=final)
+                    response = self._response(request, tokens, final=final and not empty_final)
                     outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+                if empty_final:
+                    last = service_pb2.ModelInferResponse(
+                        model_name=self.model_name, model_version="1", id=request.id
+                    )
+                    last.parameters["triton_final_response"].bool_param = True
+                    outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=last))
             except BadRequest as error:
                 self.metrics.failure(self.model_name, "REJECTED")
-                outbox.put_nowait(service_pb2.ModelStreamInferResponse(error_message=str(error)))
+                failed(request, str(error))
+            except Exception as error:  # a bug must still answer the request
+                log.exception("request %r failed", request.id)
+                self.metrics.failure(self.model_name, "OTHER")
+                failed(request, f"internal error: {error}")
 
         async def read_requests() -> None:
             async for request in request_iterator:
@@ -365,13 +413,20 @@ class SimulatorSettings:
     stream_every: int = 0
 
 
+class StartupError(Exception):
+    """The simulator could not start serving (a port in use, most often)."""
+
+
 async def run_simulator(
     settings: SimulatorSettings,
     *,
     stop: asyncio.Event,
     ready: asyncio.Future[tuple[int, int]] | None = None,
 ) -> None:
-    """Serves until ``stop`` is set; ``ready`` gets the (grpc, metrics) ports bound."""
+    """Serves until ``stop`` is set; ``ready`` gets the (grpc, metrics) ports bound.
+
+    Raises StartupError, with everything it started stopped again, when it cannot bind.
+    """
     gpu = RealTimeGpu(settings.gpu)
     metrics = TritonMetrics()
     qos = QosdClient(settings.qosd_target) if settings.qosd_target else None
@@ -383,39 +438,58 @@ async def run_simulator(
         reporter=reporter,
         stream_every=settings.stream_every,
     )
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second server on a busy port must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    http = serve_metrics(metrics, settings.host, settings.metrics_port)
-    gpu.start()
-    if reporter is not None:
-        reporter.start()
-    await server.start()
-    if ready is not None:
-        ready.set_result((port, http.server_address[1]))
+    http = None
     try:
+        try:
+            port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+            http = serve_metrics(metrics, settings.host, settings.metrics_port)
+        except (OSError, RuntimeError) as exc:
+            raise StartupError(f"cannot listen on {settings.host}: {exc}") from exc
+        gpu.start()
+        if reporter is not None:
+            reporter.start()
+        await server.start()
+        if ready is not None:
+            ready.set_result((port, http.server_address[1]))
         await stop.wait()
     finally:
         await server.stop(grace=1.0)
         await gpu.stop()
-        http.shutdown()
+        if http is not None:
+            await asyncio.to_thread(http.shutdown)
+            http.server_close()
         if reporter is not None:
             await reporter.close()
         if qos is not None:
             await qos.close()
 
 
-def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = None) -> None:
-    """``qosd sim-triton``: runs until SIGINT or SIGTERM; writes the ports once serving."""
+def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = None) -> int:
+    """``qosd sim-triton``: runs until SIGINT or SIGTERM; writes the ports once serving.
 
-    async def main() -> None:
+    Returns the exit status: 0 after a signal, 1 when it could not start.
+    """
+
+    async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         ready: asyncio.Future[tuple[int, int]] = loop.create_future()
         runner = asyncio.create_task(run_simulator(settings, stop=stop, ready=ready))
-        port, metrics_port = await ready
+        either: set[asyncio.Future[Any]] = {runner, ready}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            try:
+                await runner
+            except StartupError as exc:
+                print(f"qosd sim-triton: {exc}", file=sys.stderr, flush=True)
+                return 1
+            return 0
+        port, metrics_port = ready.result()
         print(
             f"simulated Triton: gRPC {settings.host}:{port}, "
             f"metrics http://{settings.host}:{metrics_port}/metrics",
@@ -426,8 +500,9 @@ def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = 
                 ready_file, {"pid": os.getpid(), "port": port, "metrics_port": metrics_port}
             )
         await runner
+        return 0
 
-    uvloop.run(main())
+    return uvloop.run(main())
 
 
 def _write_ready(path: str, content: dict[str, int]) -> None:
