@@ -27,6 +27,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="redis://HOST:PORT/DB; omit for the embedded store")
     parser.add_argument("--redis-mode", choices=["standalone", "cluster"])
     parser.add_argument("--fail-mode", choices=["open", "closed"])
+    parser.add_argument("--http-listen", metavar="HOST:PORT", help="serve /healthz and /readyz")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -40,6 +41,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides[("redis", "mode")] = args.redis_mode
     if args.fail_mode:
         overrides[("fail_mode",)] = args.fail_mode
+    if getattr(args, "http_listen", None):
+        overrides[("server", "http_listen")] = args.http_listen
     return load_config(args.config, overrides=overrides)
 
 

@@ -223,6 +223,11 @@ class ServerConfig(_Strict):
     listen: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     # SIGTERM: stop taking calls at once, give in-flight calls this long, then exit.
     drain_grace_s: Annotated[float, Field(ge=0, le=600)] = 10.0
+    # HTTP for kubelet probes (/healthz, /readyz); None: no HTTP listener.
+    http_listen: str | None = None
+    # How often the daemon checks that it can answer as configured (store reachable,
+    # or fail-open), which is what gRPC health and /readyz report.
+    health_check_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
 
     @field_validator("listen")
     @classmethod
@@ -231,6 +236,15 @@ class ServerConfig(_Strict):
             raise ValueError("needs at least one address")
         for address in value:
             parse_listen_address(address)
+        return value
+
+    @field_validator("http_listen")
+    @classmethod
+    def _http_listen(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        if parse_listen_address(value).unix_path is not None:
+            raise ValueError("HTTP listens on HOST:PORT only")
         return value
 
 
@@ -451,6 +465,7 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_FAIL_MODE": ("fail_mode",),
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
+    "QOSD_HTTP_LISTEN": ("server", "http_listen"),
     "QOSD_LEASE_TTL_S": ("lease", "ttl_s"),
 }
 

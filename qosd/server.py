@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
 from qosd.control import Controller
+from qosd.health import HealthHttp, HealthMonitor
 from qosd.service import AdminService, QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
@@ -58,16 +59,21 @@ class Daemon:
     admission: Admission
     controller: Controller
     health: health.aio.HealthServicer
+    monitor: HealthMonitor
+    http: HealthHttp | None = None
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.server.drain_grace_s if grace_s is None else grace_s
+        await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
         await self.controller.stop()
         self.admission.begin_drain()
         await self.server.stop(grace)
         await self.admission.waiting_room.close()
+        if self.http is not None:
+            await self.http.stop()
         await self.admission.store.close()
         for path in self.unix_paths:
             with contextlib.suppress(FileNotFoundError):
@@ -104,12 +110,14 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     reflection.enable_server_reflection(
         (QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    monitor = HealthMonitor(config, store, health_servicer, ("", QOS_SERVICE, ADMIN_SERVICE))
     daemon = Daemon(
         config=config,
         server=server,
         admission=admission,
         controller=controller,
         health=health_servicer,
+        monitor=monitor,
     )
     for address in config.server.listen:
         parsed = parse_listen_address(address)
@@ -127,11 +135,18 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         else:
             host = parsed.target.rpartition(":")[0]
             daemon.addresses.append(f"{host}:{port}")
+    if config.server.http_listen:
+        daemon.http = HealthHttp(monitor, config.server.http_listen)
+        try:
+            await daemon.http.start()
+        except OSError as exc:
+            await server.stop(0)
+            await store.close()
+            raise StartupError(f"cannot listen on {config.server.http_listen}: {exc}") from exc
     await server.start()
     if config.control.enabled:
         controller.start()
-    for service in ("", QOS_SERVICE):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await monitor.start()
     log.info(
         "qosd serving on %s with the %s store, fail mode %s",
         ", ".join(daemon.addresses),
@@ -149,15 +164,17 @@ async def serve(config: Config, ready_file: str | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if ready_file:
-        _write_ready_file(ready_file, daemon.addresses)
+        http = daemon.http.address if daemon.http else None
+        _write_ready_file(ready_file, daemon.addresses, http)
     await stop.wait()
     log.info("draining: refusing new calls, %.1fs grace", config.server.drain_grace_s)
     await daemon.stop()
     log.info("stopped")
 
 
-def _write_ready_file(path: str, addresses: Sequence[str]) -> None:
+def _write_ready_file(path: str, addresses: Sequence[str], http: str | None) -> None:
     """Tells a supervisor (or a test) the bound addresses, atomically."""
     temporary = f"{path}.tmp"
-    Path(temporary).write_text(json.dumps({"pid": os.getpid(), "addresses": list(addresses)}))
+    content = {"pid": os.getpid(), "addresses": list(addresses), "http": http}
+    Path(temporary).write_text(json.dumps(content))
     os.replace(temporary, path)
