@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qosd.config import Config, ControlConfig, PoolPolicy, SloConfig
@@ -285,7 +286,11 @@ class Controller:
         store: BucketStore,
         pools: dict[str, PoolPolicy],
         daemon_id: str,
+        on_change: Callable[[str, str], None] | None = None,
     ) -> None:
+        """``on_change(pool, kind)`` is told of every change this daemon makes: grow,
+        cut, undo, pin or unpin (the metrics count them)."""
+        self._on_change = on_change or (lambda pool, kind: None)
         self._config = config
         self._control = config.control
         self._store = store
@@ -436,6 +441,7 @@ class Controller:
         )
         if not await self._store.adjust(pool, update, cooldown_ms):
             return None  # cooling down (or pinned meanwhile)
+        self._on_change(pool.name, kind.split()[0])
         log.info(
             "pool %s admitted rate %.0f -> %.0f tokens/s (%s)",
             pool.name, record.capacity, update.capacity, update.reason,
@@ -459,6 +465,7 @@ class Controller:
                 changed_by=self._daemon_id, changed_from=record.capacity,
             )  # fmt: skip
         await self._store.adjust(pool, update, 0, force=True)
+        self._on_change(pool.name, "pin" if update.pinned else "unpin")
         self.last_verdicts[pool.name] = Verdict(HOLD, update.reason)
         log.info("pool %s: %s", pool.name, update.reason)
         return update

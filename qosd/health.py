@@ -1,4 +1,5 @@
-"""Whether this daemon can answer as configured, for gRPC health and kubelet probes.
+"""Whether this daemon can answer as configured, for gRPC health and kubelet probes;
+and the daemon's HTTP endpoints.
 
 "Serving" means more than "the process is up": under ``fail_mode: closed`` a daemon
 whose store is unreachable can only refuse, so a load balancer or kubelet should take
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from qosd.config import Config, FailMode, parse_listen_address
 from qosd.model import StoreUnavailable
@@ -107,12 +109,19 @@ class HealthMonitor:
             await self._servicer.set(service, status)
 
 
-class HealthHttp:
-    """``GET /healthz`` (the process and its event loop answer) and ``GET /readyz``
-    (it can answer as configured), on ``server.http_listen``."""
+class DaemonHttp:
+    """``GET /healthz`` (the process and its event loop answer), ``GET /readyz`` (it
+    can answer as configured) and ``GET /metrics`` (Prometheus), on
+    ``server.http_listen``."""
 
-    def __init__(self, monitor: HealthMonitor, address: str) -> None:
+    def __init__(
+        self,
+        monitor: HealthMonitor,
+        address: str,
+        metrics_page: Callable[[], Awaitable[bytes]] | None = None,
+    ) -> None:
         self._monitor = monitor
+        self._metrics_page = metrics_page
         host, _, port = parse_listen_address(address).target.rpartition(":")
         self._host, self._port = host, int(port)
         self._runner: web.AppRunner | None = None
@@ -122,6 +131,8 @@ class HealthHttp:
         app = web.Application()
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        if self._metrics_page is not None:
+            app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port, reuse_port=False)
@@ -136,6 +147,12 @@ class HealthHttp:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        assert self._metrics_page is not None
+        body = await self._metrics_page()
+        # The classic text format, which every Prometheus (and promtool) reads.
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def _readyz(self, request: web.Request) -> web.Response:
         monitor = self._monitor

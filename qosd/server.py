@@ -17,6 +17,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -25,7 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
 from qosd.control import Controller
-from qosd.health import HealthHttp, HealthMonitor
+from qosd.health import DaemonHttp, HealthMonitor
+from qosd.metrics import InstrumentedStore, Metrics
+from qosd.model import StoreUnavailable
 from qosd.service import AdminService, QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
@@ -60,7 +63,9 @@ class Daemon:
     controller: Controller
     health: health.aio.HealthServicer
     monitor: HealthMonitor
-    http: HealthHttp | None = None
+    metrics: Metrics
+    admin: AdminService
+    http: DaemonHttp | None = None
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
 
@@ -79,6 +84,16 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    async def metrics_page(self) -> bytes:
+        """The Prometheus exposition: counters as they stand, state read now."""
+        try:
+            status = await self.admin.status(self.admission.pool_names())
+        except StoreUnavailable:
+            self.metrics.store_up.set(0)
+        else:
+            self.metrics.update_from_status(status, self.admin.leads)
+        return self.metrics.exposition()
+
 
 def _remove_stale_socket(path: str) -> None:
     try:
@@ -91,7 +106,8 @@ def _remove_stale_socket(path: str) -> None:
 
 
 async def start(config: Config, store: BucketStore | None = None) -> Daemon:
-    store = store or make_store(config)
+    metrics = Metrics()
+    store = cast(BucketStore, InstrumentedStore(store or make_store(config), metrics))
     await store.start()
     admission = Admission(config, store)
     max_bytes = config.limits.max_message_bytes
@@ -103,8 +119,15 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             ("grpc.so_reuseport", 0),
         ]
     )
-    controller = Controller(config, store, admission.pools, admission.daemon_id)
-    add_to_server(QoSService(admission), AdminService(admission, controller), server)
+    controller = Controller(
+        config,
+        store,
+        admission.pools,
+        admission.daemon_id,
+        on_change=lambda pool, kind: metrics.adjustments.labels(pool, kind).inc(),
+    )
+    admin = AdminService(admission, controller)
+    add_to_server(QoSService(admission, metrics), admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -118,6 +141,8 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         controller=controller,
         health=health_servicer,
         monitor=monitor,
+        metrics=metrics,
+        admin=admin,
     )
     for address in config.server.listen:
         parsed = parse_listen_address(address)
@@ -136,7 +161,7 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             host = parsed.target.rpartition(":")[0]
             daemon.addresses.append(f"{host}:{port}")
     if config.server.http_listen:
-        daemon.http = HealthHttp(monitor, config.server.http_listen)
+        daemon.http = DaemonHttp(monitor, config.server.http_listen, daemon.metrics_page)
         try:
             await daemon.http.start()
         except OSError as exc:

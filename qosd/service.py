@@ -18,6 +18,7 @@ from qosd.admission import Admission, InvalidArgument
 from qosd.budget import effective_pool
 from qosd.config import PoolPolicy, SloConfig
 from qosd.control import Controller
+from qosd.metrics import Metrics
 from qosd.model import (
     Adjustment,
     LeaseExpired,
@@ -31,13 +32,15 @@ from qosd.v1 import qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+_OUTCOMES = frozenset(qosd_pb2.Outcome.values())
 _ADMITTED = qosd_pb2.DECISION_ADMITTED
 _REJECTED = qosd_pb2.DECISION_REJECTED
 
 
 class QoSService(qosd_pb2_grpc.QoSServicer):
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, metrics: Metrics | None = None) -> None:
         self._admission = admission
+        self._metrics = metrics or Metrics()
 
     async def Acquire(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.AcquireRequest, context: grpc.aio.ServicerContext
@@ -54,8 +57,12 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                 deadline_s=context.time_remaining(),
             )
         except InvalidArgument as exc:
+            self._metrics.invalid.labels("Acquire").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         decision = outcome.decision
+        self._metrics.acquire(
+            outcome.pool, request.qos_class, decision.admitted, decision.reason, outcome.waited_ms
+        )
         return qosd_pb2.AcquireResponse(
             decision=_ADMITTED if decision.admitted else _REJECTED,
             reason=decision.reason,  # type: ignore[arg-type]  # same values as the wire enum
@@ -91,6 +98,10 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             code, details = grpc.StatusCode.UNAVAILABLE, f"release not recorded: {exc}; retry"
         except ValueError as exc:  # an Outcome value this version does not know
             code, details = grpc.StatusCode.INVALID_ARGUMENT, f"outcome: {exc}"
+        # UNSPECIFIED means OK; an outcome this version does not know is "UNKNOWN".
+        outcome = request.outcome or qosd_pb2.OUTCOME_OK
+        name = qosd_pb2.Outcome.Name(outcome) if outcome in _OUTCOMES else "OUTCOME_UNKNOWN"
+        self._metrics.releases.labels(name.removeprefix("OUTCOME_"), code.name).inc()
         if code is not grpc.StatusCode.OK:
             await context.abort(code, details)
         return qosd_pb2.ReleaseResponse(
@@ -130,7 +141,10 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         try:
             await admission.report(accepted)
         except StoreUnavailable as exc:
+            self._metrics.report_samples.labels("unavailable").inc(len(request.samples))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
+        self._metrics.report_samples.labels("accepted").inc(len(accepted))
+        self._metrics.report_samples.labels("rejected").inc(len(rejected))
         return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
 
 
@@ -155,17 +169,27 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"history must be between 0 and {MAX_HISTORY} (got {request.history})",
             )
+        try:
+            return await self.status(names, request.history)
+        except StoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+            raise  # abort raised already; this tells the type checker
+
+    async def status(self, pools: list[str], history: int = 0) -> qosd_pb2.GetStatusResponse:
+        """GetStatus's answer; also what /metrics reads. Raises StoreUnavailable."""
+        admission = self._admission
         response = qosd_pb2.GetStatusResponse(
             daemon_id=admission.daemon_id,
             store=admission.store_kind,
             controller=self._controller.leader if self._controller.running else "",
         )
-        try:
-            for name in names:
-                response.pools.append(await self._pool_status(name, request.history))
-        except StoreUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
+        for name in pools:
+            response.pools.append(await self._pool_status(name, history))
         return response
+
+    @property
+    def leads(self) -> bool:
+        return self._controller.running and self._controller.leads
 
     async def PinRate(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.PinRateRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,214 @@
+"""Prometheus metrics: what qosd decided, how its store answered, and the state of its
+budgets and SLO loop, on ``GET /metrics`` of ``server.http_listen``.
+
+Events (decisions, waits, store calls, rate changes) are counted where they happen, at
+a cost of a few microseconds on the Acquire path: label children are cached so a
+decision is one dictionary lookup and two increments. State (rates, shares, queues,
+compliance, latency percentiles, leases) is read at scrape time through the same code
+that answers ``Admin/GetStatus``, so the two can never disagree and idle daemons do no
+periodic store reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from qosd.model import StoreUnavailable
+from qosd.store.base import BucketStore
+from qosd.v1 import qosd_pb2
+
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+class Metrics:
+    """One daemon's instruments, in a registry of its own (tests run several daemons)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "qosd_acquire_decisions",
+            "Acquire answers, by pool, class, decision (admitted or rejected) and reason.",
+            ["pool", "class", "decision", "reason"],
+            registry=r,
+        )
+        self.wait = Histogram(
+            "qosd_acquire_wait_seconds",
+            "Time answered Acquires spent in the waiting room.",
+            ["pool", "class"],
+            buckets=WAIT_BUCKETS_S,
+            registry=r,
+        )
+        self.invalid = Counter(
+            "qosd_invalid_requests", "Calls refused with INVALID_ARGUMENT, by RPC.", ["rpc"],
+            registry=r,
+        )  # fmt: skip
+        self.releases = Counter(
+            "qosd_releases", "Release calls, by outcome reported and result.",
+            ["outcome", "result"], registry=r,
+        )  # fmt: skip
+        self.report_samples = Counter(
+            "qosd_report_samples", "Latency samples received by Report, accepted or not.",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.store_seconds = Histogram(
+            "qosd_store_call_seconds", "Store (Redis or embedded) call latency, by call.",
+            ["call"], buckets=STORE_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.store_errors = Counter(
+            "qosd_store_errors", "Store calls that failed (unreachable or timed out), by call.",
+            ["call"], registry=r,
+        )  # fmt: skip
+        self.adjustments = Counter(
+            "qosd_rate_adjustments",
+            "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin.",
+            ["pool", "kind"],
+            registry=r,
+        )
+        self.pool_rate = self._gauge(
+            "qosd_pool_rate_tokens_per_second", "The pool's admitted rate now.", ["pool"]
+        )
+        self.pool_capacity = self._gauge(
+            "qosd_pool_configured_capacity_tokens_per_second",
+            "The pool's configured capacity.",
+            ["pool"],
+        )
+        self.pool_pinned = self._gauge(
+            "qosd_pool_pinned", "1 while an operator has pinned the pool's rate.", ["pool"]
+        )
+        self.class_rate = self._gauge(
+            "qosd_class_rate_tokens_per_second",
+            "A class's refill rate at the pool's admitted rate.",
+            ["pool", "class"],
+        )
+        self.class_share = self._gauge(
+            "qosd_class_share_ratio",
+            "A class's rate as a fraction of the pool's admitted rate.",
+            ["pool", "class"],
+        )
+        self.queue = self._gauge(
+            "qosd_queue_depth", "Acquires waiting, fleet-wide.", ["pool", "class"]
+        )
+        self.compliance = self._gauge(
+            "qosd_slo_compliance_ratio",
+            "Share of the class's latency window within its objectives (absent: none).",
+            ["pool", "class"],
+        )
+        self.latency = self._gauge(
+            "qosd_latency_seconds",
+            "Latency percentiles of the class's window, by metric (ttft, tpot, e2e) and "
+            "percentile (p50, p95, p99). A gauge, not a summary: the window is fleet-wide.",
+            ["pool", "class", "metric", "percentile"],
+        )
+        self.window_samples = self._gauge(
+            "qosd_latency_window_samples", "Samples in the class's window.", ["pool", "class"]
+        )
+        self.store_up = self._gauge("qosd_store_up", "1 if the last scrape read the store.", [])
+        self.leader = self._gauge(
+            "qosd_controller_leader", "1 while this daemon runs the SLO loop.", []
+        )
+        self._decision_children: dict[tuple[str, str, bool, int], tuple[Any, Any]] = {}
+
+    def _gauge(self, name: str, documentation: str, labels: list[str]) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def acquire(
+        self, pool: str, qos_class: str, admitted: bool, reason: int, waited_ms: int
+    ) -> None:
+        key = (pool, qos_class, admitted, reason)
+        children = self._decision_children.get(key)
+        if children is None:
+            # Reason 0 is what an admission answers: "NONE", as the client names it.
+            name = qosd_pb2.Reason.Name(reason).removeprefix("REASON_")  # type: ignore[arg-type]
+            name = "NONE" if name == "UNSPECIFIED" else name
+            decision = "admitted" if admitted else "rejected"
+            children = (
+                self.decisions.labels(pool, qos_class, decision, name),
+                self.wait.labels(pool, qos_class),
+            )
+            self._decision_children[key] = children
+        children[0].inc()
+        if waited_ms:
+            children[1].observe(waited_ms / 1000)
+
+    def update_from_status(self, status: qosd_pb2.GetStatusResponse, leads: bool) -> None:
+        """Sets the state gauges from an ``Admin/GetStatus`` answer."""
+        for gauge in (self.compliance, self.latency):
+            gauge.clear()  # a class whose window emptied must not keep an old value
+        for pool in status.pools:
+            self.pool_rate.labels(pool.name).set(pool.admitted_rate_tokens_s)
+            self.pool_capacity.labels(pool.name).set(pool.capacity_tokens_s)
+            self.pool_pinned.labels(pool.name).set(1 if pool.pinned else 0)
+            for cls in pool.classes:
+                labels = (pool.name, cls.name)
+                self.class_rate.labels(*labels).set(cls.rate_tokens_s)
+                share = cls.rate_tokens_s / pool.admitted_rate_tokens_s
+                self.class_share.labels(*labels).set(share)
+                self.queue.labels(*labels).set(cls.waiting)
+                latency = cls.latency
+                self.window_samples.labels(*labels).set(latency.samples)
+                if latency.compliance >= 0:
+                    self.compliance.labels(*labels).set(latency.compliance)
+                for metric, field in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("e2e", "e2e_ms")):
+                    if not latency.HasField(field):  # type: ignore[arg-type]
+                        continue
+                    percentiles = getattr(latency, field)
+                    for percentile, value in (
+                        ("p50", percentiles.p50),
+                        ("p95", percentiles.p95),
+                        ("p99", percentiles.p99),
+                    ):
+                        self.latency.labels(*labels, metric, percentile).set(value / 1000)
+        self.store_up.set(1)
+        self.leader.set(1 if leads else 0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class InstrumentedStore:
+    """Times every call its store makes and counts the failed ones.
+
+    A transparent wrapper, so that every store (Redis, cluster, embedded) is measured
+    the same way and no store class carries metrics code of its own.
+    """
+
+    def __init__(self, store: BucketStore, metrics: Metrics) -> None:
+        self._store = store
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only on the first lookup of a name: the wrapper is then set on the
+        # instance, so later calls cost an ordinary attribute lookup.
+        attribute = getattr(self._store, name)
+        if (
+            name.startswith("_")
+            or name in ("start", "close")
+            or not inspect.iscoroutinefunction(attribute)
+        ):
+            return attribute
+        wrapped = self._wrap(name, attribute)
+        setattr(self, name, wrapped)
+        return wrapped
+
+    def _wrap(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        seconds = self._metrics.store_seconds.labels(name)
+        errors = self._metrics.store_errors.labels(name)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return await call(*args, **kwargs)
+            except StoreUnavailable:
+                errors.inc()
+                raise
+            finally:
+                seconds.observe(time.perf_counter() - began)
+
+        return timed
