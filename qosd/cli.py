@@ -4,14 +4,13 @@ commands ``status``, ``pin`` and ``unpin`` (qosd.ctl)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import uvloop
 
-from qosd import ctl
+from qosd import ctl, logs
 from qosd.config import Config, ConfigError, load_config
 from qosd.server import StartupError, serve
 
@@ -28,7 +27,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-mode", choices=["standalone", "cluster"])
     parser.add_argument("--fail-mode", choices=["open", "closed"])
     parser.add_argument("--http-listen", metavar="HOST:PORT", help="serve /healthz and /readyz")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (overrides logging.level)")
+    parser.add_argument("--log-format", choices=["text", "json"], help="overrides logging.format")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -43,15 +43,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides[("fail_mode",)] = args.fail_mode
     if getattr(args, "http_listen", None):
         overrides[("server", "http_listen")] = args.http_listen
+    if args.log_level:
+        overrides[("logging", "level")] = args.log_level
+    if args.log_format:
+        overrides[("logging", "format")] = args.log_format
     return load_config(args.config, overrides=overrides)
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,14 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(config.model_dump_json(indent=2))
         return 0
 
-    _configure_logging(args.log_level)
     if args.command == "sim-triton":
+        logs.configure(args.log_level)
         return _sim_triton(args)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    logs.configure(config.logging.level, config.logging.format)
 
     if args.command == "serve":
         try:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -273,8 +273,24 @@ def _default_pools() -> dict[str, PoolConfig]:
     return {"default": PoolConfig(capacity_tokens_s=100_000)}
 
 
+class LogFormat(StrEnum):
+    TEXT = "text"  # for people at a terminal
+    JSON = "json"  # one object per line, with trace and span ids, for log pipelines
+
+
+class LoggingConfig(_Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: LogFormat = LogFormat.TEXT
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
+    logging: LoggingConfig = LoggingConfig()
     redis: RedisConfig = RedisConfig()
     fail_mode: FailMode = FailMode.CLOSED
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
@@ -466,6 +482,8 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
     "QOSD_HTTP_LISTEN": ("server", "http_listen"),
+    "QOSD_LOG_LEVEL": ("logging", "level"),
+    "QOSD_LOG_FORMAT": ("logging", "format"),
     "QOSD_LEASE_TTL_S": ("lease", "ttl_s"),
 }
 
