@@ -1,5 +1,6 @@
-"""``qosd`` command line: ``serve``, ``demo``, ``config check``, and the operator
-commands ``status``, ``pin`` and ``unpin`` (qosd.ctl)."""
+"""``qosd`` command line: ``serve``, ``demo``, ``sim-triton``, ``config check``, and
+the operator commands of ``qosctl`` (``status``, ``watch``, ``leases``, ``pin``,
+``unpin``; qosd.ctl)."""
 
 from __future__ import annotations
 
@@ -103,16 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctl.add_commands(commands)
 
     args = parser.parse_args(argv)
-    if args.command in ("status", "pin", "unpin"):
+    if args.command in ctl.COMMANDS:
         return ctl.run(args)
     if args.command == "config":
-        try:
-            config = load_config(args.path)
-        except ConfigError as exc:
-            print(exc, file=sys.stderr)
-            return 2
-        print(config.model_dump_json(indent=2))
-        return 0
+        return ctl.check_config(args.path)
 
     if args.command == "sim-triton":
         logs.configure(args.log_level)

@@ -1,7 +1,10 @@
-"""Operator commands against a running daemon: ``qosd status``, ``pin`` and ``unpin``.
+"""Operator commands against a running daemon: ``status``, ``watch``, ``leases``,
+``pin`` and ``unpin``, as ``qosctl COMMAND`` (or ``qosd COMMAND``), plus ``qosctl
+config check``.
 
 They speak the Admin gRPC service, so they work against any replica: with the Redis
-store, the state shown and the pins set are the fleet's.
+store, the state shown and the pins set are the fleet's. Tables are for people;
+``--json`` is for scripts.
 """
 
 from __future__ import annotations
@@ -10,8 +13,11 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
+from collections.abc import Sequence
 from typing import Any
 
+from qosd.config import ConfigError, load_config
 from qosd_client import ClassState, PoolState, QosdError, Status, SyncQosdClient
 
 
@@ -32,6 +38,17 @@ def add_commands(commands: Any) -> None:
     status.add_argument("--history", type=int, default=5, help="rate changes to show per pool")
     status.add_argument("--json", action="store_true", help="print JSON")
 
+    watch = commands.add_parser("watch", help="status, redrawn every --interval seconds")
+    address(watch)
+    watch.add_argument("--pool", default="", help="only this pool")
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    watch.add_argument("--count", type=int, default=0, help="stop after N redraws (0: never)")
+
+    leases = commands.add_parser("leases", help="active leases per pool, fleet-wide")
+    address(leases)
+    leases.add_argument("--pool", default="", help="only this pool")
+    leases.add_argument("--json", action="store_true", help="print JSON")
+
     pin = commands.add_parser("pin", help="fix a pool's admitted rate; the SLO loop waits")
     address(pin)
     pin.add_argument("pool")
@@ -51,13 +68,68 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(dataclasses.asdict(status), indent=2))
                 else:
                     print(render(status))
+            elif args.command == "watch":
+                _watch(client, args)
+            elif args.command == "leases":
+                pools = client.status(args.pool).pools
+                if args.json:
+                    print(json.dumps({p.name: p.active_leases for p in pools}))
+                else:
+                    print(f"{'pool':<24}{'active leases':>14}")
+                    for pool in pools:
+                        print(f"{pool.name:<24}{pool.active_leases:>14,}")
             elif args.command == "pin":
                 print(render_pool(client.pin_rate(args.pool, args.rate)))
             else:
                 print(render_pool(client.unpin_rate(args.pool)))
     except QosdError as exc:
-        print(f"qosd {args.command}: {exc}", file=sys.stderr)
+        print(f"{getattr(args, 'prog', 'qosd')} {args.command}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _watch(client: SyncQosdClient, args: argparse.Namespace) -> None:
+    clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
+    drawn = 0
+    while True:
+        status = client.status(args.pool, history=3)
+        print(f"{clear}{time.strftime('%H:%M:%S')}  {render(status)}", flush=True)
+        drawn += 1
+        if args.count and drawn >= args.count:
+            return
+        time.sleep(args.interval)
+
+
+COMMANDS = ("status", "watch", "leases", "pin", "unpin")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``qosctl``: the operator CLI."""
+    parser = argparse.ArgumentParser(prog="qosctl", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_commands(commands)
+    config = commands.add_parser("config", help="configuration tools").add_subparsers(
+        dest="config_command", required=True
+    )
+    check = config.add_parser("check", help="validate a config file offline, print it resolved")
+    check.add_argument("path")
+    args = parser.parse_args(argv)
+    args.prog = "qosctl"
+    if args.command == "config":
+        return check_config(args.path)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # watch's way out
+        return 0
+
+
+def check_config(path: str) -> int:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(config.model_dump_json(indent=2))
     return 0
 
 
@@ -78,7 +150,8 @@ def render_pool(pool: PoolState) -> str:
         f"pool {pool.name}: admitting {pool.admitted_rate_tokens_s:,.0f} tokens/s "
         f"({share:.0%} of the configured {pool.capacity_tokens_s:,.0f})"
         + (", PINNED" if pool.pinned else "")
-        + f"; bounds {pool.min_rate_tokens_s:,.0f}..{pool.max_rate_tokens_s:,.0f}",
+        + f"; bounds {pool.min_rate_tokens_s:,.0f}..{pool.max_rate_tokens_s:,.0f}"
+        + f"; {pool.active_leases:,} active leases",
     ]
     if pool.verdict:
         lines.append(f"  loop: {pool.verdict}")

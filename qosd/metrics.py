@@ -109,6 +109,9 @@ class Metrics:
         self.window_samples = self._gauge(
             "qosd_latency_window_samples", "Samples in the class's window.", ["pool", "class"]
         )
+        self.leases = self._gauge(
+            "qosd_active_leases", "Leases neither released nor expired, fleet-wide.", ["pool"]
+        )
         self.store_up = self._gauge("qosd_store_up", "1 if the last scrape read the store.", [])
         self.leader = self._gauge(
             "qosd_controller_leader", "1 while this daemon runs the SLO loop.", []
@@ -145,6 +148,7 @@ class Metrics:
             self.pool_rate.labels(pool.name).set(pool.admitted_rate_tokens_s)
             self.pool_capacity.labels(pool.name).set(pool.capacity_tokens_s)
             self.pool_pinned.labels(pool.name).set(1 if pool.pinned else 0)
+            self.leases.labels(pool.name).set(pool.active_leases)
             for cls in pool.classes:
                 labels = (pool.name, cls.name)
                 self.class_rate.labels(*labels).set(cls.rate_tokens_s)

@@ -247,6 +247,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
             verdict=verdict.reason if verdict and self._controller.leads else "",
             min_rate_tokens_s=pool.min_capacity,
             max_rate_tokens_s=pool.max_capacity,
+            active_leases=await store.active_leases(name),
         )
         if adjustments:
             entry.last_adjustment.CopyFrom(_adjustment(adjustments[0], status.now_ms))

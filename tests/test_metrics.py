@@ -102,6 +102,7 @@ async def test_metrics_count_what_happened(daemon: Daemon) -> None:
         "qosd_slo_compliance_ratio",
         frozenset({"pool": "default", "class": "P2"}.items()),
     ) not in samples  # no objectives
+    assert _value(samples, "qosd_active_leases", pool="default") == 0  # all released
     assert _value(samples, "qosd_store_up") == 1
     _promtool_accepts(text)
 

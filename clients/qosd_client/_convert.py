@@ -196,6 +196,7 @@ def pool_state(pool: qosd_pb2.PoolStatus) -> PoolState:
         verdict=pool.verdict,
         min_rate_tokens_s=pool.min_rate_tokens_s,
         max_rate_tokens_s=pool.max_rate_tokens_s,
+        active_leases=pool.active_leases,
     )
 
 

@@ -139,6 +139,7 @@ class PoolState:
     verdict: str  # the SLO loop's latest, when the answering daemon leads it
     min_rate_tokens_s: float
     max_rate_tokens_s: float
+    active_leases: int = 0  # neither released nor expired
 
     def cls(self, name: str) -> ClassState:
         return next(c for c in self.classes if c.name == name)

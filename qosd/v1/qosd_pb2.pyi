@@ -762,6 +762,7 @@ class PoolStatus(_message.Message):
     VERDICT_FIELD_NUMBER: _builtins.int
     MIN_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
     MAX_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
+    ACTIVE_LEASES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     capacity_tokens_s: _builtins.float
     """Configured capacity, tokens per second."""
@@ -782,6 +783,8 @@ class PoolStatus(_message.Message):
     min_rate_tokens_s: _builtins.float
     """The control bounds, tokens per second."""
     max_rate_tokens_s: _builtins.float
+    active_leases: _builtins.int
+    """Leases of the pool neither released nor expired, fleet-wide with Redis."""
     @_builtins.property
     def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassStatus]:
         """In priority order."""
@@ -807,10 +810,11 @@ class PoolStatus(_message.Message):
         verdict: _builtins.str = ...,
         min_rate_tokens_s: _builtins.float = ...,
         max_rate_tokens_s: _builtins.float = ...,
+        active_leases: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_adjustment", b"last_adjustment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
