@@ -27,7 +27,6 @@ from qosd.sim.experiment import (
     RatePoint,
     calibrated_workload,
     configured_capacity,
-    percentile,
     run_policy,
 )
 from qosd.sim.gateway import RequestRecord
@@ -35,6 +34,7 @@ from qosd.sim.gpu import GpuModel
 from qosd.sim.plots import plot_runs
 from qosd.sim.replay import ClassRule, read_trace
 from qosd.sim.results import Objectives, policy_summary
+from qosd.slo import percentiles
 
 
 def run_demo(
@@ -82,17 +82,18 @@ def run_demo(
         ]
         for name in class_names:
             mine = [r for r in records if r.request.qos_class == name]
-            ttft = percentile(
-                [r.ttft_ms for r in recent if r.request.qos_class == name and r.ttft_ms], 99
+            ttft = percentiles(
+                [r.ttft_ms for r in recent if r.request.qos_class == name and r.ttft_ms]
             )
-            tpot = percentile(
-                [t for r in recent if r.request.qos_class == name and (t := r.tpot_ms)], 99
+            tpot = percentiles(
+                [t for r in recent if r.request.qos_class == name and (t := r.tpot_ms)]
             )
             lines.append(
                 f"  {name:<6}{sum(r.admitted for r in mine):>10}"
                 f"{sum(not r.admitted for r in mine):>10}"
                 f"{rates.waiting.get(name, 0) if rates else 0:>9}"
-                f"{_ms(ttft):>11}{_ms(tpot):>11}"
+                f"{_ms(ttft.p99 if ttft else None):>11}"
+                f"{_ms(tpot.p99 if tpot else None):>11}"
                 f"{rates.class_rates.get(name, 0) if rates else 0:>10,.0f}"
             )
         if interactive:

@@ -14,10 +14,9 @@ import logging
 import os
 import signal
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -190,16 +189,16 @@ async def serve(config: Config, ready_file: str | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     if ready_file:
         http = daemon.http.address if daemon.http else None
-        _write_ready_file(ready_file, daemon.addresses, http)
+        write_ready_file(ready_file, {"addresses": daemon.addresses, "http": http})
     await stop.wait()
     log.info("draining: refusing new calls, %.1fs grace", config.server.drain_grace_s)
     await daemon.stop()
     log.info("stopped")
 
 
-def _write_ready_file(path: str, addresses: Sequence[str], http: str | None) -> None:
-    """Tells a supervisor (or a test) the bound addresses, atomically."""
+def write_ready_file(path: str, content: dict[str, Any]) -> None:
+    """Tells a supervisor (or a test) where a server listens, atomically: through
+    ``PATH.tmp`` and a rename, so a reader never sees half a file."""
     temporary = f"{path}.tmp"
-    content = {"pid": os.getpid(), "addresses": list(addresses), "http": http}
-    Path(temporary).write_text(json.dumps(content))
+    Path(temporary).write_text(json.dumps({"pid": os.getpid(), **content}))
     os.replace(temporary, path)

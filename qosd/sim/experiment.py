@@ -389,12 +389,3 @@ def run_policy(
                 + 2.0,
             )
         )
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile, as qosd's windows compute it."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]

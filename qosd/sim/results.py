@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qosd.config import Config
-from qosd.sim.experiment import percentile
 from qosd.sim.gateway import RequestRecord
+from qosd.slo import percentiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,7 @@ def class_summary(
         x is not None for x in (objectives.ttft_ms, objectives.tpot_ms, objectives.e2e_ms)
     )
     worst_wait = max((r.waited_ms for r in records), default=0.0)
+    ttft_p, tpot_p = percentiles(ttft), percentiles(tpot)  # nearest rank, as qosd's windows
     return {
         "offered": len(records),
         "admitted": len(admitted),
@@ -91,10 +92,10 @@ def class_summary(
         "reasons": dict(reasons),
         "slo_attainment": _round(len(met) / len(admitted), 4) if admitted and has_slo else None,
         "completion": _round(len(completed) / len(admitted), 4) if admitted else None,
-        "ttft_p50_ms": _round(percentile(ttft, 50)),
-        "ttft_p99_ms": _round(percentile(ttft, 99)),
-        "tpot_p50_ms": _round(percentile(tpot, 50)),
-        "tpot_p99_ms": _round(percentile(tpot, 99)),
+        "ttft_p50_ms": _round(ttft_p.p50 if ttft_p else None),
+        "ttft_p99_ms": _round(ttft_p.p99 if ttft_p else None),
+        "tpot_p50_ms": _round(tpot_p.p50 if tpot_p else None),
+        "tpot_p99_ms": _round(tpot_p.p99 if tpot_p else None),
         "goodput_tokens_s": round(
             sum(r.request.tokens() for r in met if not r.request.injected) / window_s, 1
         ),

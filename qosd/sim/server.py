@@ -21,9 +21,7 @@ response. Unary ``ModelInfer`` answers once, at the end.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import signal
 import struct
 import sys
@@ -37,6 +35,7 @@ import grpc
 import uvloop
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
+from qosd.server import write_ready_file
 from qosd.sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
 from qosd.sim.metrics import TritonMetrics, serve_metrics
 from qosd_client import LatencySample, QosdClient
@@ -496,18 +495,8 @@ def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = 
             flush=True,
         )
         if ready_file:
-            _write_ready(
-                ready_file, {"pid": os.getpid(), "port": port, "metrics_port": metrics_port}
-            )
+            write_ready_file(ready_file, {"port": port, "metrics_port": metrics_port})
         await runner
         return 0
 
     return uvloop.run(main())
-
-
-def _write_ready(path: str, content: dict[str, int]) -> None:
-    """Atomically, so a watcher never reads half a file."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(content, handle)
-    os.replace(temporary, path)
