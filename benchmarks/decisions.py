@@ -21,6 +21,11 @@ Both phases run twice: "shared", with the daemon, redis-server and h2load sharin
 every CPU (on a 2-CPU machine, Redis and the load generator take CPU from the
 daemon), and "pinned", with the daemon alone on one CPU, as a sidecar with a CPU
 of its own and a remote Redis would run. The top-level figures are the shared ones.
+
+``--tracing`` adds two daemons to the shared run, measured in the same rounds: one
+with tracing on and every trace sampled and exported over OTLP (to a receiver in this
+process that counts spans), one with tracing on and nothing sampled. The daemon the
+other figures come from has tracing off, the default.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +53,7 @@ from limits import RateLimitItemPerSecond
 from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
-from qosd.testing import daemon_processes, redis_server
+from qosd.testing import OtlpReceiver, daemon_processes, otlp_receiver, redis_server
 from qosd.v1 import qosd_pb2
 
 NOOP_PATH = "/grpc.health.v1.Health/Check"
@@ -141,21 +146,23 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(thread), cpus)
 
 
+Subjects = dict[str, tuple[str, str, Path]]  # name: (daemon address, RPC path, request body)
+
+
 def measure_mode(
-    args: argparse.Namespace, address: str, subjects: dict[str, tuple[str, Path]], scratch: str,
-    tag: str,
-) -> dict[str, Any]:  # fmt: skip
+    args: argparse.Namespace, subjects: Subjects, scratch: str, tag: str
+) -> dict[str, Any]:
     throughput: dict[str, list[dict[str, float]]] = {name: [] for name in subjects}
     latency: dict[str, list[dict[str, float]]] = {name: [] for name in subjects}
     for round_index in range(args.rounds):
-        for name, (path, body) in subjects.items():
+        for name, (address, path, body) in subjects.items():
             figures = run_h2load(
                 address, path, body, clients=args.clients, streams=args.streams,
                 seconds=args.seconds,
             )  # fmt: skip
             throughput[name].append(figures)
             print(f"[{tag}] round {round_index + 1} {name:8s} {figures['rps']:9.0f} req/s")
-        for name, (path, body) in subjects.items():
+        for name, (address, path, body) in subjects.items():
             log_file = Path(scratch, f"{tag}-{name}-{round_index}.log")
             figures = run_h2load(
                 address, path, body, clients=1, streams=1, seconds=args.latency_seconds,
@@ -172,7 +179,10 @@ def measure_mode(
         result[f"{name}_p50_ms"] = median_of(latency[name], "p50_ms")
         result[f"{name}_p99_ms"] = median_of(latency[name], "p99_ms")
     result["acquires_completed"] = sum(
-        r["succeeded"] for r in throughput["acquire"] + latency["acquire"]
+        r["succeeded"]
+        for name in subjects
+        if name.startswith("acquire")
+        for r in throughput[name] + latency[name]
     )
     return result
 
@@ -188,6 +198,12 @@ def main() -> int:
     parser.add_argument(
         "--no-pinned", action="store_true", help="skip the run with the daemon on its own CPU"
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also measure daemons with tracing on: every trace sampled and exported to "
+        "an OTLP receiver, and none sampled (the instrumentation alone)",
+    )
     args = parser.parse_args()
     if shutil.which("h2load") is None:
         print("h2load is required: apt-get install nghttp2-client", file=sys.stderr)
@@ -202,7 +218,10 @@ def main() -> int:
             "redis": {"url": server.url, "key_prefix": "bench"},
             "pools": {"default": {"capacity_tokens_s": 1e9}},
         }
-        with daemon_processes(config) as (daemon,):
+        with (
+            daemon_processes(config) as (daemon,),
+            traced_daemons(args.tracing, config) as (traced, collector),
+        ):
             assert daemon.process is not None
             noop_body = Path(scratch, "noop.bin")
             noop_body.write_bytes(grpc_frame(b""))
@@ -213,9 +232,18 @@ def main() -> int:
             acquire_body = Path(scratch, "acquire.bin")
             acquire_body.write_bytes(grpc_frame(request.SerializeToString()))
             check_one_acquire(daemon.address, request)
-            subjects = {"noop": (NOOP_PATH, noop_body), "acquire": (ACQUIRE_PATH, acquire_body)}
+            subjects: Subjects = {
+                "noop": (daemon.address, NOOP_PATH, noop_body),
+                "acquire": (daemon.address, ACQUIRE_PATH, acquire_body),
+            }
+            tracing_subjects: Subjects = {
+                f"acquire_{name}": (address, ACQUIRE_PATH, acquire_body)
+                for name, address in traced.items()
+            }
+            for address in traced.values():
+                check_one_acquire(address, request)
 
-            shared = measure_mode(args, daemon.address, subjects, scratch, "shared")
+            shared = measure_mode(args, {**subjects, **tracing_subjects}, scratch, "shared")
             shared_limits = [
                 uvloop.run(limits_figures(server.url, args.clients * args.streams, args.seconds))
                 for _ in range(args.rounds)
@@ -226,17 +254,27 @@ def main() -> int:
                 set_affinity(server.process.pid, other_cpus)
                 os.sched_setaffinity(0, other_cpus)  # h2load inherits this
                 try:
-                    pinned_result = measure_mode(args, daemon.address, subjects, scratch, "pinned")
+                    pinned_result = measure_mode(args, subjects, scratch, "pinned")
                 finally:
                     os.sched_setaffinity(0, all_cpus)
                     set_affinity(server.process.pid, all_cpus)
             leases = count_leases(server.url)
+            spans_exported = collector.received if collector else 0
 
     results: dict[str, Any] = {key: value for key, value in shared.items()}
     results["limits_rps"] = statistics.median(run[0] for run in shared_limits)
     results["limits_p50_ms"] = statistics.median(run[1] for run in shared_limits)
     results["limits_p99_ms"] = statistics.median(run[2] for run in shared_limits)
     add_ratios(results)
+    if args.tracing:
+        for name in ("traced", "traced_unsampled"):
+            results[f"acquire_{name}_vs_acquire_rps"] = (
+                results[f"acquire_{name}_rps"] / results["acquire_rps"]
+            )
+            results[f"acquire_{name}_vs_acquire_p50"] = (
+                results[f"acquire_{name}_p50_ms"] / results["acquire_p50_ms"]
+            )
+        results["spans_exported"] = spans_exported
     if pinned_result is not None:
         add_ratios(pinned_result)
         results["pinned"] = pinned_result
@@ -267,6 +305,32 @@ def main() -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def traced_daemons(
+    wanted: bool, config: dict[str, Any]
+) -> Iterator[tuple[dict[str, str], OtlpReceiver | None]]:
+    """With ``wanted``: two more daemons on the same Redis, one sampling every trace
+    and exporting it to an OTLP receiver in this process, one sampling none, so the
+    instrumentation's own cost shows apart from the export's."""
+    if not wanted:
+        yield {}, None
+        return
+    with otlp_receiver(keep=False) as (collector, endpoint):
+        sampled = {**config, "tracing": {"enabled": True, "endpoint": endpoint}}
+        unsampled = {
+            **config,
+            "tracing": {"enabled": True, "endpoint": endpoint, "sample_ratio": 0},
+        }
+        with (
+            daemon_processes(sampled) as (traced,),
+            daemon_processes(unsampled) as (traced_unsampled,),
+        ):
+            yield (
+                {"traced": traced.address, "traced_unsampled": traced_unsampled.address},
+                collector,
+            )
 
 
 def add_ratios(results: dict[str, Any]) -> None:

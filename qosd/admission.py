@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from opentelemetry.trace import Tracer
 
 from qosd.config import ClassPolicy, Config, FailMode, PoolPolicy, resolve_pools
 from qosd.model import (
@@ -28,6 +29,7 @@ from qosd.model import (
     StoreUnavailable,
     UsageReport,
     Waiter,
+    new_daemon_id,
     new_lease_token,
 )
 from qosd.store.base import BucketStore
@@ -92,9 +94,17 @@ class StoreGuard:
 
 
 class Admission:
-    def __init__(self, config: Config, store: BucketStore) -> None:
+    def __init__(
+        self,
+        config: Config,
+        store: BucketStore,
+        tracer: Tracer | None = None,
+        *,
+        daemon_id: str | None = None,
+    ) -> None:
         self._config = config
         self._store = store
+        self._tracer = tracer  # None: tracing off, no waiting-room spans
         self._pools = resolve_pools(config)
         self._policies = {
             (pool.name, cls.name): cls for pool in self._pools.values() for cls in pool.classes
@@ -113,7 +123,7 @@ class Admission:
         self.guard = StoreGuard(config.redis.retry_interval_ms / 1000)
         self._draining = False
         # Names this process's waiters in the shared queues, and proves it alive.
-        self.daemon_id = os.urandom(6).hex()
+        self.daemon_id = daemon_id or new_daemon_id()
         self._waiting = WaitingRoom(
             store,
             self.daemon_id,
@@ -250,12 +260,11 @@ class Admission:
         pool_policy = self._pools[pool]
         decision = await self._take(pool_policy, policy, cost, lease, max(0, int(wait_s * 1000)))
         if decision.queued:
-            loop = asyncio.get_running_loop()
-            queued_at = loop.time()
-            decision = await self._waiting.wait(
-                pool_policy, Waiter(policy.name, cost, lease), wait_s
-            )
-            waited_ms = _ms(loop.time() - queued_at)
+            waiter = Waiter(policy.name, cost, lease)
+            if self._tracer is None:
+                decision, waited_ms = await self._wait(pool_policy, waiter, wait_s)
+            else:
+                decision, waited_ms = await self._traced_wait(pool_policy, waiter, wait_s)
             message = ""
             if decision.reason is Reason.QUEUE_TIMEOUT:
                 message = "max wait exhausted"
@@ -270,6 +279,38 @@ class Admission:
                 "daemon is draining; retry on another replica",
             )
         return AcquireOutcome(decision, pool, 0)
+
+    async def _wait(
+        self, pool: PoolPolicy, waiter: Waiter, wait_s: float
+    ) -> tuple[BucketDecision, int]:
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        decision = await self._waiting.wait(pool, waiter, wait_s)
+        return decision, _ms(loop.time() - queued_at)
+
+    async def _traced_wait(
+        self, pool: PoolPolicy, waiter: Waiter, wait_s: float
+    ) -> tuple[BucketDecision, int]:
+        """``_wait`` in a span of its own: a trace shows queueing apart from the store."""
+        assert self._tracer is not None
+        with self._tracer.start_as_current_span(
+            "qosd.waiting_room",
+            attributes={
+                "qosd.pool": pool.name,
+                "qosd.class": waiter.qos_class,
+                "qosd.cost_tokens": waiter.cost,
+                "qosd.max_wait_ms": _ms(wait_s),
+            },
+        ) as span:
+            decision, waited_ms = await self._wait(pool, waiter, wait_s)
+            span.set_attributes(
+                {
+                    "qosd.decision": "admitted" if decision.admitted else "rejected",
+                    "qosd.reason": decision.reason.name,
+                    "qosd.wait_ms": waited_ms,
+                }
+            )
+            return decision, waited_ms
 
     async def _take(
         self, pool: PoolPolicy, policy: ClassPolicy, cost: float, lease: LeaseSpec, wait_ms: int

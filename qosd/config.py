@@ -288,9 +288,41 @@ class LoggingConfig(_Strict):
         return value.upper() if isinstance(value, str) else value
 
 
+class TracingExporter(StrEnum):
+    OTLP = "otlp"  # OTLP over gRPC, to a collector (the usual choice)
+    CONSOLE = "console"  # spans as JSON on stdout, for a look without a collector
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry tracing. Every unset field falls back to the standard ``OTEL_*``
+    variable for it, then to the SDK's default, so a pod spec that sets
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``OTEL_SERVICE_NAME`` for every container gets
+    qosd traced with no qosd-specific setting; a value written here wins over both.
+    """
+
+    # None: on when OTEL_EXPORTER_OTLP_ENDPOINT or ..._TRACES_ENDPOINT is set (and
+    # OTEL_SDK_DISABLED is not true). Off costs nothing per call: no interceptor.
+    enabled: bool | None = None
+    exporter: TracingExporter = TracingExporter.OTLP
+    # OTLP/gRPC collector, e.g. http://otel-collector:4317 (http:// means plaintext).
+    endpoint: str | None = None
+    # Extra headers for the collector (authentication); OTEL_EXPORTER_OTLP_HEADERS too.
+    headers: dict[str, str] = Field(default_factory=dict)
+    # Fraction of new traces kept, parent-based: a caller's sampling decision always
+    # wins. None: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, else keep all.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
+    # None: OTEL_SERVICE_NAME, else "qosd".
+    service_name: str | None = None
+    # Added to OTEL_RESOURCE_ATTRIBUTES (these win on a clash), e.g. k8s.pod.name.
+    resource_attributes: dict[str, str] = Field(default_factory=dict)
+    # A child span per store (Redis) call inside a traced RPC.
+    store_spans: bool = True
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     logging: LoggingConfig = LoggingConfig()
+    tracing: TracingConfig = TracingConfig()
     redis: RedisConfig = RedisConfig()
     fail_mode: FailMode = FailMode.CLOSED
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
@@ -485,6 +517,7 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_LOG_LEVEL": ("logging", "level"),
     "QOSD_LOG_FORMAT": ("logging", "format"),
     "QOSD_LEASE_TTL_S": ("lease", "ttl_s"),
+    "QOSD_TRACING_ENABLED": ("tracing", "enabled"),
 }
 
 

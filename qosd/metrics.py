@@ -11,15 +11,10 @@ periodic store reads.
 
 from __future__ import annotations
 
-import inspect
-import time
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from qosd.model import StoreUnavailable
-from qosd.store.base import BucketStore
 from qosd.v1 import qosd_pb2
 
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -174,45 +169,3 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class InstrumentedStore:
-    """Times every call its store makes and counts the failed ones.
-
-    A transparent wrapper, so that every store (Redis, cluster, embedded) is measured
-    the same way and no store class carries metrics code of its own.
-    """
-
-    def __init__(self, store: BucketStore, metrics: Metrics) -> None:
-        self._store = store
-        self._metrics = metrics
-
-    def __getattr__(self, name: str) -> Any:
-        # Called only on the first lookup of a name: the wrapper is then set on the
-        # instance, so later calls cost an ordinary attribute lookup.
-        attribute = getattr(self._store, name)
-        if (
-            name.startswith("_")
-            or name in ("start", "close")
-            or not inspect.iscoroutinefunction(attribute)
-        ):
-            return attribute
-        wrapped = self._wrap(name, attribute)
-        setattr(self, name, wrapped)
-        return wrapped
-
-    def _wrap(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        seconds = self._metrics.store_seconds.labels(name)
-        errors = self._metrics.store_errors.labels(name)
-
-        async def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return await call(*args, **kwargs)
-            except StoreUnavailable:
-                errors.inc()
-                raise
-            finally:
-                seconds.observe(time.perf_counter() - began)
-
-        return timed

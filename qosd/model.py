@@ -31,6 +31,11 @@ class Outcome(enum.IntEnum):
     CANCELLED = 3
 
 
+def new_daemon_id() -> str:
+    """Names one daemon process in the shared queues, the leader lease and traces."""
+    return os.urandom(6).hex()
+
+
 # 64 random bits per process keep tokens of different replicas apart; a counter keeps
 # this process's tokens apart. Cheaper than fresh randomness on every Acquire.
 _TOKEN_PROCESS = os.urandom(8).hex()

@@ -26,12 +26,14 @@ from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
 from qosd.control import Controller
 from qosd.health import DaemonHttp, HealthMonitor
-from qosd.metrics import InstrumentedStore, Metrics
-from qosd.model import StoreUnavailable
+from qosd.metrics import Metrics
+from qosd.model import StoreUnavailable, new_daemon_id
 from qosd.service import AdminService, QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
+from qosd.store.instrumented import InstrumentedStore
 from qosd.store.redis import RedisStore
+from qosd.tracing import Tracing, start_tracing
 from qosd.v1 import qosd_pb2
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class Daemon:
     monitor: HealthMonitor
     metrics: Metrics
     admin: AdminService
+    tracing: Tracing | None = None
     http: DaemonHttp | None = None
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
@@ -79,6 +82,8 @@ class Daemon:
         if self.http is not None:
             await self.http.stop()
         await self.admission.store.close()
+        if self.tracing is not None:
+            await self.tracing.shutdown()
         for path in self.unix_paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -106,17 +111,29 @@ def _remove_stale_socket(path: str) -> None:
 
 async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     metrics = Metrics()
-    store = cast(BucketStore, InstrumentedStore(store or make_store(config), metrics))
+    daemon_id = new_daemon_id()
+    tracing = start_tracing(config.tracing, daemon_id)
+    tracer = tracing.tracer if tracing else None
+    store = cast(
+        BucketStore,
+        InstrumentedStore(
+            store or make_store(config),
+            metrics,
+            tracer if config.tracing.store_spans else None,
+            "redis" if config.redis.url else "",
+        ),
+    )
     await store.start()
-    admission = Admission(config, store)
+    admission = Admission(config, store, tracer, daemon_id=daemon_id)
     max_bytes = config.limits.max_message_bytes
     server = grpc.aio.server(
+        interceptors=tracing.server_interceptors() if tracing else None,
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
             # Two daemons on one port would silently split traffic; fail instead.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     controller = Controller(
         config,
@@ -126,7 +143,7 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         on_change=lambda pool, kind: metrics.adjustments.labels(pool, kind).inc(),
     )
     admin = AdminService(admission, controller)
-    add_to_server(QoSService(admission, metrics), admin, server)
+    add_to_server(QoSService(admission, metrics, tracer), admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -142,6 +159,7 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         monitor=monitor,
         metrics=metrics,
         admin=admin,
+        tracing=tracing,
     )
     for address in config.server.listen:
         parsed = parse_listen_address(address)

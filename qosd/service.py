@@ -13,7 +13,10 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 
+from qosd import tracing
 from qosd.admission import Admission, InvalidArgument
 from qosd.budget import effective_pool
 from qosd.config import PoolPolicy, SloConfig
@@ -38,13 +41,22 @@ _REJECTED = qosd_pb2.DECISION_REJECTED
 
 
 class QoSService(qosd_pb2_grpc.QoSServicer):
-    def __init__(self, admission: Admission, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, admission: Admission, metrics: Metrics | None = None, tracer: Tracer | None = None
+    ) -> None:
         self._admission = admission
         self._metrics = metrics or Metrics()
+        # None: tracing off. The RPC's span itself comes from the tracing interceptor;
+        # the servicer adds what it decided.
+        self._tracer = tracer
 
     async def Acquire(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.AcquireResponse:
+        span = None
+        if self._tracer is not None:
+            span = trace.get_current_span()
+            tracing.annotate_acquire_request(span, request)
         try:
             outcome = await self._admission.acquire(
                 request_id=request.request_id,
@@ -58,11 +70,15 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             )
         except InvalidArgument as exc:
             self._metrics.invalid.labels("Acquire").inc()
+            if span is not None:  # semconv leaves a caller's mistake UNSET: say what it was
+                span.set_attribute("qosd.error", str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         decision = outcome.decision
         self._metrics.acquire(
             outcome.pool, request.qos_class, decision.admitted, decision.reason, outcome.waited_ms
         )
+        if span is not None:
+            tracing.annotate_acquire(span, outcome)
         return qosd_pb2.AcquireResponse(
             decision=_ADMITTED if decision.admitted else _REJECTED,
             reason=decision.reason,  # type: ignore[arg-type]  # same values as the wire enum
@@ -81,6 +97,10 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         self, request: qosd_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.ReleaseResponse:
         code, details = grpc.StatusCode.OK, ""
+        span = None
+        if self._tracer is not None:
+            span = trace.get_current_span()
+            tracing.annotate_release_request(span, request)
         try:
             settlement = await self._admission.release(
                 request.lease_id,
@@ -103,7 +123,11 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         name = qosd_pb2.Outcome.Name(outcome) if outcome in _OUTCOMES else "OUTCOME_UNKNOWN"
         self._metrics.releases.labels(name.removeprefix("OUTCOME_"), code.name).inc()
         if code is not grpc.StatusCode.OK:
+            if span is not None:
+                span.set_attribute("qosd.error", details)
             await context.abort(code, details)
+        if span is not None:
+            tracing.annotate_release(span, settlement)
         return qosd_pb2.ReleaseResponse(
             already_released=settlement.already_released,
             tokens_charged=settlement.charged,
@@ -121,6 +145,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         accepted: list[Sample] = []
         rejected: list[qosd_pb2.RejectedSample] = []
+        traced: list[tuple[qosd_pb2.LatencySample, Sample]] = []
         for index, item in enumerate(request.samples):
             try:
                 accepted.append(
@@ -138,6 +163,9 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                 )
             except InvalidArgument as exc:
                 rejected.append(qosd_pb2.RejectedSample(index=index, reason=str(exc)))
+            else:
+                if item.traceparent:
+                    traced.append((item, accepted[-1]))
         try:
             await admission.report(accepted)
         except StoreUnavailable as exc:
@@ -145,6 +173,12 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
         self._metrics.report_samples.labels("accepted").inc(len(accepted))
         self._metrics.report_samples.labels("rejected").inc(len(rejected))
+        if self._tracer is not None:
+            span = trace.get_current_span()
+            span.set_attributes(
+                {"qosd.samples_accepted": len(accepted), "qosd.samples_rejected": len(rejected)}
+            )
+            tracing.sample_spans(self._tracer, span, traced)
         return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
 
 

@@ -1,4 +1,5 @@
-"""Throwaway Redis servers and daemon processes for tests and benchmarks.
+"""Throwaway Redis servers, daemon processes and an OTLP trace receiver for tests and
+benchmarks.
 
 Everything here starts its own processes on free ports in a temporary directory and
 kills them afterwards, so no test ever touches a Redis it did not start.
@@ -16,11 +17,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 
 def free_port() -> int:
@@ -247,3 +252,91 @@ def daemon_processes(config: dict[str, Any], count: int = 1) -> Iterator[list[Da
         finally:
             for daemon in daemons:
                 daemon.kill()
+
+
+# -- an OpenTelemetry collector ----------------------------------------------------
+
+
+@dataclass
+class ExportedSpan:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    kind: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    links: list[tuple[str, str]]
+    status_code: int
+
+
+def _value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
+
+
+def _attributes(items: Any) -> dict[str, Any]:
+    return {item.key: _value(item.value) for item in items}
+
+
+@dataclass
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector in this process: keeps every span it is sent
+    (``keep=False``: only counts them, for benchmarks)."""
+
+    spans: list[ExportedSpan] = field(default_factory=list)
+    keep: bool = True
+    received: int = 0
+
+    def Export(  # noqa: N802 - OTLP method name
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        for resource_spans in request.resource_spans:
+            if not self.keep:
+                self.received += sum(len(scope.spans) for scope in resource_spans.scope_spans)
+                continue
+            resource = _attributes(resource_spans.resource.attributes)
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    self.received += 1
+                    self.spans.append(
+                        ExportedSpan(
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_id=span.parent_span_id.hex(),
+                            kind=span.kind,
+                            attributes=_attributes(span.attributes),
+                            resource=resource,
+                            links=[(ln.trace_id.hex(), ln.span_id.hex()) for ln in span.links],
+                            status_code=span.status.code,
+                        )
+                    )
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def wait_for(self, timeout_s: float = 10.0, **where: str) -> list[ExportedSpan]:
+        """The spans matching ``where`` (name, trace_id, parent_id...) once some arrive."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [
+                s for s in list(self.spans) if all(getattr(s, k) == v for k, v in where.items())
+            ]
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def otlp_receiver(keep: bool = True) -> Iterator[tuple[OtlpReceiver, str]]:
+    """An OTLP/gRPC trace receiver on a free port; yields it and its endpoint URL."""
+    collector = OtlpReceiver(keep=keep)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        collector, server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield collector, f"http://127.0.0.1:{port}"
+    finally:
+        server.stop(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -90,7 +91,9 @@ class WaitingRoom:
         local.timer = loop.call_later(wait_s, self._expire, room, local)
         room.waiters[waiter.id] = local
         if room.task is None or room.task.done():
-            room.task = loop.create_task(self._pump_loop(room))
+            # A context of its own: the pump serves every waiter, and must not carry
+            # the trace of the request that happened to start it.
+            room.task = loop.create_task(self._pump_loop(room), context=contextvars.Context())
         else:
             room.wake.set()
         try:

@@ -117,6 +117,7 @@ def report_request(samples: list[LatencySample]) -> qosd_pb2.ReportRequest:
             output_tokens=sample.output_tokens,
             status=int(sample.status),
             lease_id=sample.lease_id,
+            traceparent=sample.traceparent,
         )
         if sample.ttft_ms is not None:
             item.ttft_ms = sample.ttft_ms

@@ -18,6 +18,7 @@ import grpc
 
 from qosd.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_client import _convert
+from qosd_client.tracing import trace_metadata
 from qosd_client.types import (
     AcquireResult,
     LatencySample,
@@ -113,7 +114,7 @@ class QosdClient:
         )
         timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
         try:
-            response = await self._stub.Acquire(request, timeout=timeout)
+            response = await self._stub.Acquire(request, timeout=timeout, metadata=trace_metadata())
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.acquire_result(response)
@@ -129,7 +130,9 @@ class QosdClient:
     ) -> ReleaseResult:
         request = _convert.release_request(lease_id, input_tokens, output_tokens, outcome)
         try:
-            response = await self._stub.Release(request, timeout=timeout_s or self._timeout_s)
+            response = await self._stub.Release(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.release_result(response)
@@ -139,7 +142,9 @@ class QosdClient:
     ) -> ReportResult:
         request = _convert.report_request(list(samples))
         try:
-            response = await self._stub.Report(request, timeout=timeout_s or self._timeout_s)
+            response = await self._stub.Report(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
@@ -151,7 +156,9 @@ class QosdClient:
         fleet-wide with Redis; ``history`` past rate changes per pool."""
         request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
         try:
-            response = await self._admin.GetStatus(request, timeout=timeout_s or self._timeout_s)
+            response = await self._admin.GetStatus(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
         return _convert.status_result(response)
@@ -162,7 +169,9 @@ class QosdClient:
         """Fixes the pool's admitted rate fleet-wide; the SLO loop leaves it alone."""
         request = qosd_pb2.PinRateRequest(pool=pool, rate_tokens_s=rate_tokens_s)
         try:
-            response = await self._admin.PinRate(request, timeout=timeout_s or self._timeout_s)
+            response = await self._admin.PinRate(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
         return _convert.pool_state(response.pool)
@@ -171,7 +180,9 @@ class QosdClient:
         """Hands the pool's rate back to the SLO loop."""
         request = qosd_pb2.UnpinRateRequest(pool=pool)
         try:
-            response = await self._admin.UnpinRate(request, timeout=timeout_s or self._timeout_s)
+            response = await self._admin.UnpinRate(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
         return _convert.pool_state(response.pool)
@@ -258,7 +269,7 @@ class SyncQosdClient:
         )
         timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
         try:
-            response = self._stub.Acquire(request, timeout=timeout)
+            response = self._stub.Acquire(request, timeout=timeout, metadata=trace_metadata())
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.acquire_result(response)
@@ -274,7 +285,9 @@ class SyncQosdClient:
     ) -> ReleaseResult:
         request = _convert.release_request(lease_id, input_tokens, output_tokens, outcome)
         try:
-            response = self._stub.Release(request, timeout=timeout_s or self._timeout_s)
+            response = self._stub.Release(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.release_result(response)
@@ -284,7 +297,9 @@ class SyncQosdClient:
     ) -> ReportResult:
         request = _convert.report_request(list(samples))
         try:
-            response = self._stub.Report(request, timeout=timeout_s or self._timeout_s)
+            response = self._stub.Report(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
@@ -292,7 +307,9 @@ class SyncQosdClient:
     def status(self, pool: str = "", *, history: int = 0, timeout_s: float | None = None) -> Status:
         request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
         try:
-            response = self._admin.GetStatus(request, timeout=timeout_s or self._timeout_s)
+            response = self._admin.GetStatus(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
         return _convert.status_result(response)
@@ -302,7 +319,9 @@ class SyncQosdClient:
     ) -> PoolState:
         request = qosd_pb2.PinRateRequest(pool=pool, rate_tokens_s=rate_tokens_s)
         try:
-            response = self._admin.PinRate(request, timeout=timeout_s or self._timeout_s)
+            response = self._admin.PinRate(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
         return _convert.pool_state(response.pool)
@@ -310,7 +329,9 @@ class SyncQosdClient:
     def unpin_rate(self, pool: str, *, timeout_s: float | None = None) -> PoolState:
         request = qosd_pb2.UnpinRateRequest(pool=pool)
         try:
-            response = self._admin.UnpinRate(request, timeout=timeout_s or self._timeout_s)
+            response = self._admin.UnpinRate(
+                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+            )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
         return _convert.pool_state(response.pool)

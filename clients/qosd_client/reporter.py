@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
 
 from qosd_client.client import QosdClient
+from qosd_client.tracing import current_traceparent
 from qosd_client.types import LatencySample, QosdError
 
 log = logging.getLogger("qosd_client.reporter")
@@ -71,10 +74,22 @@ class LatencyReporter:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="qosd-latency-reporter")
+            # A context of its own: the sender must not carry the trace of whatever
+            # request was current when the reporter started.
+            self._task = asyncio.create_task(
+                self._run(), name="qosd-latency-reporter", context=contextvars.Context()
+            )
 
     def record(self, sample: LatencySample) -> None:
-        """Never blocks and never raises: the request being reported has its own job."""
+        """Never blocks and never raises: the request being reported has its own job.
+
+        Called inside the reported request's span, a sample without a ``traceparent``
+        takes that span's, so that qosd shows its latencies in the request's trace.
+        """
+        if not sample.traceparent:
+            traceparent = current_traceparent()
+            if traceparent:
+                sample = dataclasses.replace(sample, traceparent=traceparent)
         if len(self._buffer) == self._buffer.maxlen:
             self.stats.dropped += 1
         self._buffer.append(sample)

@@ -65,6 +65,9 @@ class LatencySample:
     output_tokens: int = 0
     status: Outcome = Outcome.OK
     lease_id: str = ""
+    # W3C traceparent of the request reported; LatencyReporter.record fills it from
+    # the current span when empty. qosd then shows these latencies in that trace.
+    traceparent: str = ""
 
 
 @dataclass(frozen=True, slots=True)

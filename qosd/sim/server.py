@@ -137,6 +137,15 @@ class _Parsed:
     qos_class: str
     tenant: str
     lease_id: str
+    traceparent: str
+
+
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    """The caller's W3C trace context, as Triton takes it from request headers."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent" and isinstance(value, str):
+            return value
+    return ""
 
 
 def _int_input(request: service_pb2.ModelInferRequest, name: str) -> int:
@@ -235,7 +244,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
 
     # Inference ---------------------------------------------------------------------------
 
-    def _parse(self, request: service_pb2.ModelInferRequest) -> _Parsed:
+    def _parse(self, request: service_pb2.ModelInferRequest, traceparent: str) -> _Parsed:
         if request.model_name != self.model_name:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_name!r}")
         parsed = _Parsed(
@@ -244,6 +253,8 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
             qos_class=_string_parameter(request, "qos_class"),
             tenant=_string_parameter(request, "tenant"),
             lease_id=_string_parameter(request, "lease_id"),
+            # Per request (a parameter), or for the whole call (gRPC metadata).
+            traceparent=_string_parameter(request, "traceparent") or traceparent,
         )
         if parsed.input_tokens < 1 or parsed.output_tokens < 1:
             raise BadRequest(
@@ -270,10 +281,10 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         return response
 
     async def _serve(
-        self, request: service_pb2.ModelInferRequest, stream_every: int
+        self, request: service_pb2.ModelInferRequest, stream_every: int, traceparent: str = ""
     ) -> AsyncIterator[tuple[int, bool]]:
         """Runs one request on the GPU; yields (tokens since last, final)."""
-        parsed = self._parse(request)
+        parsed = self._parse(request, traceparent)
         received = time.monotonic()
         sequence = Sequence(
             request.id or uuid.uuid4().hex,
@@ -326,6 +337,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
                 input_tokens=parsed.input_tokens,
                 output_tokens=parsed.output_tokens,
                 lease_id=parsed.lease_id,
+                traceparent=parsed.traceparent,
             )
         )
 
@@ -334,7 +346,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
     ) -> service_pb2.ModelInferResponse:
         total = 0
         try:
-            async for tokens, _ in self._serve(request, 0):
+            async for tokens, _ in self._serve(request, 0, _traceparent(context)):
                 total += tokens
         except BadRequest as error:
             self.metrics.failure(self.model_name, "REJECTED")
@@ -349,6 +361,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         """Decoupled: requests on one stream run concurrently, responses interleave."""
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
+        traceparent = _traceparent(context)
 
         def failed(request: service_pb2.ModelInferRequest, message: str) -> None:
             # As Triton does, name the request, so the client knows which one failed.
@@ -364,7 +377,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         async def one(request: service_pb2.ModelInferRequest) -> None:
             empty_final = _bool_parameter(request, "triton_enable_empty_final_response")
             try:
-                async for tokens, final in self._serve(request, self.stream_every):
+                async for tokens, final in self._serve(request, self.stream_every, traceparent):
                     response = self._response(request, tokens, final=final and not empty_final)
                     outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
                 if empty_final:

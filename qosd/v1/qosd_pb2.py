@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12qosd/v1/qosd.proto\x12\x07qosd.v1\"\xb6\x01\n\x0e\x41\x63quireRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tqos_class\x18\x04 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x05 \x01(\x03\x12\x1e\n\x16\x65xpected_output_tokens\x18\x06 \x01(\x03\x12\x18\n\x0bmax_wait_ms\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x0e\n\x0c_max_wait_ms\"\x8d\x02\n\x0f\x41\x63quireResponse\x12#\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x11.qosd.v1.Decision\x12\x1f\n\x06reason\x18\x02 \x01(\x0e\x32\x0f.qosd.v1.Reason\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x16\n\x0etokens_charged\x18\x04 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x05 \x01(\x01\x12\x16\n\x0eretry_after_ms\x18\x06 \x01(\x03\x12\x11\n\twaited_ms\x18\x07 \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\x08 \x01(\x03\x12\x10\n\x08replayed\x18\t \x01(\x08\x12\x0c\n\x04pool\x18\n \x01(\t\x12\x0f\n\x07message\x18\x0b \x01(\t\"\xbb\x01\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12 \n\x13\x61\x63tual_input_tokens\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12!\n\x14\x61\x63tual_output_tokens\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12!\n\x07outcome\x18\x04 \x01(\x0e\x32\x10.qosd.v1.OutcomeB\x16\n\x14_actual_input_tokensB\x17\n\x15_actual_output_tokens\"q\n\x0fReleaseResponse\x12\x18\n\x10\x61lready_released\x18\x01 \x01(\x08\x12\x16\n\x0etokens_charged\x18\x02 \x01(\x01\x12\x12\n\nadjustment\x18\x03 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x04 \x01(\x01\"\x86\x02\n\rLatencySample\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tqos_class\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x14\n\x07ttft_ms\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x14\n\x0cinput_tokens\x18\x07 \x01(\x03\x12\x15\n\routput_tokens\x18\x08 \x01(\x03\x12 \n\x06status\x18\t \x01(\x0e\x32\x10.qosd.v1.Outcome\x12\x10\n\x08lease_id\x18\n \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_msB\t\n\x07_e2e_ms\"8\n\rReportRequest\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.qosd.v1.LatencySample\"/\n\x0eRejectedSample\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"M\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12)\n\x08rejected\x18\x02 \x03(\x0b\x32\x17.qosd.v1.RejectedSample\"1\n\x10GetStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x01(\x05\"\xb0\x02\n\x0b\x43lassStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x15\n\rrate_tokens_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x62urst_tokens\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x01\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x16\n\x0eoldest_wait_ms\x18\x07 \x01(\x03\x12\x14\n\x0cwaiting_here\x18\x08 \x01(\x05\x12\x13\n\x0bmax_wait_ms\x18\t \x01(\x03\x12\x11\n\tmax_queue\x18\n \x01(\x05\x12\x12\n\ncan_borrow\x18\x0b \x01(\x08\x12 \n\x18\x63onfigured_rate_tokens_s\x18\x0c \x01(\x01\x12\'\n\x07latency\x18\r \x01(\x0b\x32\x16.qosd.v1.LatencyStatus\"\xe6\x01\n\rLatencyStatus\x12\x0f\n\x07samples\x18\x01 \x01(\x05\x12\x12\n\ncompliance\x18\x02 \x01(\x01\x12\x13\n\x0bslo_ttft_ms\x18\x03 \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x04 \x01(\x01\x12\x12\n\nslo_e2e_ms\x18\x05 \x01(\x01\x12%\n\x07ttft_ms\x18\x06 \x01(\x0b\x32\x14.qosd.v1.Percentiles\x12%\n\x07tpot_ms\x18\x07 \x01(\x0b\x32\x14.qosd.v1.Percentiles\x12$\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x0b\x32\x14.qosd.v1.Percentiles\"4\n\x0bPercentiles\x12\x0b\n\x03p50\x18\x01 \x01(\x01\x12\x0b\n\x03p95\x18\x02 \x01(\x01\x12\x0b\n\x03p99\x18\x03 \x01(\x01\"s\n\nAdjustment\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x03\x12\x15\n\rfrom_tokens_s\x18\x02 \x01(\x01\x12\x13\n\x0bto_tokens_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\n\n\x02\x62y\x18\x05 \x01(\t\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x03\"\xf2\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x63\x61pacity_tokens_s\x18\x02 \x01(\x01\x12\x15\n\rshared_tokens\x18\x03 \x01(\x01\x12\x1b\n\x13shared_burst_tokens\x18\x04 \x01(\x01\x12%\n\x07\x63lasses\x18\x05 \x03(\x0b\x32\x14.qosd.v1.ClassStatus\x12\x1e\n\x16\x61\x64mitted_rate_tokens_s\x18\x06 \x01(\x01\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12,\n\x0flast_adjustment\x18\x08 \x01(\x0b\x32\x13.qosd.v1.Adjustment\x12$\n\x07history\x18\t \x03(\x0b\x32\x13.qosd.v1.Adjustment\x12\x0f\n\x07verdict\x18\n \x01(\t\x12\x19\n\x11min_rate_tokens_s\x18\x0b \x01(\x01\x12\x19\n\x11max_rate_tokens_s\x18\x0c \x01(\x01\x12\x15\n\ractive_leases\x18\r \x01(\x03\"m\n\x11GetStatusResponse\x12\"\n\x05pools\x18\x01 \x03(\x0b\x32\x13.qosd.v1.PoolStatus\x12\x11\n\tdaemon_id\x18\x02 \x01(\t\x12\r\n\x05store\x18\x03 \x01(\t\x12\x12\n\ncontroller\x18\x04 \x01(\t\"5\n\x0ePinRateRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\rrate_tokens_s\x18\x02 \x01(\x01\" \n\x10UnpinRateRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"4\n\x0fPinRateResponse\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.qosd.v1.PoolStatus*R\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x45\x43ISION_ADMITTED\x10\x01\x12\x15\n\x11\x44\x45\x43ISION_REJECTED\x10\x02*\xd9\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13REASON_RATE_LIMITED\x10\x01\x12\x1d\n\x19REASON_COST_EXCEEDS_BURST\x10\x02\x12\x18\n\x14REASON_QUEUE_TIMEOUT\x10\x03\x12\x1e\n\x1aREASON_BACKEND_UNAVAILABLE\x10\x04\x12\x15\n\x11REASON_QUEUE_FULL\x10\x05\x12\x14\n\x10REASON_FAIL_OPEN\x10\x06\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\x07*\\\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0e\n\nOUTCOME_OK\x10\x01\x12\x11\n\rOUTCOME_ERROR\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x32\xbc\x01\n\x03QoS\x12<\n\x07\x41\x63quire\x12\x17.qosd.v1.AcquireRequest\x1a\x18.qosd.v1.AcquireResponse\x12<\n\x07Release\x12\x17.qosd.v1.ReleaseRequest\x1a\x18.qosd.v1.ReleaseResponse\x12\x39\n\x06Report\x12\x16.qosd.v1.ReportRequest\x1a\x17.qosd.v1.ReportResponse2\xcb\x01\n\x05\x41\x64min\x12\x42\n\tGetStatus\x12\x19.qosd.v1.GetStatusRequest\x1a\x1a.qosd.v1.GetStatusResponse\x12<\n\x07PinRate\x12\x17.qosd.v1.PinRateRequest\x1a\x18.qosd.v1.PinRateResponse\x12@\n\tUnpinRate\x12\x19.qosd.v1.UnpinRateRequest\x1a\x18.qosd.v1.PinRateResponseB;\n\x0b\x64\x65v.qosd.v1P\x01Z*github.com/qosd/qosd/gen/go/qosd/v1;qosdv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12qosd/v1/qosd.proto\x12\x07qosd.v1\"\xb6\x01\n\x0e\x41\x63quireRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tqos_class\x18\x04 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x05 \x01(\x03\x12\x1e\n\x16\x65xpected_output_tokens\x18\x06 \x01(\x03\x12\x18\n\x0bmax_wait_ms\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x0e\n\x0c_max_wait_ms\"\x8d\x02\n\x0f\x41\x63quireResponse\x12#\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x11.qosd.v1.Decision\x12\x1f\n\x06reason\x18\x02 \x01(\x0e\x32\x0f.qosd.v1.Reason\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x16\n\x0etokens_charged\x18\x04 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x05 \x01(\x01\x12\x16\n\x0eretry_after_ms\x18\x06 \x01(\x03\x12\x11\n\twaited_ms\x18\x07 \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\x08 \x01(\x03\x12\x10\n\x08replayed\x18\t \x01(\x08\x12\x0c\n\x04pool\x18\n \x01(\t\x12\x0f\n\x07message\x18\x0b \x01(\t\"\xbb\x01\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12 \n\x13\x61\x63tual_input_tokens\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12!\n\x14\x61\x63tual_output_tokens\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12!\n\x07outcome\x18\x04 \x01(\x0e\x32\x10.qosd.v1.OutcomeB\x16\n\x14_actual_input_tokensB\x17\n\x15_actual_output_tokens\"q\n\x0fReleaseResponse\x12\x18\n\x10\x61lready_released\x18\x01 \x01(\x08\x12\x16\n\x0etokens_charged\x18\x02 \x01(\x01\x12\x12\n\nadjustment\x18\x03 \x01(\x01\x12\x18\n\x10remaining_tokens\x18\x04 \x01(\x01\"\x9b\x02\n\rLatencySample\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tqos_class\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x14\n\x07ttft_ms\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x14\n\x0cinput_tokens\x18\x07 \x01(\x03\x12\x15\n\routput_tokens\x18\x08 \x01(\x03\x12 \n\x06status\x18\t \x01(\x0e\x32\x10.qosd.v1.Outcome\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_msB\t\n\x07_e2e_ms\"8\n\rReportRequest\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.qosd.v1.LatencySample\"/\n\x0eRejectedSample\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"M\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12)\n\x08rejected\x18\x02 \x03(\x0b\x32\x17.qosd.v1.RejectedSample\"1\n\x10GetStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x01(\x05\"\xb0\x02\n\x0b\x43lassStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x15\n\rrate_tokens_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x62urst_tokens\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x01\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x16\n\x0eoldest_wait_ms\x18\x07 \x01(\x03\x12\x14\n\x0cwaiting_here\x18\x08 \x01(\x05\x12\x13\n\x0bmax_wait_ms\x18\t \x01(\x03\x12\x11\n\tmax_queue\x18\n \x01(\x05\x12\x12\n\ncan_borrow\x18\x0b \x01(\x08\x12 \n\x18\x63onfigured_rate_tokens_s\x18\x0c \x01(\x01\x12\'\n\x07latency\x18\r \x01(\x0b\x32\x16.qosd.v1.LatencyStatus\"\xe6\x01\n\rLatencyStatus\x12\x0f\n\x07samples\x18\x01 \x01(\x05\x12\x12\n\ncompliance\x18\x02 \x01(\x01\x12\x13\n\x0bslo_ttft_ms\x18\x03 \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x04 \x01(\x01\x12\x12\n\nslo_e2e_ms\x18\x05 \x01(\x01\x12%\n\x07ttft_ms\x18\x06 \x01(\x0b\x32\x14.qosd.v1.Percentiles\x12%\n\x07tpot_ms\x18\x07 \x01(\x0b\x32\x14.qosd.v1.Percentiles\x12$\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x0b\x32\x14.qosd.v1.Percentiles\"4\n\x0bPercentiles\x12\x0b\n\x03p50\x18\x01 \x01(\x01\x12\x0b\n\x03p95\x18\x02 \x01(\x01\x12\x0b\n\x03p99\x18\x03 \x01(\x01\"s\n\nAdjustment\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x03\x12\x15\n\rfrom_tokens_s\x18\x02 \x01(\x01\x12\x13\n\x0bto_tokens_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\n\n\x02\x62y\x18\x05 \x01(\t\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x03\"\xf2\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11\x63\x61pacity_tokens_s\x18\x02 \x01(\x01\x12\x15\n\rshared_tokens\x18\x03 \x01(\x01\x12\x1b\n\x13shared_burst_tokens\x18\x04 \x01(\x01\x12%\n\x07\x63lasses\x18\x05 \x03(\x0b\x32\x14.qosd.v1.ClassStatus\x12\x1e\n\x16\x61\x64mitted_rate_tokens_s\x18\x06 \x01(\x01\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12,\n\x0flast_adjustment\x18\x08 \x01(\x0b\x32\x13.qosd.v1.Adjustment\x12$\n\x07history\x18\t \x03(\x0b\x32\x13.qosd.v1.Adjustment\x12\x0f\n\x07verdict\x18\n \x01(\t\x12\x19\n\x11min_rate_tokens_s\x18\x0b \x01(\x01\x12\x19\n\x11max_rate_tokens_s\x18\x0c \x01(\x01\x12\x15\n\ractive_leases\x18\r \x01(\x03\"m\n\x11GetStatusResponse\x12\"\n\x05pools\x18\x01 \x03(\x0b\x32\x13.qosd.v1.PoolStatus\x12\x11\n\tdaemon_id\x18\x02 \x01(\t\x12\r\n\x05store\x18\x03 \x01(\t\x12\x12\n\ncontroller\x18\x04 \x01(\t\"5\n\x0ePinRateRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\rrate_tokens_s\x18\x02 \x01(\x01\" \n\x10UnpinRateRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"4\n\x0fPinRateResponse\x12!\n\x04pool\x18\x01 \x01(\x0b\x32\x13.qosd.v1.PoolStatus*R\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x45\x43ISION_ADMITTED\x10\x01\x12\x15\n\x11\x44\x45\x43ISION_REJECTED\x10\x02*\xd9\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13REASON_RATE_LIMITED\x10\x01\x12\x1d\n\x19REASON_COST_EXCEEDS_BURST\x10\x02\x12\x18\n\x14REASON_QUEUE_TIMEOUT\x10\x03\x12\x1e\n\x1aREASON_BACKEND_UNAVAILABLE\x10\x04\x12\x15\n\x11REASON_QUEUE_FULL\x10\x05\x12\x14\n\x10REASON_FAIL_OPEN\x10\x06\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\x07*\\\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0e\n\nOUTCOME_OK\x10\x01\x12\x11\n\rOUTCOME_ERROR\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x32\xbc\x01\n\x03QoS\x12<\n\x07\x41\x63quire\x12\x17.qosd.v1.AcquireRequest\x1a\x18.qosd.v1.AcquireResponse\x12<\n\x07Release\x12\x17.qosd.v1.ReleaseRequest\x1a\x18.qosd.v1.ReleaseResponse\x12\x39\n\x06Report\x12\x16.qosd.v1.ReportRequest\x1a\x17.qosd.v1.ReportResponse2\xcb\x01\n\x05\x41\x64min\x12\x42\n\tGetStatus\x12\x19.qosd.v1.GetStatusRequest\x1a\x1a.qosd.v1.GetStatusResponse\x12<\n\x07PinRate\x12\x17.qosd.v1.PinRateRequest\x1a\x18.qosd.v1.PinRateResponse\x12@\n\tUnpinRate\x12\x19.qosd.v1.UnpinRateRequest\x1a\x18.qosd.v1.PinRateResponseB;\n\x0b\x64\x65v.qosd.v1P\x01Z*github.com/qosd/qosd/gen/go/qosd/v1;qosdv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,12 +32,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'qosd.v1.qosd_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013dev.qosd.v1P\001Z*github.com/qosd/qosd/gen/go/qosd/v1;qosdv1'
-  _globals['_DECISION']._serialized_start=2633
-  _globals['_DECISION']._serialized_end=2715
-  _globals['_REASON']._serialized_start=2718
-  _globals['_REASON']._serialized_end=2935
-  _globals['_OUTCOME']._serialized_start=2937
-  _globals['_OUTCOME']._serialized_end=3029
+  _globals['_DECISION']._serialized_start=2654
+  _globals['_DECISION']._serialized_end=2736
+  _globals['_REASON']._serialized_start=2739
+  _globals['_REASON']._serialized_end=2956
+  _globals['_OUTCOME']._serialized_start=2958
+  _globals['_OUTCOME']._serialized_end=3050
   _globals['_ACQUIREREQUEST']._serialized_start=32
   _globals['_ACQUIREREQUEST']._serialized_end=214
   _globals['_ACQUIRERESPONSE']._serialized_start=217
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=678
   _globals['_RELEASERESPONSE']._serialized_end=791
   _globals['_LATENCYSAMPLE']._serialized_start=794
-  _globals['_LATENCYSAMPLE']._serialized_end=1056
-  _globals['_REPORTREQUEST']._serialized_start=1058
-  _globals['_REPORTREQUEST']._serialized_end=1114
-  _globals['_REJECTEDSAMPLE']._serialized_start=1116
-  _globals['_REJECTEDSAMPLE']._serialized_end=1163
-  _globals['_REPORTRESPONSE']._serialized_start=1165
-  _globals['_REPORTRESPONSE']._serialized_end=1242
-  _globals['_GETSTATUSREQUEST']._serialized_start=1244
-  _globals['_GETSTATUSREQUEST']._serialized_end=1293
-  _globals['_CLASSSTATUS']._serialized_start=1296
-  _globals['_CLASSSTATUS']._serialized_end=1600
-  _globals['_LATENCYSTATUS']._serialized_start=1603
-  _globals['_LATENCYSTATUS']._serialized_end=1833
-  _globals['_PERCENTILES']._serialized_start=1835
-  _globals['_PERCENTILES']._serialized_end=1887
-  _globals['_ADJUSTMENT']._serialized_start=1889
-  _globals['_ADJUSTMENT']._serialized_end=2004
-  _globals['_POOLSTATUS']._serialized_start=2007
-  _globals['_POOLSTATUS']._serialized_end=2377
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2379
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2488
-  _globals['_PINRATEREQUEST']._serialized_start=2490
-  _globals['_PINRATEREQUEST']._serialized_end=2543
-  _globals['_UNPINRATEREQUEST']._serialized_start=2545
-  _globals['_UNPINRATEREQUEST']._serialized_end=2577
-  _globals['_PINRATERESPONSE']._serialized_start=2579
-  _globals['_PINRATERESPONSE']._serialized_end=2631
-  _globals['_QOS']._serialized_start=3032
-  _globals['_QOS']._serialized_end=3220
-  _globals['_ADMIN']._serialized_start=3223
-  _globals['_ADMIN']._serialized_end=3426
+  _globals['_LATENCYSAMPLE']._serialized_end=1077
+  _globals['_REPORTREQUEST']._serialized_start=1079
+  _globals['_REPORTREQUEST']._serialized_end=1135
+  _globals['_REJECTEDSAMPLE']._serialized_start=1137
+  _globals['_REJECTEDSAMPLE']._serialized_end=1184
+  _globals['_REPORTRESPONSE']._serialized_start=1186
+  _globals['_REPORTRESPONSE']._serialized_end=1263
+  _globals['_GETSTATUSREQUEST']._serialized_start=1265
+  _globals['_GETSTATUSREQUEST']._serialized_end=1314
+  _globals['_CLASSSTATUS']._serialized_start=1317
+  _globals['_CLASSSTATUS']._serialized_end=1621
+  _globals['_LATENCYSTATUS']._serialized_start=1624
+  _globals['_LATENCYSTATUS']._serialized_end=1854
+  _globals['_PERCENTILES']._serialized_start=1856
+  _globals['_PERCENTILES']._serialized_end=1908
+  _globals['_ADJUSTMENT']._serialized_start=1910
+  _globals['_ADJUSTMENT']._serialized_end=2025
+  _globals['_POOLSTATUS']._serialized_start=2028
+  _globals['_POOLSTATUS']._serialized_end=2398
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2400
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2509
+  _globals['_PINRATEREQUEST']._serialized_start=2511
+  _globals['_PINRATEREQUEST']._serialized_end=2564
+  _globals['_UNPINRATEREQUEST']._serialized_start=2566
+  _globals['_UNPINRATEREQUEST']._serialized_end=2598
+  _globals['_PINRATERESPONSE']._serialized_start=2600
+  _globals['_PINRATERESPONSE']._serialized_end=2652
+  _globals['_QOS']._serialized_start=3053
+  _globals['_QOS']._serialized_end=3241
+  _globals['_ADMIN']._serialized_start=3244
+  _globals['_ADMIN']._serialized_end=3447
 # @@protoc_insertion_point(module_scope)

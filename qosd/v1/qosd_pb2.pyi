@@ -391,6 +391,7 @@ class LatencySample(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model or pool name, resolved like AcquireRequest.model: required unless the
     config names a default pool.
@@ -413,6 +414,11 @@ class LatencySample(_message.Message):
     """How the request ended."""
     lease_id: _builtins.str
     """The lease the request ran under, when known. Accepted for correlation; not stored."""
+    traceparent: _builtins.str
+    """W3C trace context (the `traceparent` header value) of the request reported. With
+    tracing on, qosd adds a span with these latencies to that trace. Optional;
+    one that does not parse is ignored.
+    """
     def __init__(
         self,
         *,
@@ -426,10 +432,11 @@ class LatencySample(_message.Message):
         output_tokens: _builtins.int = ...,
         status: Global___Outcome.ValueType = ...,
         lease_id: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "input_tokens", b"input_tokens", "lease_id", b"lease_id", "model", b"model", "output_tokens", b"output_tokens", "qos_class", b"qos_class", "status", b"status", "tenant", b"tenant", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "input_tokens", b"input_tokens", "lease_id", b"lease_id", "model", b"model", "output_tokens", b"output_tokens", "qos_class", b"qos_class", "status", b"status", "tenant", b"tenant", "tpot_ms", b"tpot_ms", "traceparent", b"traceparent", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__e2e_ms: _TypeAlias = _typing.Literal["e2e_ms"]  # noqa: Y015
     _WhichOneofArgType__e2e_ms: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms"]  # noqa: Y015

@@ -1,0 +1,262 @@
+"""OpenTelemetry tracing: one span per RPC, continued from the caller's trace.
+
+A gateway's trace should show where a request's time went, qosd included: the
+admission decision, each store round trip, the time spent in the waiting room, and
+later the latencies the model server reported for that request. So:
+
+- the server span per RPC, and W3C context taken from gRPC metadata, come from
+  ``opentelemetry-instrumentation-grpc``'s aio interceptor (health and reflection
+  calls are left out: probes would bury the requests);
+- the servicer adds what qosd decided as ``qosd.*`` attributes (``annotate_*``);
+- ``qosd.store.instrumented`` adds a child span per store call, ``Admission`` one for
+  the waiting room;
+- a ``Report`` sample that carries a ``traceparent`` gets a span in that request's
+  trace (``sample_spans``), linked to the Report call that delivered it.
+
+Tracing that is off installs no interceptor and creates no spans: the hot path pays
+one boolean test per call (measured in ``docs/observability.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+from opentelemetry.sdk.resources import (
+    SERVICE_INSTANCE_ID,
+    SERVICE_NAME,
+    SERVICE_VERSION,
+    OTELResourceDetector,
+    Resource,
+)
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Link, Span, SpanKind, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from qosd.config import TracingConfig, TracingExporter
+from qosd.model import Reason
+
+if TYPE_CHECKING:
+    import grpc
+
+    from qosd.admission import AcquireOutcome
+    from qosd.model import Sample, Settlement
+    from qosd.v1 import qosd_pb2
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "qosd"
+SHUTDOWN_TIMEOUT_S = 2.0  # a collector that is down must not hold up a drain
+_W3C = TraceContextTextMapPropagator()
+_TRUE = ("true", "1", "yes", "on")
+
+
+def tracing_enabled(config: TracingConfig, env: Mapping[str, str] | None = None) -> bool:
+    """The config's ``enabled``, or else whether the environment asks for traces."""
+    environment = os.environ if env is None else env
+    if environment.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
+        return False if config.enabled is None else config.enabled
+    if config.enabled is not None:
+        return config.enabled
+    if environment.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return False
+    return any(
+        environment.get(name)
+        for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+@dataclass
+class Tracing:
+    """The daemon's tracer provider; one per daemon, never the process's global one,
+    so that several daemons (tests, benchmarks) can run in one process."""
+
+    provider: TracerProvider
+    tracer: Tracer
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        skip = filters.any_of(
+            filters.service_prefix("grpc.health."), filters.service_prefix("grpc.reflection.")
+        )
+        interceptor = aio_server_interceptor(  # type: ignore[no-untyped-call]
+            self.provider, filter_=filters.negate(skip)
+        )
+        return [interceptor]
+
+    async def shutdown(self) -> None:
+        """Exports what is buffered, within ``SHUTDOWN_TIMEOUT_S``."""
+        timeout_ms = int(SHUTDOWN_TIMEOUT_S * 1000)
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self.provider.force_flush, timeout_ms), SHUTDOWN_TIMEOUT_S
+            )
+        except TimeoutError:
+            log.warning("tracing: spans not exported within %.1fs, dropped", SHUTDOWN_TIMEOUT_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(self.provider.shutdown), SHUTDOWN_TIMEOUT_S)
+
+
+def start_tracing(
+    config: TracingConfig, daemon_id: str, env: Mapping[str, str] | None = None
+) -> Tracing | None:
+    """A tracer provider exporting as configured, or None when tracing is off."""
+    if not tracing_enabled(config, env):
+        return None
+    sampler = None  # the SDK reads OTEL_TRACES_SAMPLER(_ARG) itself
+    if config.sample_ratio is not None:
+        sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
+    provider = TracerProvider(resource=_resource(config, daemon_id), sampler=sampler)
+    provider.add_span_processor(BatchSpanProcessor(_exporter(config)))
+    log.info(
+        "tracing on: %s exporter to %s",
+        config.exporter.value,
+        config.endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint",
+    )  # fmt: skip
+    return Tracing(provider, provider.get_tracer(TRACER_NAME, _version()))
+
+
+def _exporter(config: TracingConfig) -> SpanExporter:
+    if config.exporter is TracingExporter.CONSOLE:
+        return ConsoleSpanExporter()
+    # None leaves each setting to its OTEL_EXPORTER_OTLP_* variable.
+    return OTLPSpanExporter(endpoint=config.endpoint, headers=config.headers or None)
+
+
+def _resource(config: TracingConfig, daemon_id: str) -> Resource:
+    """Configured attributes, then OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME, then
+    qosd's defaults. The instance id defaults to the daemon id, which is also what
+    ``Admin/GetStatus`` and the leader lease name the daemon by."""
+    attributes: dict[str, Any] = dict(config.resource_attributes)
+    if config.service_name:
+        attributes[SERVICE_NAME] = config.service_name
+    from_environment = OTELResourceDetector().detect().attributes
+    for key, default in ((SERVICE_INSTANCE_ID, daemon_id), (SERVICE_VERSION, _version())):
+        if key not in attributes and key not in from_environment:
+            attributes[key] = default
+    # Resource.create reads the environment; what is passed in wins over it.
+    resource = Resource.create(attributes)
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "qosd"}))
+    return resource
+
+
+def _version() -> str:
+    try:
+        return version("qosd")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0"
+
+
+# -- what the servicer adds to its RPC's span ---------------------------------------
+
+
+def annotate_acquire_request(span: Span, request: qosd_pb2.AcquireRequest) -> None:
+    """Set before deciding, so that a refused (invalid) request still says what it was."""
+    span.set_attributes(
+        {
+            "qosd.class": request.qos_class,
+            "qosd.tenant": request.tenant,
+            "qosd.model": request.model,
+            "qosd.request_id": request.request_id,
+            "qosd.input_tokens": request.input_tokens,
+            "qosd.expected_output_tokens": request.expected_output_tokens,
+        }
+    )
+
+
+def annotate_acquire(span: Span, outcome: AcquireOutcome) -> None:
+    decision = outcome.decision
+    span.set_attributes(
+        {
+            "qosd.pool": outcome.pool,
+            "qosd.decision": "admitted" if decision.admitted else "rejected",
+            "qosd.reason": Reason(decision.reason).name,
+            "qosd.cost_tokens": decision.charged,
+            "qosd.wait_ms": outcome.waited_ms,
+            "qosd.lease_id": decision.lease_id,
+            "qosd.retry_after_ms": decision.retry_after_ms,
+            "qosd.remaining_tokens": decision.remaining,
+            "qosd.replayed": decision.replayed,
+        }
+    )
+
+
+def annotate_release_request(span: Span, request: qosd_pb2.ReleaseRequest) -> None:
+    pool, _, rest = request.lease_id.partition(":")
+    attributes: dict[str, Any] = {
+        "qosd.lease_id": request.lease_id,
+        "qosd.pool": pool,
+        "qosd.class": rest.partition(":")[0],
+        "qosd.outcome": request.outcome,
+    }
+    if request.HasField("actual_input_tokens"):
+        attributes["qosd.actual_input_tokens"] = request.actual_input_tokens
+    if request.HasField("actual_output_tokens"):
+        attributes["qosd.actual_output_tokens"] = request.actual_output_tokens
+    span.set_attributes(attributes)
+
+
+def annotate_release(span: Span, settlement: Settlement) -> None:
+    span.set_attributes(
+        {
+            "qosd.cost_tokens": settlement.charged,
+            "qosd.adjustment_tokens": settlement.adjustment,
+            "qosd.remaining_tokens": settlement.remaining,
+            "qosd.already_released": settlement.already_released,
+        }
+    )
+
+
+def sample_spans(
+    tracer: Tracer,
+    report_span: Span,
+    delivered: Iterable[tuple[qosd_pb2.LatencySample, Sample]],
+) -> None:
+    """A span in each reported request's own trace, so the gateway's trace ends with
+    the latencies the model server measured; linked to the Report call that carried
+    it, which batches samples from many traces. A missing or malformed
+    ``traceparent`` gets no span (W3C: a receiver ignores a header it cannot parse)."""
+    link = [Link(report_span.get_span_context())]
+    for item, sample in delivered:
+        if not item.traceparent:
+            continue
+        parent = _W3C.extract({"traceparent": item.traceparent})
+        if not trace.get_current_span(parent).get_span_context().is_valid:
+            continue
+        attributes: dict[str, Any] = {
+            "qosd.pool": sample.pool,
+            "qosd.class": sample.qos_class,
+            "qosd.model": item.model,
+            "qosd.tenant": sample.tenant,
+            "qosd.status": sample.status.name,
+            "qosd.input_tokens": sample.input_tokens,
+            "qosd.output_tokens": sample.output_tokens,
+        }
+        for name, value in (
+            ("qosd.ttft_ms", sample.ttft_ms),
+            ("qosd.tpot_ms", sample.tpot_ms),
+            ("qosd.e2e_ms", sample.e2e_ms),
+        ):
+            if value is not None:
+                attributes[name] = value
+        if item.lease_id:
+            attributes["qosd.lease_id"] = item.lease_id
+        tracer.start_span(
+            "qosd.report_sample",
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            links=link,
+        ).end()
