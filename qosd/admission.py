@@ -224,7 +224,10 @@ class Admission:
         expected_output_tokens: int,
         max_wait_ms: int | None,
         deadline_s: float | None,
+        lease_ttl_ms: int | None = None,
     ) -> AcquireOutcome:
+        """``lease_ttl_ms`` overrides ``lease.ttl_s`` for callers that never release
+        (Envoy's rate limit protocol has no Release)."""
         pool = self._pool_of.get(model) or self.resolve_pool(model)
         policy = self._policies.get((pool, qos_class)) or self._class_policy(pool, qos_class)
         max_tokens = self._max_tokens
@@ -255,7 +258,7 @@ class Admission:
             input_tokens=input_tokens,
             output_tokens=expected_output_tokens,
             weight=policy.weight,
-            ttl_ms=self._lease_ttl_ms,
+            ttl_ms=self._lease_ttl_ms if lease_ttl_ms is None else lease_ttl_ms,
         )
         pool_policy = self._pools[pool]
         decision = await self._take(pool_policy, policy, cost, lease, max(0, int(wait_s * 1000)))

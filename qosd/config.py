@@ -319,6 +319,38 @@ class TracingConfig(_Strict):
     store_spans: bool = True
 
 
+class EnvoyRlsConfig(_Strict):
+    """How Envoy's rate limit service requests (``ShouldRateLimit``) map onto Acquire.
+
+    Envoy sends descriptors: lists of key/value entries built by its rate limit
+    actions (headers, remote address, generic keys). qosd reads the entries of all
+    descriptors of a request as one map and makes one admission decision for it.
+    """
+
+    enabled: bool = True
+    # Domains qosd decides for; others are answered OK (not limited), as
+    # envoyproxy/ratelimit answers descriptors it has no limit for. Empty: every domain.
+    domains: list[str] = Field(default_factory=list)
+    # Descriptor entry keys that carry the class, tenant and model (the model picks
+    # the pool, as AcquireRequest.model does).
+    class_key: str = "qos_class"
+    tenant_key: str = "tenant"
+    model_key: str = "model"
+    # Values Envoy sends mapped to class names, e.g. {"realtime": "P0"}.
+    class_aliases: dict[str, str] = Field(default_factory=dict)
+    # Class for requests without a class entry; None: they are refused
+    # (INVALID_ARGUMENT, which Envoy's failure_mode_deny then decides on).
+    default_class: str | None = None
+    # An entry whose value is the request's cost in tokens (e.g. a header with the
+    # prompt's token count); None or absent: hits_addend × tokens_per_hit.
+    cost_key: str | None = "tokens"
+    tokens_per_hit: Annotated[float, Field(gt=0, le=1e9)] = 1.0
+    # Envoy's filter gives up after 20 ms by default: answer at once unless told.
+    max_wait_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    # There is no Release in this protocol: leases end on their own this soon.
+    lease_ttl_ms: Annotated[int, Field(ge=1, le=86_400_000)] = 1_000
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -335,6 +367,7 @@ class Config(_Strict):
     report: ReportConfig = ReportConfig()
     waiting: WaitingConfig = WaitingConfig()
     control: ControlConfig = ControlConfig()
+    envoy_rls: EnvoyRlsConfig = EnvoyRlsConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -346,6 +379,17 @@ class Config(_Strict):
             for name in names:
                 if not _NAME_RE.match(name):
                     raise ValueError(f"{kind}.{name}: name must match {NAME_PATTERN}")
+        rls = self.envoy_rls
+        named = {"envoy_rls.default_class": rls.default_class} | {
+            f"envoy_rls.class_aliases.{alias}": target
+            for alias, target in rls.class_aliases.items()
+        }
+        for where, target in named.items():
+            if target is not None and target not in self.classes:
+                raise ValueError(
+                    f"{where}: class {target!r} is not configured "
+                    f"(classes: {', '.join(sorted(self.classes))})"
+                )
         priorities = [c.priority for c in self.classes.values()]
         if len(set(priorities)) != len(priorities):
             raise ValueError("classes: every class needs a distinct priority")

@@ -60,6 +60,13 @@ class Metrics:
             "qosd_store_errors", "Store calls that failed (unreachable or timed out), by call.",
             ["call"], registry=r,
         )  # fmt: skip
+        self.envoy_rls = Counter(
+            "qosd_envoy_rls_requests",
+            "Envoy ShouldRateLimit answers, by code (OK, OVER_LIMIT) and qosd reason "
+            "(other_domain: a domain qosd does not decide for).",
+            ["code", "reason"],
+            registry=r,
+        )
         self.adjustments = Counter(
             "qosd_rate_adjustments",
             "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin.",

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from qosd.admission import Admission
 from qosd.config import Config, parse_listen_address
 from qosd.control import Controller
+from qosd.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.health import DaemonHttp, HealthMonitor
 from qosd.metrics import Metrics
 from qosd.model import StoreUnavailable, new_daemon_id
@@ -127,7 +128,6 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     admission = Admission(config, store, tracer, daemon_id=daemon_id)
     max_bytes = config.limits.max_message_bytes
     server = grpc.aio.server(
-        interceptors=tracing.server_interceptors() if tracing else None,
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", max_bytes),
@@ -143,12 +143,16 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         on_change=lambda pool, kind: metrics.adjustments.labels(pool, kind).inc(),
     )
     admin = AdminService(admission, controller)
-    add_to_server(QoSService(admission, metrics, tracer), admin, server)
+    envoy_rls = (
+        EnvoyRateLimitService(admission, metrics, tracer) if config.envoy_rls.enabled else None
+    )
+    add_to_server(QoSService(admission, metrics, tracer), admin, server, envoy_rls, tracer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    served = [QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    if envoy_rls is not None:
+        served.append(MIRROR_SERVICE)
+    reflection.enable_server_reflection(served, server)
     monitor = HealthMonitor(config, store, health_servicer, ("", QOS_SERVICE, ADMIN_SERVICE))
     daemon = Daemon(
         config=config,

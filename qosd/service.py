@@ -21,6 +21,7 @@ from qosd.admission import Admission, InvalidArgument
 from qosd.budget import effective_pool
 from qosd.config import PoolPolicy, SloConfig
 from qosd.control import Controller
+from qosd.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.metrics import Metrics
 from qosd.model import (
     Adjustment,
@@ -31,7 +32,7 @@ from qosd.model import (
     StoreUnavailable,
 )
 from qosd.slo import WindowStats, window_stats
-from qosd.v1 import qosd_pb2, qosd_pb2_grpc
+from qosd.v1 import envoy_rls_pb2, qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
     async def Acquire(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.AcquireResponse:
-        span = None
-        if self._tracer is not None:
-            span = trace.get_current_span()
+        span = tracing.recording_span() if self._tracer is not None else None
+        if span is not None:
             tracing.annotate_acquire_request(span, request)
         try:
             outcome = await self._admission.acquire(
@@ -97,9 +97,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         self, request: qosd_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.ReleaseResponse:
         code, details = grpc.StatusCode.OK, ""
-        span = None
-        if self._tracer is not None:
-            span = trace.get_current_span()
+        span = tracing.recording_span() if self._tracer is not None else None
+        if span is not None:
             tracing.annotate_release_request(span, request)
         try:
             settlement = await self._admission.release(
@@ -175,10 +174,13 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         self._metrics.report_samples.labels("rejected").inc(len(rejected))
         if self._tracer is not None:
             span = trace.get_current_span()
-            span.set_attributes(
-                {"qosd.samples_accepted": len(accepted), "qosd.samples_rejected": len(rejected)}
-            )
-            tracing.sample_spans(self._tracer, span, traced)
+            if span.is_recording():
+                span.set_attributes(
+                    {"qosd.samples_accepted": len(accepted),
+                     "qosd.samples_rejected": len(rejected)}
+                )  # fmt: skip
+            if traced:  # each sample's own trace decides whether it is sampled
+                tracing.sample_spans(self._tracer, span, traced)
         return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
 
 
@@ -358,46 +360,65 @@ def _sample_status(value: int) -> Outcome:
         raise InvalidArgument(f"status {value} is not a known Outcome") from None
 
 
-def add_to_server(service: QoSService, admin: AdminService, server: grpc.aio.Server) -> None:
-    """Registers the QoS service so that an undecodable request is INVALID_ARGUMENT.
+Methods = dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]]
+
+
+def add_to_server(
+    service: QoSService,
+    admin: AdminService,
+    server: grpc.aio.Server,
+    envoy_rls: EnvoyRateLimitService | None = None,
+    tracer: Tracer | None = None,
+) -> None:
+    """Registers qosd's services so that an undecodable request is INVALID_ARGUMENT.
 
     The generated registration lets grpc.aio decode requests before any servicer
     code runs, and it answers a malformed message with UNKNOWN. Decoding inside the
     handler instead costs nothing extra and gives the caller a status that says what
-    is wrong.
+    is wrong. With a tracer, each handler also runs in a server span.
     """
-    methods: dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]] = {
-        "Acquire": (qosd_pb2.AcquireRequest, service.Acquire),
-        "Release": (qosd_pb2.ReleaseRequest, service.Release),
-        "Report": (qosd_pb2.ReportRequest, service.Report),
-    }
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            _decoding(message_type, method),
-            request_deserializer=None,
-            response_serializer=_serialize,
+
+    def register(service_name: str, methods: Methods, names: tuple[str, ...] = ()) -> None:
+        handlers = {}
+        for method_name, (message_type, method) in methods.items():
+            handler = _decoding(message_type, method)
+            if tracer is not None:
+                handler = tracing.traced_handler(tracer, service_name, method_name, handler)
+            handlers[method_name] = grpc.unary_unary_rpc_method_handler(
+                handler, request_deserializer=None, response_serializer=_serialize
+            )
+        server.add_generic_rpc_handlers(
+            tuple(
+                grpc.method_handlers_generic_handler(name, handlers)
+                for name in (service_name, *names)
+            )
         )
-        for name, (message_type, method) in methods.items()
-    }
-    service_name = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
-    admin_methods: dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]] = {
-        "GetStatus": (qosd_pb2.GetStatusRequest, admin.GetStatus),
-        "PinRate": (qosd_pb2.PinRateRequest, admin.PinRate),
-        "UnpinRate": (qosd_pb2.UnpinRateRequest, admin.UnpinRate),
-    }
-    admin_handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            _decoding(message_type, method),
-            request_deserializer=None,
-            response_serializer=_serialize,
-        )
-        for name, (message_type, method) in admin_methods.items()
-    }
-    admin_name = qosd_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(admin_name, admin_handlers),)
+
+    services = qosd_pb2.DESCRIPTOR.services_by_name
+    register(
+        services["QoS"].full_name,
+        {
+            "Acquire": (qosd_pb2.AcquireRequest, service.Acquire),
+            "Release": (qosd_pb2.ReleaseRequest, service.Release),
+            "Report": (qosd_pb2.ReportRequest, service.Report),
+        },
     )
+    register(
+        services["Admin"].full_name,
+        {
+            "GetStatus": (qosd_pb2.GetStatusRequest, admin.GetStatus),
+            "PinRate": (qosd_pb2.PinRateRequest, admin.PinRate),
+            "UnpinRate": (qosd_pb2.UnpinRateRequest, admin.UnpinRate),
+        },
+    )
+    if envoy_rls is not None:
+        # Envoy's name, which gateways call; and the mirror's, which reflection lists
+        # (so grpcurl can call it with no .proto files).
+        register(
+            ENVOY_SERVICE,
+            {"ShouldRateLimit": (envoy_rls_pb2.RateLimitRequest, envoy_rls.ShouldRateLimit)},
+            (MIRROR_SERVICE,),
+        )
 
 
 def _serialize(message: Message) -> bytes:

@@ -12,7 +12,7 @@ fi
 python -m grpc_tools.protoc -Iproto \
   --python_out="$out" --grpc_python_out="$out" \
   --mypy_out="$out" --mypy_grpc_out="$out" \
-  proto/qosd/v1/qosd.proto
+  proto/qosd/v1/qosd.proto proto/qosd/v1/envoy_rls.proto
 if [[ "${1:-}" == "--check" ]]; then
   for f in "$out"/qosd/v1/*; do
     name=qosd/v1/$(basename "$f")

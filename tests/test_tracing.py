@@ -34,7 +34,7 @@ from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
 from qosd_client.tracing import trace_metadata
 
-ACQUIRE = "/qosd.v1.QoS/Acquire"
+ACQUIRE = "qosd.v1.QoS/Acquire"
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ async def test_acquire_and_release_spans_continue_the_callers_trace(
     assert store.kind == 3  # SPAN_KIND_CLIENT
     assert store.attributes["db.system.name"] == "redis"
 
-    (release,) = collector.wait_for(name="/qosd.v1.QoS/Release", trace_id=trace_id)
+    (release,) = collector.wait_for(name="qosd.v1.QoS/Release", trace_id=trace_id)
     assert release.parent_id == parent_id
     assert release.attributes["qosd.lease_id"] == result.lease_id
     assert release.attributes["qosd.actual_input_tokens"] == 120
@@ -195,10 +195,8 @@ async def test_reported_latencies_join_the_requests_trace(
     with it, and qosd puts them in that trace."""
     collector, _ = receiver
     tracer = _client_tracer()
-    with simulator_process(GpuModel(speed=4.0), qosd_target=traced_daemon.address) as (
-        address,
-        _,
-    ):
+    with simulator_process(GpuModel(speed=4.0), qosd_target=traced_daemon.address) as simulated:
+        address = simulated.grpc
         async with (
             QosdClient(traced_daemon.address) as qos,
             triton.InferenceServerClient(address) as model_server,
@@ -228,7 +226,7 @@ async def test_reported_latencies_join_the_requests_trace(
     assert sample.attributes["qosd.status"] == "OK"
     # Linked to the Report call that delivered it (a trace of its own).
     ((link_trace, link_span),) = sample.links
-    (report,) = collector.wait_for(name="/qosd.v1.QoS/Report", span_id=link_span)
+    (report,) = collector.wait_for(name="qosd.v1.QoS/Report", span_id=link_span)
     assert report.trace_id == link_trace != trace_id
     assert report.attributes["qosd.samples_accepted"] >= 1
 

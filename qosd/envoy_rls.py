@@ -1,0 +1,189 @@
+"""Envoy's rate limit service, v3 (``envoy.service.ratelimit.v3.RateLimitService``).
+
+Envoy and Istio gateways already call a rate limit service before routing a request;
+answering that protocol on qosd's port puts qosd in front of a model with no code in
+the gateway. A ``ShouldRateLimit`` request becomes one Acquire:
+
+- the entries of all descriptors form one map; ``envoy_rls.class_key``,
+  ``tenant_key`` and ``model_key`` name the class (through ``class_aliases``), the
+  tenant and the model (hence the pool);
+- the cost is the ``cost_key`` entry's value in tokens when present (a header with
+  the prompt's token count, say), else the hits (the descriptors' ``hits_addend``,
+  else the request's, else 1) times ``tokens_per_hit``;
+- OK or OVER_LIMIT for the request and each descriptor, with ``limit_remaining`` (in
+  hits), ``duration_until_reset`` (the retry-after), a ``retry-after`` header and a
+  JSON body saying why.
+
+There is no Release in this protocol, so the lease ends on its own after
+``envoy_rls.lease_ttl_ms`` and the estimate stands as the cost. The wire messages are
+qosd's own mirror of Envoy's (``proto/qosd/v1/envoy_rls.proto`` says why).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import grpc
+from opentelemetry.trace import Tracer
+
+from qosd import tracing
+from qosd.admission import AcquireOutcome, Admission, InvalidArgument
+from qosd.config import EnvoyRlsConfig
+from qosd.metrics import Metrics
+from qosd.model import Reason
+from qosd.v1 import envoy_rls_pb2 as rls
+
+ENVOY_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+MIRROR_SERVICE = rls.DESCRIPTOR.services_by_name["RateLimitService"].full_name
+_OK = rls.RateLimitResponse.OK
+_OVER_LIMIT = rls.RateLimitResponse.OVER_LIMIT
+MAX_HITS = 2**32 - 1
+
+
+class EnvoyRateLimitService:
+    def __init__(
+        self, admission: Admission, metrics: Metrics, tracer: Tracer | None = None
+    ) -> None:
+        self._admission = admission
+        self._config: EnvoyRlsConfig = admission.config.envoy_rls
+        self._metrics = metrics
+        self._tracer = tracer
+
+    async def ShouldRateLimit(  # noqa: N802 - gRPC method name
+        self, request: rls.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> rls.RateLimitResponse:
+        config = self._config
+        if config.domains and request.domain not in config.domains:
+            self._metrics.envoy_rls.labels("OK", "other_domain").inc()
+            return _all(request, _OK)
+        try:
+            entries, hits = _read(request)
+            qos_class = self._class_of(entries)
+            cost = self._cost(entries, hits)
+            tenant = entries.get(config.tenant_key, "")
+            model = entries.get(config.model_key, "")
+            span = tracing.recording_span() if self._tracer is not None else None
+            if span is not None:
+                span.set_attributes(
+                    {"qosd.class": qos_class, "qosd.tenant": tenant, "qosd.model": model,
+                     "qosd.envoy.domain": request.domain, "qosd.envoy.hits": hits}
+                )  # fmt: skip
+            outcome = await self._admission.acquire(
+                request_id="",
+                tenant=tenant,
+                model=model,
+                qos_class=qos_class,
+                input_tokens=cost,
+                expected_output_tokens=0,
+                max_wait_ms=config.max_wait_ms,
+                deadline_s=context.time_remaining(),
+                lease_ttl_ms=config.lease_ttl_ms,
+            )
+        except InvalidArgument as exc:
+            self._metrics.invalid.labels("ShouldRateLimit").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raised already; this tells the type checker
+        decision = outcome.decision
+        self._metrics.acquire(
+            outcome.pool, qos_class, decision.admitted, decision.reason, outcome.waited_ms
+        )
+        if span is not None:
+            tracing.annotate_acquire(span, outcome)
+        return self._response(request, outcome, qos_class)
+
+    def _class_of(self, entries: dict[str, str]) -> str:
+        config = self._config
+        value = entries.get(config.class_key)
+        if value is None:
+            if config.default_class is None:
+                raise InvalidArgument(
+                    f"no descriptor entry {config.class_key!r} names the QoS class, and "
+                    "envoy_rls.default_class is not set"
+                )
+            return config.default_class
+        return config.class_aliases.get(value, value)
+
+    def _cost(self, entries: dict[str, str], hits: int) -> int:
+        config = self._config
+        if config.cost_key is not None and config.cost_key in entries:
+            raw = entries[config.cost_key]
+            limit = self._admission.config.limits.max_request_tokens
+            try:
+                cost = int(raw)
+            except ValueError:
+                cost = 0
+            if not 1 <= cost <= limit:
+                raise InvalidArgument(
+                    f"descriptor entry {config.cost_key!r} must be a whole number of tokens "
+                    f"from 1 to {limit} (got {raw[:40]!r})"
+                )
+            return cost
+        return max(1, math.ceil(hits * config.tokens_per_hit))
+
+    def _response(
+        self, request: rls.RateLimitRequest, outcome: AcquireOutcome, qos_class: str
+    ) -> rls.RateLimitResponse:
+        decision = outcome.decision
+        per_hit = self._config.tokens_per_hit
+        code = _OK if decision.admitted else _OVER_LIMIT
+        reason = Reason(decision.reason).name
+        self._metrics.envoy_rls.labels(rls.RateLimitResponse.Code.Name(code), reason).inc()
+        rate = self._admission.policy(outcome.pool, qos_class).rate
+        status = rls.RateLimitResponse.DescriptorStatus(
+            code=code,
+            current_limit=rls.RateLimitResponse.RateLimit(
+                name=f"{outcome.pool}/{qos_class}",
+                requests_per_unit=min(MAX_HITS, int(rate / per_hit)),
+                unit=rls.RateLimitResponse.RateLimit.SECOND,
+            ),
+            limit_remaining=min(MAX_HITS, max(0, int(decision.remaining / per_hit))),
+        )
+        response = rls.RateLimitResponse(overall_code=code)
+        if not decision.admitted:
+            retry_ms = decision.retry_after_ms
+            status.duration_until_reset.FromMilliseconds(retry_ms)
+            response.response_headers_to_add.add(key="retry-after", value=str(_seconds(retry_ms)))
+            response.response_headers_to_add.add(key="x-qosd-reason", value=reason)
+            response.raw_body = json.dumps(
+                {"error": "rate limited by qosd", "reason": reason, "pool": outcome.pool,
+                 "class": qos_class, "retry_after_ms": retry_ms, "message": outcome.message}
+            ).encode()  # fmt: skip
+        response.statuses.extend([status] * len(request.descriptors))
+        return response
+
+
+def _read(request: rls.RateLimitRequest) -> tuple[dict[str, str], int]:
+    """All descriptors' entries as one map, and the hits this request adds."""
+    if not request.descriptors:
+        raise InvalidArgument("descriptors: at least one descriptor is required")
+    entries: dict[str, str] = {}
+    hits = 0
+    for index, descriptor in enumerate(request.descriptors):
+        # The constraints of Envoy's own proto validation (min_items, min_len).
+        if not descriptor.entries:
+            raise InvalidArgument(f"descriptors[{index}]: at least one entry is required")
+        for entry in descriptor.entries:
+            if not entry.key or not entry.value:
+                raise InvalidArgument(
+                    f"descriptors[{index}]: entry keys and values must not be empty"
+                )
+            entries[entry.key] = entry.value
+        if descriptor.HasField("hits_addend"):
+            hits = max(hits, descriptor.hits_addend.value)
+    if not hits:
+        hits = request.hits_addend or 1
+    return entries, hits
+
+
+def _all(
+    request: rls.RateLimitRequest, code: rls.RateLimitResponse.Code.ValueType
+) -> rls.RateLimitResponse:
+    response = rls.RateLimitResponse(overall_code=code)
+    for _ in request.descriptors:
+        response.statuses.add(code=code)
+    return response
+
+
+def _seconds(milliseconds: int) -> int:
+    return max(1, math.ceil(milliseconds / 1000))
