@@ -5,6 +5,8 @@ the operator commands of ``qosctl`` (``status``, ``watch``, ``leases``, ``pin``,
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +16,9 @@ import uvloop
 from qosd import ctl, logs
 from qosd.config import Config, ConfigError, load_config
 from qosd.server import StartupError, serve
+from qosd_client import QosdClient
+from qosd_client.reporter import LatencyReporter
+from qosd_client.triton_metrics import TritonMetricsScraper
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=8001, help="gRPC port (0: a free one)")
     sim.add_argument("--metrics-port", type=int, default=8002, help="HTTP /metrics port")
+    sim.add_argument(
+        "--http-port", type=int, default=8000, help="KServe v2 HTTP/REST port (-1: none)"
+    )
     sim.add_argument("--model", default="llm", help="the model name it serves")
     sim.add_argument("--qosd", default="", metavar="ADDR", help="Report latencies to this qosd")
     sim.add_argument("--stream-every", type=int, default=0, help="stream a response every N tokens")
@@ -95,6 +103,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sim.add_argument("--ready-file", help="write {pid, port, metrics_port} as JSON once serving")
     sim.add_argument("--log-level", default="WARNING")
+
+    scrape = commands.add_parser(
+        "triton-scrape",
+        help="report latencies read from a Triton server's /metrics to qosd, for gateways "
+        "that cannot report (docs/integrations.md)",
+    )
+    scrape.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
+    scrape.add_argument("--qosd", default="127.0.0.1:50051", metavar="ADDR")
+    scrape.add_argument(
+        "--class", dest="classes", action="append", default=[], metavar="MODEL=CLASS",
+        help="the QoS class of a model's requests (repeatable)",
+    )  # fmt: skip
+    scrape.add_argument("--default-class", help="class of models not named by --class")
+    scrape.add_argument("--interval", type=float, default=5.0, help="seconds between reads")
+    scrape.add_argument("--max-samples", type=int, default=200, help="per model and read")
+    scrape.add_argument("--log-level", default="INFO")
 
     check = commands.add_parser("config", help="configuration tools").add_subparsers(
         dest="config_command", required=True
@@ -112,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "sim-triton":
         logs.configure(args.log_level)
         return _sim_triton(args)
+    if args.command == "triton-scrape":
+        logs.configure(args.log_level)
+        return _triton_scrape(args)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
@@ -161,12 +188,45 @@ def _sim_triton(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        http_port=None if args.http_port < 0 else args.http_port,
         model_name=args.model,
         gpu=gpu,
         qosd_target=args.qosd,
         stream_every=args.stream_every,
     )
     return serve_until_signalled(settings, args.ready_file)
+
+
+def _triton_scrape(args: argparse.Namespace) -> int:
+    """Runs the scraper until SIGINT or SIGTERM."""
+    classes: dict[str, str] = {}
+    for item in args.classes:
+        model, sep, qos_class = item.partition("=")
+        if not sep or not model or not qos_class:
+            print(f"qosd triton-scrape: --class wants MODEL=CLASS (got {item!r})", file=sys.stderr)
+            return 2
+        classes[model] = qos_class
+    if not classes and args.default_class is None:
+        print("qosd triton-scrape: name classes with --class or --default-class", file=sys.stderr)
+        return 2
+    if args.interval <= 0 or args.max_samples < 1:
+        print("qosd triton-scrape: --interval > 0 and --max-samples >= 1", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        async with QosdClient(args.qosd) as qos, LatencyReporter(qos) as reporter:
+            scraper = TritonMetricsScraper(
+                args.metrics_url, reporter, classes, default_class=args.default_class,
+                interval_s=args.interval, max_samples=args.max_samples,
+            )  # fmt: skip
+            await scraper.run(stop)
+
+    uvloop.run(main())
+    return 0
 
 
 def _parse_option(item: str) -> tuple[str, int | float | None]:

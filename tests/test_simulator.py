@@ -137,7 +137,7 @@ FAST = GpuModel(speed=4.0)  # the seed's timings / 4: a 32K prefill takes ~0.5 s
 @pytest.fixture(scope="module")
 def simulator() -> Iterator[tuple[str, str]]:
     with simulator_process(FAST) as addresses:
-        yield addresses
+        yield addresses.grpc, addresses.metrics_url
 
 
 def _inputs(input_tokens: int, output_tokens: int) -> list[triton.InferInput]:
@@ -262,7 +262,8 @@ async def test_bad_requests_get_clear_errors(simulator: tuple[str, str]) -> None
 
 async def test_a_32k_prefill_delays_other_streams_next_token() -> None:
     """The seed's stall, in real time: a short stream's token gap grows by the prefill."""
-    with simulator_process(FAST, stream_every=1) as (per_token, _):
+    with simulator_process(FAST, stream_every=1) as per_token_server:
+        per_token = per_token_server.grpc
         async with triton.InferenceServerClient(per_token) as client:
             short = asyncio.create_task(_stream_times(client, 300, 120))
             await asyncio.sleep(0.3)
@@ -326,10 +327,10 @@ async def test_reports_reach_qosd() -> None:
     }
     with (
         daemon_processes(tree) as (daemon,),
-        simulator_process(FAST, qosd_target=daemon.address) as (address, _),
+        simulator_process(FAST, qosd_target=daemon.address) as simulated,
     ):
         async with (
-            triton.InferenceServerClient(address) as client,
+            triton.InferenceServerClient(simulated.grpc) as client,
             QosdClient(daemon.address) as qos,
         ):
             await asyncio.gather(

@@ -26,6 +26,7 @@ from qosd_client.types import (
     Rejected,
     ReleaseResult,
     ReportResult,
+    SampleSink,
     Status,
     Unavailable,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "Rejected",
     "ReleaseResult",
     "ReportResult",
+    "SampleSink",
     "Status",
     "SyncQosdClient",
     "Unavailable",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class Reason(enum.IntEnum):
@@ -205,3 +206,10 @@ class Unavailable(QosdError):
 
 class DeadlineExceeded(QosdError):
     """The call's deadline passed before qosd answered."""
+
+
+class SampleSink(Protocol):
+    """Where samples go: ``LatencyReporter``, ``ThreadedLatencyReporter``, or a list's
+    wrapper in a test. ``record`` must never block or raise."""
+
+    def record(self, sample: LatencySample) -> None: ...

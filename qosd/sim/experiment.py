@@ -48,11 +48,18 @@ class Policy(Enum):
     QOSD = "qosd"  # qosd in full: buckets, waiting room and the SLO loop
 
 
+@dataclass(frozen=True)
+class SimulatorAddresses:
+    grpc: str  # HOST:PORT, for tritonclient.grpc
+    http: str  # HOST:PORT, for tritonclient.http
+    metrics_url: str  # Triton's /metrics
+
+
 @contextlib.contextmanager
 def simulator_process(
     gpu: GpuModel, *, qosd_target: str = "", stream_every: int = 0, timeout_s: float = 20.0
-) -> Iterator[tuple[str, str]]:
-    """Runs ``qosd sim-triton`` as a child; yields (gRPC address, metrics URL)."""
+) -> Iterator[SimulatorAddresses]:
+    """Runs ``qosd sim-triton`` as a child on free ports."""
     options = [f"--gpu={name}={getattr(gpu, name)}" for name in gpu.__dataclass_fields__]
     with tempfile.TemporaryDirectory(prefix="qosd-sim-") as directory:
         ready = Path(directory) / "ready.json"
@@ -60,8 +67,8 @@ def simulator_process(
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "qosd.cli", "sim-triton", "--port", "0",
-                 "--metrics-port", "0", "--ready-file", str(ready), "--model", MODEL,
-                 "--stream-every", str(stream_every),
+                 "--metrics-port", "0", "--http-port", "0", "--ready-file", str(ready),
+                 "--model", MODEL, "--stream-every", str(stream_every),
                  *(["--qosd", qosd_target] if qosd_target else []), *options],
                 stdout=log,
                 stderr=log,
@@ -73,9 +80,10 @@ def simulator_process(
                     raise RuntimeError(f"simulated Triton failed: {log_path.read_text()[-2000:]}")
                 time.sleep(0.02)
             ports = json.loads(ready.read_text())
-            yield (
-                f"127.0.0.1:{ports['port']}",
-                f"http://127.0.0.1:{ports['metrics_port']}/metrics",
+            yield SimulatorAddresses(
+                grpc=f"127.0.0.1:{ports['port']}",
+                http=f"127.0.0.1:{ports['http_port']}",
+                metrics_url=f"http://127.0.0.1:{ports['metrics_port']}/metrics",
             )
         finally:
             if process.poll() is None:
@@ -351,12 +359,12 @@ def run_policy(
 ) -> PolicyRun:
     """Starts the parts a policy needs, replays the workload, stops everything."""
     if policy is Policy.FIFO:
-        with simulator_process(gpu) as (triton_address, _):
+        with simulator_process(gpu) as simulator:
             return uvloop.run(
                 _replay(
                     policy,
                     workload,
-                    triton_address=triton_address,
+                    triton_address=simulator.grpc,
                     qosd_address=None,
                     drain_s=drain_s,
                     on_record=on_record,
@@ -374,13 +382,13 @@ def run_policy(
     )
     with (
         daemon_processes(tree) as (daemon,),
-        simulator_process(gpu, qosd_target=daemon.address) as (triton_address, _),
+        simulator_process(gpu, qosd_target=daemon.address) as simulator,
     ):
         return uvloop.run(
             _replay(
                 policy,
                 workload,
-                triton_address=triton_address,
+                triton_address=simulator.grpc,
                 qosd_address=daemon.address,
                 drain_s=drain_s,
                 on_record=on_record,

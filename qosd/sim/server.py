@@ -33,10 +33,13 @@ from typing import Any
 
 import grpc
 import uvloop
+from aiohttp import web
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from qosd.server import write_ready_file
+from qosd.sim.errors import BadRequest
 from qosd.sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
+from qosd.sim.http_api import kserve_http_app
 from qosd.sim.metrics import TritonMetrics, serve_metrics
 from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
@@ -122,12 +125,6 @@ class RealTimeGpu:
                 self.engine.cancel(sequence)
                 self._queues.pop(sequence, None)
                 self._stream_every.pop(sequence, None)
-
-
-class BadRequest(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +277,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
             response.parameters["triton_final_response"].bool_param = final
         return response
 
-    async def _serve(
+    async def serve(
         self, request: service_pb2.ModelInferRequest, stream_every: int, traceparent: str = ""
     ) -> AsyncIterator[tuple[int, bool]]:
         """Runs one request on the GPU; yields (tokens since last, final)."""
@@ -346,7 +343,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
     ) -> service_pb2.ModelInferResponse:
         total = 0
         try:
-            async for tokens, _ in self._serve(request, 0, _traceparent(context)):
+            async for tokens, _ in self.serve(request, 0, _traceparent(context)):
                 total += tokens
         except BadRequest as error:
             self.metrics.failure(self.model_name, "REJECTED")
@@ -377,7 +374,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         async def one(request: service_pb2.ModelInferRequest) -> None:
             empty_final = _bool_parameter(request, "triton_enable_empty_final_response")
             try:
-                async for tokens, final in self._serve(request, self.stream_every, traceparent):
+                async for tokens, final in self.serve(request, self.stream_every, traceparent):
                     response = self._response(request, tokens, final=final and not empty_final)
                     outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
                 if empty_final:
@@ -419,6 +416,7 @@ class SimulatorSettings:
     host: str = "127.0.0.1"
     port: int = 8001  # Triton's gRPC port
     metrics_port: int = 8002  # Triton's metrics port; 0 picks a free one
+    http_port: int | None = 8000  # KServe v2 HTTP/REST, Triton's port; None: no HTTP
     model_name: str = "llm"
     gpu: GpuModel = field(default_factory=GpuModel)
     qosd_target: str = ""  # where to Report latencies; empty: do not report
@@ -433,9 +431,9 @@ async def run_simulator(
     settings: SimulatorSettings,
     *,
     stop: asyncio.Event,
-    ready: asyncio.Future[tuple[int, int]] | None = None,
+    ready: asyncio.Future[tuple[int, int, int | None]] | None = None,
 ) -> None:
-    """Serves until ``stop`` is set; ``ready`` gets the (grpc, metrics) ports bound.
+    """Serves until ``stop`` is set; ``ready`` gets the (grpc, metrics, HTTP) ports.
 
     Raises StartupError, with everything it started stopped again, when it cannot bind.
     """
@@ -454,10 +452,18 @@ async def run_simulator(
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     http = None
+    rest: web.AppRunner | None = None
+    rest_port: int | None = None
     try:
         try:
             port = server.add_insecure_port(f"{settings.host}:{settings.port}")
             http = serve_metrics(metrics, settings.host, settings.metrics_port)
+            if settings.http_port is not None:
+                rest = web.AppRunner(kserve_http_app(servicer), access_log=None)
+                await rest.setup()
+                site = web.TCPSite(rest, settings.host, settings.http_port, reuse_port=False)
+                await site.start()
+                rest_port = rest.addresses[0][1]
         except (OSError, RuntimeError) as exc:
             raise StartupError(f"cannot listen on {settings.host}: {exc}") from exc
         gpu.start()
@@ -465,10 +471,12 @@ async def run_simulator(
             reporter.start()
         await server.start()
         if ready is not None:
-            ready.set_result((port, http.server_address[1]))
+            ready.set_result((port, http.server_address[1], rest_port))
         await stop.wait()
     finally:
         await server.stop(grace=1.0)
+        if rest is not None:
+            await rest.cleanup()
         await gpu.stop()
         if http is not None:
             await asyncio.to_thread(http.shutdown)
@@ -490,7 +498,7 @@ def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = 
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        ready: asyncio.Future[tuple[int, int]] = loop.create_future()
+        ready: asyncio.Future[tuple[int, int, int | None]] = loop.create_future()
         runner = asyncio.create_task(run_simulator(settings, stop=stop, ready=ready))
         either: set[asyncio.Future[Any]] = {runner, ready}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -501,14 +509,17 @@ def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = 
                 print(f"qosd sim-triton: {exc}", file=sys.stderr, flush=True)
                 return 1
             return 0
-        port, metrics_port = ready.result()
+        port, metrics_port, http_port = ready.result()
+        rest = f", HTTP {settings.host}:{http_port}" if http_port is not None else ""
         print(
-            f"simulated Triton: gRPC {settings.host}:{port}, "
+            f"simulated Triton: gRPC {settings.host}:{port}{rest}, "
             f"metrics http://{settings.host}:{metrics_port}/metrics",
             flush=True,
         )
         if ready_file:
-            write_ready_file(ready_file, {"port": port, "metrics_port": metrics_port})
+            write_ready_file(
+                ready_file, {"port": port, "metrics_port": metrics_port, "http_port": http_port}
+            )
         await runner
         return 0
 

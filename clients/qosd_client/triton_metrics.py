@@ -1,0 +1,232 @@
+"""Scraper mode: latency samples from a Triton server's ``/metrics``, for setups where
+the gateway cannot be changed to report.
+
+Triton exposes cumulative counters per model and version: successes and failures,
+request duration in microseconds, and (decoupled models, or with
+``--metrics-config histogram_latencies=true``) the first-response histogram in
+milliseconds. Every ``interval_s`` the scraper reads them, takes the difference from
+the last read, and turns it into samples for the model's class:
+
+- one sample per request that finished in the interval (scaled down to
+  ``max_samples`` when more did, keeping the proportions), all with the interval's
+  mean end-to-end latency (Triton only gives sums);
+- TTFTs spread over the histogram's buckets in proportion to their counts, each at
+  its bucket's upper bound (pessimistic: a request in the 100–500 ms bucket counts as
+  500 ms); requests above the last finite bound count as twice that bound;
+- failures (``nv_inference_request_failure``, any reason) as ERROR samples.
+
+No TPOT: Triton's metrics do not carry tokens. A counter that went down means the
+server restarted, and its new values are the difference. The first read only sets
+the baseline. Samples go to a reporter (``LatencyReporter``) like any others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from qosd_client.types import LatencySample, Outcome, SampleSink
+
+log = logging.getLogger("qosd_client.triton_metrics")
+
+SUCCESS = "nv_inference_request_success"
+FAILURE = "nv_inference_request_failure"
+DURATION = "nv_inference_request_duration_us"
+FIRST_RESPONSE = "nv_inference_first_response_histogram_ms"
+
+
+@dataclass
+class ModelCounters:
+    """One model's counters at one read, summed over its versions."""
+
+    success: float = 0.0
+    failure: float = 0.0
+    duration_us: float = 0.0
+    # Cumulative bucket counts by upper bound (math.inf for +Inf).
+    first_response: dict[float, float] = field(default_factory=dict)
+
+
+def parse_triton_metrics(text: str) -> dict[str, ModelCounters]:
+    """Triton's exposition text, per model. Other metrics are ignored.
+
+    Samples are matched by name, not by the family a ``# TYPE`` line declares, so the
+    form Triton's documentation shows (bucket lines named like the histogram, without
+    ``_bucket``) reads the same as what the server writes."""
+    models: dict[str, ModelCounters] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None:
+                continue
+            counters = models.setdefault(model, ModelCounters())
+            name = sample.name.removesuffix("_total")
+            if name == SUCCESS:
+                counters.success += sample.value
+            elif name == FAILURE:
+                counters.failure += sample.value
+            elif name == DURATION:
+                counters.duration_us += sample.value
+            elif name in (f"{FIRST_RESPONSE}_bucket", FIRST_RESPONSE) and "le" in sample.labels:
+                bound = float(sample.labels["le"])
+                counters.first_response[bound] = (
+                    counters.first_response.get(bound, 0.0) + sample.value
+                )
+    return models
+
+
+def _delta(after: float, before: float, reset: bool) -> float:
+    return after if reset else max(0.0, after - before)
+
+
+def samples_between(
+    before: ModelCounters,
+    after: ModelCounters,
+    *,
+    model: str,
+    qos_class: str,
+    max_samples: int = 200,
+) -> list[LatencySample]:
+    """The samples one model's counters imply between two reads."""
+    reset = after.success < before.success or after.duration_us < before.duration_us
+    succeeded = _delta(after.success, before.success, reset)
+    failed = _delta(after.failure, before.failure, reset or after.failure < before.failure)
+    if succeeded < 1 and failed < 1:
+        return []
+    mean_e2e_ms = _delta(after.duration_us, before.duration_us, reset) / 1000 / max(succeeded, 1)
+    scale = min(1.0, max_samples / (succeeded + failed))
+    ok_count = round(succeeded * scale)
+    error_count = max(1, round(failed * scale)) if failed >= 1 else 0
+    ttfts: list[float | None] = [*_spread(_bucket_deltas(before, after, reset), ok_count)]
+    samples = [
+        LatencySample(model, qos_class, ttft_ms=ttft, e2e_ms=mean_e2e_ms)
+        for ttft in (ttfts or [None] * ok_count)
+    ]
+    samples.extend(
+        LatencySample(model, qos_class, e2e_ms=mean_e2e_ms, status=Outcome.ERROR)
+        for _ in range(error_count)
+    )
+    return samples
+
+
+def _bucket_deltas(
+    before: ModelCounters, after: ModelCounters, reset: bool
+) -> list[tuple[float, float]]:
+    """(TTFT to count as, requests) per histogram bucket, in the interval."""
+    bounds = sorted(after.first_response)
+    finite = [bound for bound in bounds if math.isfinite(bound)]
+    deltas: list[tuple[float, float]] = []
+    previous = 0.0
+    for bound in bounds:
+        cumulative = _delta(after.first_response[bound], before.first_response.get(bound, 0.0),
+                            reset)  # fmt: skip
+        count = cumulative - previous
+        previous = cumulative
+        if count > 0:
+            value = bound if math.isfinite(bound) else 2 * (finite[-1] if finite else 1000.0)
+            deltas.append((value, count))
+    return deltas
+
+
+def _spread(buckets: list[tuple[float, float]], count: int) -> list[float]:
+    """``count`` values distributed over the buckets in proportion to their counts."""
+    total = sum(n for _, n in buckets)
+    if not buckets or total <= 0 or count <= 0:
+        return []
+    values: list[float] = []
+    cumulative = 0.0
+    index = 0
+    for i in range(count):
+        quantile = (i + 0.5) / count * total
+        while index < len(buckets) - 1 and cumulative + buckets[index][1] < quantile:
+            cumulative += buckets[index][1]
+            index += 1
+        values.append(buckets[index][0])
+    return values
+
+
+@dataclass(slots=True)
+class ScraperStats:
+    reads: int = 0
+    failed_reads: int = 0
+    samples: int = 0
+    unmapped_models: int = 0  # models with no class (and no default class)
+
+
+class TritonMetricsScraper:
+    """Reads ``url`` every ``interval_s`` and records samples into ``sink``.
+
+    ``classes`` maps model names to QoS classes; models it does not name use
+    ``default_class``, or are skipped when that is None.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        sink: SampleSink,
+        classes: Mapping[str, str],
+        *,
+        default_class: str | None = None,
+        interval_s: float = 5.0,
+        max_samples: int = 200,
+        timeout_s: float = 2.0,
+    ) -> None:
+        if interval_s <= 0 or max_samples < 1:
+            raise ValueError("need interval_s > 0 and max_samples >= 1")
+        self._url = url
+        self._sink = sink
+        self._classes = dict(classes)
+        self._default_class = default_class
+        self._interval_s = interval_s
+        self._max_samples = max_samples
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._last: dict[str, ModelCounters] | None = None
+        self.stats = ScraperStats()
+
+    async def scrape_once(self, session: aiohttp.ClientSession) -> list[LatencySample]:
+        """One read; returns (and records) the samples since the previous one."""
+        try:
+            async with session.get(self._url, timeout=self._timeout) as response:
+                response.raise_for_status()
+                text = await response.text()
+            current = parse_triton_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            self.stats.failed_reads += 1
+            log.warning("reading %s failed: %r", self._url, error)
+            return []
+        self.stats.reads += 1
+        samples = self.samples_since_last(current)
+        for sample in samples:
+            self._sink.record(sample)
+        self.stats.samples += len(samples)
+        return samples
+
+    def samples_since_last(self, current: dict[str, ModelCounters]) -> list[LatencySample]:
+        last, self._last = self._last, current
+        if last is None:
+            return []  # the first read is the baseline
+        samples: list[LatencySample] = []
+        for model, after in current.items():
+            qos_class = self._classes.get(model, self._default_class)
+            if qos_class is None:
+                self.stats.unmapped_models += 1
+                continue
+            samples += samples_between(
+                last.get(model, ModelCounters()), after,
+                model=model, qos_class=qos_class, max_samples=self._max_samples,
+            )  # fmt: skip
+        return samples
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Scrapes until ``stop`` is set."""
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                await self.scrape_once(session)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._interval_s)
