@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint unit bench proto clean
+.PHONY: demo test lint unit bench proto check-image clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "qosd needs Python 3.11+"'
@@ -22,6 +22,7 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile
 	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh --check
 
 unit: $(BIN)/.installed
@@ -30,8 +31,11 @@ unit: $(BIN)/.installed
 bench: $(BIN)/.installed  ## needs h2load (apt-get install nghttp2-client)
 	$(BIN)/python benchmarks/decisions.py --json results/decisions.json
 
+check-image: $(BIN)/.installed  ## hadolint, then the Dockerfile's steps without Docker
+	PATH=$(CURDIR)/$(BIN):$$PATH python3 scripts/check_docker.py
+
 proto: $(BIN)/.installed
 	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache results
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache results

@@ -1,6 +1,6 @@
-"""``qosd`` command line: ``serve``, ``demo``, ``sim-triton``, ``config check``, and
-the operator commands of ``qosctl`` (``status``, ``watch``, ``leases``, ``pin``,
-``unpin``; qosd.ctl)."""
+"""``qosd`` command line: ``serve``, ``demo``, ``sim-triton``, ``triton-scrape``,
+``config check``, and the operator commands of ``qosctl`` (``status``, ``watch``,
+``leases``, ``pin``, ``unpin``, ``health``; qosd.ctl)."""
 
 from __future__ import annotations
 

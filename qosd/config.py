@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -112,6 +113,9 @@ class WaitingConfig(_Strict):
 
 class RedisConfig(_Strict):
     url: str | None = None
+    # Wins over a password in the URL; from a Kubernetes Secret through
+    # $QOSD_REDIS_PASSWORD, so the URL in a ConfigMap carries none. Never printed.
+    password: SecretStr | None = None
     mode: RedisMode = RedisMode.STANDALONE
     key_prefix: str = "qosd"
     timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 100
@@ -551,6 +555,7 @@ def parse_listen_address(address: str) -> ListenAddress:
 # Environment variables that override single settings, mapped to their field path.
 ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_REDIS_URL": ("redis", "url"),
+    "QOSD_REDIS_PASSWORD": ("redis", "password"),
     "QOSD_REDIS_MODE": ("redis", "mode"),
     "QOSD_REDIS_TIMEOUT_MS": ("redis", "timeout_ms"),
     "QOSD_REDIS_KEY_PREFIX": ("redis", "key_prefix"),

@@ -17,6 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from qosd.config import ConfigError, load_config
 from qosd_client import ClassState, PoolState, QosdError, Status, SyncQosdClient
 
@@ -58,8 +61,18 @@ def add_commands(commands: Any) -> None:
     address(unpin)
     unpin.add_argument("pool")
 
+    check = commands.add_parser(
+        "health",
+        help="exit 0 if the daemon's gRPC health is SERVING, else 1 (for container "
+        "healthchecks and exec probes)",
+    )
+    address(check)
+    check.add_argument("--service", default="", help="health service name ('' = the daemon)")
+
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "health":
+        return _health(args)
     try:
         with SyncQosdClient(args.address, timeout_s=args.timeout) as client:
             if args.command == "status":
@@ -100,7 +113,22 @@ def _watch(client: SyncQosdClient, args: argparse.Namespace) -> None:
         time.sleep(args.interval)
 
 
-COMMANDS = ("status", "watch", "leases", "pin", "unpin")
+def _health(args: argparse.Namespace) -> int:
+    """The standard gRPC health check, so an image needs no extra probe binary."""
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as error:
+            print(f"qosctl health: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(name)
+    return 0 if answer.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+COMMANDS = ("status", "watch", "leases", "pin", "unpin", "health")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,7 +51,7 @@ def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float
             raise RuntimeError(f"redis-server on port {port} exited with {process.returncode}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
             s.sendall(b"PING\r\n")
-            if s.recv(64).startswith(b"+PONG"):
+            if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # up (NOAUTH: requirepass)
                 return
         time.sleep(0.02)
     raise RuntimeError(f"redis-server on port {port} did not answer within {timeout_s}s")

@@ -47,6 +47,10 @@ def test_status_watch_leases_pin_unpin() -> None:
         assert "PINNED" not in qosctl("unpin", *address, "default").stdout
         unknown = qosctl("pin", *address, "nope", "8000")
         assert unknown.returncode == 1 and "nope" in unknown.stderr
+        healthy = qosctl("health", *address)
+        assert healthy.returncode == 0 and healthy.stdout.strip() == "SERVING"
+        no_such = qosctl("health", *address, "--service", "nope.Service")
+        assert no_such.returncode == 1 and "NOT_FOUND" in no_such.stderr
 
 
 @pytest.mark.parametrize(
@@ -67,3 +71,5 @@ def test_config_check(tmp_path: Path, text: str, code: int, expected: str) -> No
 def test_unreachable_daemon_is_a_clear_error() -> None:
     down = qosctl("status", "--address", "127.0.0.1:1", "--timeout", "0.5")
     assert down.returncode == 1 and down.stderr.startswith("qosctl status:")
+    unhealthy = qosctl("health", "--address", "127.0.0.1:1", "--timeout", "0.5")
+    assert unhealthy.returncode == 1 and "UNAVAILABLE" in unhealthy.stderr

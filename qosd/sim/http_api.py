@@ -11,21 +11,31 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from aiohttp import web
 from tritonclient.grpc import service_pb2
 
 from qosd.sim.errors import BadRequest
+from qosd.sim.metrics import TritonMetrics
 
-if TYPE_CHECKING:
-    from qosd.sim.server import SimulatedTriton
+
+class InferenceBackend(Protocol):
+    """What the HTTP front end needs of the server (``SimulatedTriton``)."""
+
+    model_name: str
+    metrics: TritonMetrics
+
+    def serve(
+        self, request: service_pb2.ModelInferRequest, stream_every: int, traceparent: str = ""
+    ) -> AsyncIterator[tuple[int, bool]]: ...
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OUTPUT = "token_count"
 
 
-def kserve_http_app(servicer: SimulatedTriton) -> web.Application:
+def kserve_http_app(servicer: InferenceBackend) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.Response()
 

@@ -89,6 +89,7 @@ class RedisStore:
             timeout_s=config.timeout_ms / 1000,
             connect_timeout_s=config.connect_timeout_ms / 1000,
             connections_per_node=config.connections_per_node,
+            password=config.password.get_secret_value() if config.password else None,
         )
         names = (
             "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",

@@ -241,8 +241,9 @@ class RespClient:
 
     def __init__(
         self, url: str, *, cluster: bool, timeout_s: float, connect_timeout_s: float,
-        connections_per_node: int = 2,
+        connections_per_node: int = 2, password: str | None = None,
     ) -> None:  # fmt: skip
+        """``password`` wins over one in ``url``."""
         options = parse_url(url)
         context = None
         if url.startswith("rediss://"):
@@ -252,7 +253,7 @@ class RespClient:
                 context.verify_mode = ssl.CERT_NONE
         self._settings = ConnectionSettings(
             username=options.get("username"),
-            password=options.get("password"),
+            password=password if password is not None else options.get("password"),
             db=int(options.get("db", 0) or 0),
             ssl_context=context,
             connect_timeout_s=connect_timeout_s,

@@ -1,0 +1,18 @@
+#!/bin/sh
+# Installs qosd into a new virtual environment at TARGET from the source tree SOURCE.
+#
+# This is the Dockerfile's build step, kept in a script of its own so that CI runs
+# exactly these commands on a machine with no Docker engine
+# (scripts/check_docker.sh). Everything qosd needs ships as wheels: no compiler.
+#
+#   docker/install.sh TARGET [SOURCE]
+set -eu
+target=$1
+source=${2:-.}
+python3 -m venv "$target"
+"$target/bin/pip" install --no-cache-dir --disable-pip-version-check "$source"
+# The runtime image needs neither pip nor setuptools: fewer files, nothing to install with.
+"$target/bin/pip" uninstall --yes --quiet pip setuptools
+# Fail the build, not the pod, if the install is broken.
+"$target/bin/qosd" config check /dev/null > /dev/null
+"$target/bin/python" -c "import qosd.server, qosd_client.triton_metrics"

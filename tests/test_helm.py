@@ -1,0 +1,192 @@
+"""The Helm chart, with a real helm binary: lint, render each mode and value set,
+validate the manifests offline against Kubernetes 1.30's schemas, and check that the
+config the chart renders is one qosd accepts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "qosd"
+GATEWAY = ROOT / "helm" / "examples" / "gateway"
+VALUE_SETS = sorted((CHART / "ci").glob("*.yaml"))
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    """.tools/helm, fetched by scripts/get_helm.sh when missing."""
+    binary = ROOT / ".tools" / "helm"
+    if not binary.exists():
+        subprocess.run([str(ROOT / "scripts" / "get_helm.sh")], check=True)
+    return str(binary)
+
+
+def run(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def render(helm: str, chart: Path, *options: str) -> list[dict[str, Any]]:
+    rendered = run(helm, "template", "rel", str(chart), *options)
+    assert rendered.returncode == 0, rendered.stderr
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+def by_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in documents if doc["kind"] == kind]
+
+
+def validate(documents: list[dict[str, Any]], tmp_path: Path) -> None:
+    manifests = tmp_path / "manifests.yaml"
+    manifests.write_text(yaml.safe_dump_all(documents))
+    checked = run(str(BIN / "kubernetes-validate"), "-k", "1.30.0", "--strict", "--quiet",
+                  str(manifests))  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def check_config_with_qosd(documents: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
+    (config_map,) = by_kind(documents, "ConfigMap")
+    path = tmp_path / "qosd.yaml"
+    path.write_text(config_map["data"]["qosd.yaml"])
+    checked = run(str(BIN / "qosd"), "config", "check", str(path))
+    assert checked.returncode == 0, checked.stderr
+    config: dict[str, Any] = yaml.safe_load(path.read_text())
+    return config
+
+
+def qosd_containers(documents: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for deployment in by_kind(documents, "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            if container["name"] == "qosd":
+                yield container
+
+
+def assert_hardened(container: dict[str, Any]) -> None:
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["runAsNonRoot"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["resources"]["limits"]["memory"]
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS], ids=lambda v: v.stem if v else "defaults")
+def test_lint_render_validate(helm: str, values: Path | None, tmp_path: Path) -> None:
+    options = ["-f", str(values)] if values else []
+    linted = run(helm, "lint", "--strict", str(CHART), *options)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    documents = render(helm, CHART, *options)
+    validate(documents, tmp_path)
+    config = check_config_with_qosd(documents, tmp_path)
+    assert config["logging"]["format"] == "json"
+    assert config["server"]["http_listen"] == "0.0.0.0:9464"
+    for container in qosd_containers(documents):
+        assert_hardened(container)
+
+
+def test_standalone_with_redis_and_otel(helm: str, tmp_path: Path) -> None:
+    documents = render(helm, CHART, "-f", str(CHART / "ci" / "standalone-redis.yaml"))
+    config = check_config_with_qosd(documents, tmp_path)
+    assert config["redis"] == {"url": "redis://redis-cluster.data:6379/0", "mode": "cluster"}
+    assert config["tracing"] == {
+        "enabled": True,
+        "endpoint": "http://otel-collector.observability:4317",
+        "sample_ratio": 0.05,
+        "service_name": "qosd",
+        "resource_attributes": {"deployment.environment": "prod"},
+    }
+    assert config["envoy_rls"]["default_class"] == "P1"
+    (deployment,) = by_kind(documents, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["annotations"]["checksum/config"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["spec"]["containers"]
+    env = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in container["env"]}
+    assert env["QOSD_REDIS_PASSWORD"] == {"name": "qosd-redis", "key": "password"}
+    assert env["OTEL_EXPORTER_OTLP_HEADERS"]["name"] == "qosd-otel"
+    assert "password" not in yaml.safe_dump(config)  # the Secret, not the ConfigMap
+    (service,) = by_kind(documents, "Service")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051, "http": 9464}
+    (pdb,) = by_kind(documents, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    (monitor,) = by_kind(documents, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_trial_redis(helm: str, tmp_path: Path) -> None:
+    documents = render(helm, CHART, "-f", str(CHART / "ci" / "standalone-trial.yaml"))
+    config = check_config_with_qosd(documents, tmp_path)
+    assert config["redis"]["url"] == "redis://rel-qosd-redis:6379/0"
+    names = {doc["metadata"]["name"] for doc in by_kind(documents, "Service")}
+    assert names == {"rel-qosd", "rel-qosd-redis"}
+
+
+def test_sidecar_mode_renders_only_the_config(helm: str, tmp_path: Path) -> None:
+    documents = render(helm, CHART, "-f", str(CHART / "ci" / "sidecar-socket.yaml"))
+    assert sorted(doc["kind"] for doc in documents) == ["ConfigMap", "PodMonitor"]
+    config = check_config_with_qosd(documents, tmp_path)
+    assert config["server"]["listen"] == ["unix:///var/run/qosd/qosd.sock"]
+    (monitor,) = by_kind(documents, "PodMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "gateway"}
+
+
+def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> None:
+    """An example gateway chart with qosd as a dependency includes the sidecar."""
+    work = tmp_path / "gateway"
+    shutil.copytree(GATEWAY, work, ignore=shutil.ignore_patterns("charts", "Chart.lock"))
+    (work / "Chart.yaml").write_text(
+        (work / "Chart.yaml").read_text().replace("file://../../qosd", f"file://{CHART}")
+    )
+    built = run(helm, "dependency", "build", str(work))
+    assert built.returncode == 0, built.stderr
+    linted = run(helm, "lint", "--strict", str(work))
+    assert linted.returncode == 0, linted.stdout
+    documents = render(helm, work)
+    validate(documents, tmp_path)
+    check_config_with_qosd(documents, tmp_path)
+    (deployment,) = by_kind(documents, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    gateway, qosd = pod["containers"]
+    assert (gateway["name"], qosd["name"]) == ("gateway", "qosd")
+    assert_hardened(qosd)
+    # Both mount the socket directory; the ConfigMap is the subchart's.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["qosd-socket"] == {"name": "qosd-socket", "emptyDir": {}}
+    assert volumes["qosd-config"]["configMap"]["name"] == "rel-qosd"
+    for container in (gateway, qosd):
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["qosd-socket"] == "/var/run/qosd"
+    # No gRPC port on the pod: the sidecar listens on the socket only.
+    assert [p["name"] for p in qosd["ports"]] == ["qosd-http"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/qosd-config"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--set", "replicaCount=3"], "replicaCount > 1 needs redis.url"),
+        (["--set", "redis.url=redis://r:6379/0", "--set", "redis.trial.enabled=true"],
+         "not both"),
+        (["--set", "mode=daemonset"], "mode"),
+        (["--set", "redis.url=http://redis:6379"], "/redis/url"),
+        (["--set", "mode=sidecar", "--set", "serviceMonitor.enabled=true"], "podSelector"),
+        (["--set", "otel.sampleRatio=2"], "sampleRatio"),
+    ],
+)  # fmt: skip
+def test_values_that_cannot_work_are_refused(helm: str, options: list[str], message: str) -> None:
+    rendered = run(helm, "template", "rel", str(CHART), *options)
+    assert rendered.returncode != 0
+    assert message in rendered.stderr
