@@ -10,6 +10,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY qosd ./qosd
 COPY clients ./clients
+COPY docker/constraints.txt ./docker/
 COPY docker/install.sh /usr/local/bin/qosd-install
 RUN ["/usr/local/bin/qosd-install", "/opt/qosd", "/src"]
 

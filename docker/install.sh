@@ -10,7 +10,12 @@ set -eu
 target=$1
 source=${2:-.}
 python3 -m venv "$target"
-"$target/bin/pip" install --no-cache-dir --disable-pip-version-check "$source"
+constraints=""
+if [ -f "$source/docker/constraints.txt" ]; then
+  constraints="--constraint $source/docker/constraints.txt"
+fi
+# shellcheck disable=SC2086  # $constraints is empty or two words
+"$target/bin/pip" install --no-cache-dir --disable-pip-version-check $constraints "$source"
 # The runtime image needs neither pip nor setuptools: fewer files, nothing to install with.
 "$target/bin/pip" uninstall --yes --quiet pip setuptools
 # Fail the build, not the pod, if the install is broken.

@@ -342,8 +342,8 @@ class EnvoyRlsConfig(_Strict):
     model_key: str = "model"
     # Values Envoy sends mapped to class names, e.g. {"realtime": "P0"}.
     class_aliases: dict[str, str] = Field(default_factory=dict)
-    # Class for requests without a class entry; None: they are refused
-    # (INVALID_ARGUMENT, which Envoy's failure_mode_deny then decides on).
+    # Class for requests without a class entry; None: they are refused (OVER_LIMIT
+    # with x-qosd-reason INVALID_REQUEST).
     default_class: str | None = None
     # An entry whose value is the request's cost in tokens (e.g. a header with the
     # prompt's token count); None or absent: hits_addend × tokens_per_hit.

@@ -12,7 +12,9 @@ the gateway. A ``ShouldRateLimit`` request becomes one Acquire:
   else the request's, else 1) times ``tokens_per_hit``;
 - OK or OVER_LIMIT for the request and each descriptor, with ``limit_remaining`` (in
   hits), ``duration_until_reset`` (the retry-after), a ``retry-after`` header and a
-  JSON body saying why.
+  JSON body saying why;
+- OVER_LIMIT (``x-qosd-reason: INVALID_REQUEST``) for a request qosd cannot interpret:
+  an error status would let it through, since Envoy admits on errors by default.
 
 There is no Release in this protocol, so the lease ends on its own after
 ``envoy_rls.lease_ttl_ms`` and the estimate stands as the cost. The wire messages are
@@ -39,6 +41,7 @@ MIRROR_SERVICE = rls.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 _OK = rls.RateLimitResponse.OK
 _OVER_LIMIT = rls.RateLimitResponse.OVER_LIMIT
 MAX_HITS = 2**32 - 1
+INVALID_REQUEST = "INVALID_REQUEST"
 
 
 class EnvoyRateLimitService:
@@ -81,9 +84,12 @@ class EnvoyRateLimitService:
                 lease_ttl_ms=config.lease_ttl_ms,
             )
         except InvalidArgument as exc:
+            # OVER_LIMIT, not an error status: Envoy lets a request through when its
+            # rate limit call fails (failure_mode_deny is false by default), so an
+            # error would let any caller skip admission with a bad header.
             self._metrics.invalid.labels("ShouldRateLimit").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # abort raised already; this tells the type checker
+            self._metrics.envoy_rls.labels("OVER_LIMIT", INVALID_REQUEST).inc()
+            return _refused(request, str(exc))
         decision = outcome.decision
         self._metrics.acquire(
             outcome.pool, qos_class, decision.admitted, decision.reason, outcome.waited_ms
@@ -182,6 +188,19 @@ def _all(
     response = rls.RateLimitResponse(overall_code=code)
     for _ in request.descriptors:
         response.statuses.add(code=code)
+    return response
+
+
+def _refused(request: rls.RateLimitRequest, message: str) -> rls.RateLimitResponse:
+    """OVER_LIMIT for a request qosd cannot interpret, saying why (Envoy sends
+    ``raw_body`` as its 429's body)."""
+    response = _all(request, _OVER_LIMIT)
+    response.response_headers_to_add.add(key="x-qosd-reason", value=INVALID_REQUEST)
+    response.raw_body = json.dumps(
+        {"error": "refused by qosd", "reason": INVALID_REQUEST, "message": message}
+    ).encode()
+    if not request.descriptors:
+        response.statuses.add(code=_OVER_LIMIT)
     return response
 
 

@@ -43,6 +43,9 @@ QOS_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
 ADMIN_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
+UNIX_SOCKET_MODE = 0o660
+
+
 class StartupError(RuntimeError):
     """The daemon cannot start as configured (for example, a port is taken)."""
 
@@ -190,6 +193,10 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             await store.close()
             raise StartupError(f"cannot listen on {config.server.http_listen}: {exc}") from exc
     await server.start()
+    for path in daemon.unix_paths:
+        # Group-writable, so a gateway in another container of the pod (another uid,
+        # the pod's fsGroup) can connect; the socket's directory bounds who sees it.
+        os.chmod(path, UNIX_SOCKET_MODE)
     if config.control.enabled:
         controller.start()
     await monitor.start()

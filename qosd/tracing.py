@@ -20,9 +20,9 @@ Tracing that is off wraps no handler and creates no spans: the hot path pays one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -64,7 +64,10 @@ def tracing_enabled(config: TracingConfig, env: Mapping[str, str] | None = None)
     """The config's ``enabled``, or else whether the environment asks for traces."""
     environment = os.environ if env is None else env
     if environment.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
-        return False if config.enabled is None else config.enabled
+        if config.enabled:
+            # The SDK would hand out no-op tracers: say so rather than trace nothing.
+            log.warning("tracing.enabled is true but OTEL_SDK_DISABLED is set: tracing off")
+        return False
     if config.enabled is not None:
         return config.enabled
     if environment.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
@@ -84,16 +87,25 @@ class Tracing:
     tracer: Tracer
 
     async def shutdown(self) -> None:
-        """Exports what is buffered, within ``SHUTDOWN_TIMEOUT_S``."""
-        timeout_ms = int(SHUTDOWN_TIMEOUT_S * 1000)
+        """Exports what is buffered, within ``SHUTDOWN_TIMEOUT_S``.
+
+        On a daemon thread that nothing waits for past the timeout: with the collector
+        down, the SDK's flush can block for its whole export timeout (10 s) per batch,
+        and an executor thread would hold the process's exit for as long."""
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def flush_and_stop() -> None:
+            try:
+                self.provider.shutdown()  # flushes the batch processor first
+            finally:
+                loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=flush_and_stop, name="qosd-tracing-shutdown", daemon=True).start()
         try:
-            await asyncio.wait_for(
-                asyncio.to_thread(self.provider.force_flush, timeout_ms), SHUTDOWN_TIMEOUT_S
-            )
+            await asyncio.wait_for(done.wait(), SHUTDOWN_TIMEOUT_S)
         except TimeoutError:
             log.warning("tracing: spans not exported within %.1fs, dropped", SHUTDOWN_TIMEOUT_S)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.to_thread(self.provider.shutdown), SHUTDOWN_TIMEOUT_S)
 
 
 def start_tracing(

@@ -9,7 +9,10 @@
    (uid 10001) when this runs as root, and must pass the image's HEALTHCHECK command
    and /readyz, then stop cleanly on SIGTERM.
 
-    python3 scripts/check_docker.py [--hadolint PATH]
+    python3 scripts/check_docker.py [--hadolint PATH] [--write-constraints]
+
+``--write-constraints`` first installs without docker/constraints.txt, then writes the
+versions it got there (the image's pins), then runs the checks with them.
 """
 
 from __future__ import annotations
@@ -126,10 +129,40 @@ def replay_build(build: list[tuple[str, str]], scratch: Path, python: Path) -> P
     return scratch
 
 
+CONSTRAINTS = ROOT / "docker" / "constraints.txt"
+
+
+def write_constraints() -> None:
+    """Installs qosd unpinned into a scratch venv and pins what it got."""
+    with tempfile.TemporaryDirectory(prefix="qosd-pins-") as directory:
+        venv = Path(directory) / "venv"
+        subprocess.run([str(image_python()), "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--no-cache-dir",
+                        "--disable-pip-version-check", str(ROOT)], check=True)  # fmt: skip
+        listing = subprocess.run(
+            [str(venv / "bin" / "python"), "-c",
+             "import importlib.metadata as m; print('\\n'.join(sorted("
+             "f'{d.metadata[\"Name\"]}=={d.version}' for d in m.distributions())))"],
+            check=True, capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+    keep = [
+        pin for pin in listing if pin.split("==")[0].lower() not in {"qosd", "pip", "setuptools"}
+    ]
+    CONSTRAINTS.write_text(
+        "# The image's dependency versions, as CI last tested them.\n"
+        "# Regenerate: python3 scripts/check_docker.py --write-constraints\n"
+        + "".join(f"{pin}\n" for pin in keep)
+    )
+    print(f"wrote {len(keep)} pins to {CONSTRAINTS.relative_to(ROOT)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hadolint", default=shutil.which("hadolint") or "hadolint")
+    parser.add_argument("--write-constraints", action="store_true")
     args = parser.parse_args()
+    if args.write_constraints:
+        write_constraints()
     dockerfile = ROOT / "Dockerfile"
     subprocess.run([args.hadolint, str(dockerfile)], check=True)
     print("hadolint: clean")
@@ -175,7 +208,12 @@ def main() -> int:
                 print(f"/readyz: {ready.status} {ready.read().decode().strip()}")
         finally:
             daemon.send_signal(signal.SIGTERM)
-            code = daemon.wait(30)
+            try:
+                code = daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+                raise SystemExit("qosd did not stop within 30 s of SIGTERM") from None
         if code != 0:
             raise SystemExit(f"qosd exited with {code} on SIGTERM")
         print("SIGTERM: exited 0")

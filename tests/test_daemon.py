@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -72,6 +74,8 @@ async def test_unix_socket_and_tcp_together(make_daemon: DaemonFactory) -> None:
         port = free_port()
         running = await make_daemon({"server": {"listen": [f"127.0.0.1:{port}", f"unix:{path}"]}})
         assert running.daemon.addresses == [f"127.0.0.1:{port}", f"unix:{path}"]
+        # A gateway in another container (another uid, the pod's group) can connect.
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
         async with QosdClient(f"unix:{path}") as over_socket:
             assert (await over_socket.acquire("P1", 10)).admitted
         async with QosdClient(f"127.0.0.1:{port}") as over_tcp:

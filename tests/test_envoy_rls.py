@@ -134,11 +134,17 @@ async def test_domains_defaults_and_refusals(make_daemon: DaemonFactory) -> None
             (_request("llm", {"qos_class": "P0", "tokens": "-5"}), "'tokens'"),
             (_request("llm", {"qos_class": "P0", "tokens": "lots"}), "whole number"),
             (_request("llm", {"qos_class": "P0", "tokens": str(10**13)}), "from 1 to"),
+            (_request("llm", {"qos_class": "P0", "tenant": "t" * 200}), "tenant"),
+            (_request("llm", {"qos_class": "P0"}, hits=2**31), "input_tokens"),
         ):
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await call(request)
-            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert words in (error.value.details() or "")
+            # Refused, not an error: Envoy admits requests whose rate limit call fails.
+            refused = await call(request)
+            assert refused.overall_code == OVER_LIMIT
+            assert all(status.code == OVER_LIMIT for status in refused.statuses)
+            assert len(refused.statuses) == max(1, len(request.descriptors))
+            headers = {h.key: h.value for h in refused.response_headers_to_add}
+            assert headers == {"x-qosd-reason": "INVALID_REQUEST"}
+            assert words in json.loads(refused.raw_body)["message"]
     finally:
         await call.close()
 
@@ -149,11 +155,11 @@ async def test_without_a_default_class_a_classless_request_is_refused(
     running = await make_daemon(RLS)
     call = EnvoyCaller(running.address)
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await call(_request("llm", {"tenant": "t"}))
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "qos_class" in (error.value.details() or "")
-        # A malformed message is INVALID_ARGUMENT too, not UNKNOWN.
+        refused = await call(_request("llm", {"tenant": "t"}))
+        assert refused.overall_code == OVER_LIMIT
+        assert "qos_class" in json.loads(refused.raw_body)["message"]
+        # A message that does not decode is an INVALID_ARGUMENT status (not UNKNOWN):
+        # that is a broken client, not a request to admit or refuse.
         channel = grpc.aio.insecure_channel(running.address)
         garbage = channel.unary_unary(ENVOY_METHOD)
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -278,7 +284,10 @@ def test_a_real_envoy_rls_v3_request(xds_protos: Path, rls_daemon: str) -> None:
     (bad,) = _envoy_client(
         xds_protos, rls_daemon, {"domain": "gateway", "descriptors": [{"entries": []}]}
     )
-    assert bad["error"] == "INVALID_ARGUMENT"
+    assert bad["overall_code"] == "OVER_LIMIT"
+    assert {h["key"]: h["value"] for h in bad["response_headers_to_add"]} == {
+        "x-qosd-reason": "INVALID_REQUEST"
+    }
 
 
 def test_grpcurl_calls_the_rls_through_reflection(rls_daemon: str) -> None:

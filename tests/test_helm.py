@@ -69,14 +69,14 @@ def qosd_containers(documents: list[dict[str, Any]]) -> Iterator[dict[str, Any]]
                 yield container
 
 
-def assert_hardened(container: dict[str, Any]) -> None:
+def assert_hardened(container: dict[str, Any], readiness: str = "/readyz") -> None:
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
     assert security["runAsNonRoot"] is True
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["readinessProbe"]["httpGet"]["path"] == readiness
     assert container["resources"]["limits"]["memory"]
 
 
@@ -131,6 +131,18 @@ def test_trial_redis(helm: str, tmp_path: Path) -> None:
     assert config["redis"]["url"] == "redis://rel-qosd-redis:6379/0"
     names = {doc["metadata"]["name"] for doc in by_kind(documents, "Service")}
     assert names == {"rel-qosd", "rel-qosd-redis"}
+    # qosd's selectors (Deployment, Service, PDB) never match the Redis pods.
+    deployments = {d["metadata"]["name"]: d for d in by_kind(documents, "Deployment")}
+    redis_labels = deployments["rel-qosd-redis"]["spec"]["template"]["metadata"]["labels"]
+    (pdb,) = by_kind(documents, "PodDisruptionBudget")
+    for selector in (
+        deployments["rel-qosd"]["spec"]["selector"]["matchLabels"],
+        pdb["spec"]["selector"]["matchLabels"],
+        next(s for s in by_kind(documents, "Service") if s["metadata"]["name"] == "rel-qosd")[
+            "spec"
+        ]["selector"],
+    ):
+        assert not set(selector.items()) <= set(redis_labels.items())
 
 
 def test_sidecar_mode_renders_only_the_config(helm: str, tmp_path: Path) -> None:
@@ -160,7 +172,8 @@ def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> N
     pod = deployment["spec"]["template"]["spec"]
     gateway, qosd = pod["containers"]
     assert (gateway["name"], qosd["name"]) == ("gateway", "qosd")
-    assert_hardened(qosd)
+    # Readiness gates the gateway pod: a Redis outage must not take every gateway out.
+    assert_hardened(qosd, readiness="/healthz")
     # Both mount the socket directory; the ConfigMap is the subchart's.
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["qosd-socket"] == {"name": "qosd-socket", "emptyDir": {}}
@@ -184,6 +197,7 @@ def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> N
         (["--set", "redis.url=http://redis:6379"], "/redis/url"),
         (["--set", "mode=sidecar", "--set", "serviceMonitor.enabled=true"], "podSelector"),
         (["--set", "otel.sampleRatio=2"], "sampleRatio"),
+        (["--set", "redis.trial.enabled=true", "--set", "redis.existingSecret=s"], "no password"),
     ],
 )  # fmt: skip
 def test_values_that_cannot_work_are_refused(helm: str, options: list[str], message: str) -> None:

@@ -287,6 +287,7 @@ def test_when_tracing_is_on() -> None:
     assert tracing_enabled(auto, endpoint)
     assert tracing_enabled(auto, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"})
     assert not tracing_enabled(auto, {**endpoint, "OTEL_SDK_DISABLED": "true"})
+    assert not tracing_enabled(on, {"OTEL_SDK_DISABLED": "true"})  # the SDK would no-op
     assert not tracing_enabled(auto, {**endpoint, "OTEL_TRACES_EXPORTER": "none"})
     assert not tracing_enabled(off, endpoint)
     assert tracing_enabled(on, {})

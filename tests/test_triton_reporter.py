@@ -251,3 +251,13 @@ def test_reports_reach_qosd_from_blocking_code() -> None:
 async def _window_samples(address: str) -> int:
     async with QosdClient(address) as qos:
         return (await qos.status("llm")).pool("llm").cls("P0").latency.samples
+
+
+def test_a_reporter_that_cannot_start_says_why() -> None:
+    reporter = ThreadedLatencyReporter("127.0.0.1:1", batch_size=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        reporter.start()
+    # Nothing half-started: recording is a counted loss, closing a no-op.
+    reporter.record(LatencySample("llm", "P1", e2e_ms=1.0))
+    assert reporter.stats.dropped == 1
+    reporter.close()

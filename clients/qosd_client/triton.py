@@ -46,6 +46,10 @@ from qosd_client.types import LatencySample, Outcome, SampleSink
 log = logging.getLogger("qosd_client.triton")
 
 QOS_KEYWORDS = ("qos_class", "tenant", "lease_id")
+# A stream's open requests kept for matching responses: a request whose end never
+# comes (a model that flags it only with an empty final response nobody asked for)
+# must not grow a long-lived stream's memory without bound.
+MAX_OPEN_PER_STREAM = 10_000
 FINAL_PARAMETER = "triton_final_response"
 
 
@@ -55,6 +59,7 @@ class WrapperStats:
     unclassified: int = 0  # finished requests with no class: not reported
     failed: int = 0  # requests that ended in an error (reported with status ERROR)
     unmatched: int = 0  # stream responses or errors no pending request could be found for
+    abandoned: int = 0  # requests never seen to end, forgotten past MAX_OPEN_PER_STREAM
     measurement_errors: int = 0
 
 
@@ -97,7 +102,13 @@ class _Common:
     input_tokens: Callable[[Any], int] | None = None
     inject_trace: bool = True
     stats: WrapperStats = field(default_factory=WrapperStats)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a stream's requests
+    # Callbacks of the blocking clients run on tritonclient's threads.
+    stats_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, name: str) -> None:
+        with self.stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
 
     def begin(self, model: str, kwargs: dict[str, Any], inputs: Any) -> _Pending:
         """Takes the QoS keywords off ``kwargs`` and starts the clock."""
@@ -130,7 +141,7 @@ class _Common:
         try:
             return max(0, int(self.input_tokens(inputs)))
         except Exception:
-            self.stats.measurement_errors += 1
+            self.count("measurement_errors")
             log.exception("counting input tokens failed")
             return 0
 
@@ -139,7 +150,7 @@ class _Common:
         try:
             count = max(0, int(self.tokens(result)))
         except Exception:
-            self.stats.measurement_errors += 1
+            self.count("measurement_errors")
             log.exception("counting tokens failed")
             count = 1
         if count:
@@ -157,15 +168,15 @@ class _Common:
         try:
             self._finish(pending, error, unary)
         except Exception:
-            self.stats.measurement_errors += 1
+            self.count("measurement_errors")
             log.exception("reporting a Triton request failed")
 
     def _finish(self, pending: _Pending, error: BaseException | None, unary: bool) -> None:
         ended = time.monotonic()
         if error is not None:
-            self.stats.failed += 1
+            self.count("failed")
         if not pending.qos_class:
-            self.stats.unclassified += 1
+            self.count("unclassified")
             return
         status = Outcome.OK
         if isinstance(error, asyncio.CancelledError):
@@ -191,7 +202,7 @@ class _Common:
                 traceparent=pending.traceparent,
             )
         )
-        self.stats.reported += 1
+        self.count("reported")
 
 
 def _is_final(result: Any) -> bool:
@@ -301,8 +312,7 @@ class ReportingClient(_Proxy):
             # Responses name their request only by id: give each one an id.
             kwargs["request_id"] = uuid.uuid4().hex
         pending = self._common.begin(model_name, kwargs, inputs)
-        with self._common.lock:
-            self._stream[kwargs["request_id"]] = pending
+        _track(self._common, self._stream, kwargs["request_id"], pending)
         return self._client.async_stream_infer(model_name, inputs, *args, **kwargs)
 
     def stop_stream(self, *args: Any, **kwargs: Any) -> Any:
@@ -344,20 +354,28 @@ class _ObservedAsyncRequest:
         return getattr(self._request, name)
 
 
+def _track(common: _Common, stream: dict[str, _Pending], key: str, pending: _Pending) -> None:
+    with common.lock:
+        if len(stream) >= MAX_OPEN_PER_STREAM:
+            del stream[next(iter(stream))]  # the oldest
+            common.count("abandoned")
+        stream[key] = pending
+
+
 def _stream_response(common: _Common, stream: dict[str, _Pending], result: Any, error: Any) -> None:
     """One response (or error) of a stream that serves many requests."""
     with common.lock:
         if error is not None:
             # tritonclient drops the failed request's id: blame it only when sure.
             if len(stream) != 1:
-                common.stats.unmatched += 1
+                common.count("unmatched")
                 return
             pending = stream.pop(next(iter(stream)))
         else:
             key = _response_id(result)
             found = stream.get(key)
             if found is None:
-                common.stats.unmatched += 1
+                common.count("unmatched")
                 return
             pending = found
             common.saw(pending, result)
@@ -409,8 +427,7 @@ class AsyncReportingClient(_Proxy):
                 options["parameters"] = request.get("parameters")
                 pending = common.begin(request["model_name"], options, request.get("inputs"))
                 pending.traceparent = pending.traceparent or traceparent
-                with common.lock:
-                    stream[request["request_id"]] = pending
+                _track(common, stream, request["request_id"], pending)
                 yield request
 
         responses = self._client.stream_infer(requests(), *args, **kwargs)
@@ -497,6 +514,7 @@ class ThreadedLatencyReporter:
         self._reporter: LatencyReporter | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._failure: BaseException | None = None
         self._lost = 0
 
     def __enter__(self) -> ThreadedLatencyReporter:
@@ -518,11 +536,18 @@ class ThreadedLatencyReporter:
         )
 
     def start(self) -> None:
+        """Starts the reporting thread; raises what setting it up raised."""
         if self._thread is not None:
             return
+        self._ready.clear()
+        self._failure = None
         self._thread = threading.Thread(target=self._run, name="qosd-latency-reporter", daemon=True)
         self._thread.start()
-        self._ready.wait(10)
+        self._ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._failure
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -534,9 +559,15 @@ class ThreadedLatencyReporter:
             reporter.start()
             return client, reporter
 
-        client, self._reporter = loop.run_until_complete(setup())
-        self._loop = loop
-        self._ready.set()
+        try:
+            client, self._reporter = loop.run_until_complete(setup())
+            self._loop = loop
+        except BaseException as failure:  # bad options, a bad target: tell start()
+            self._failure = failure
+            loop.close()
+            return
+        finally:
+            self._ready.set()
         try:
             loop.run_forever()
         finally:
@@ -570,3 +601,4 @@ class ThreadedLatencyReporter:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout_s)
         self._thread = None
+        self._loop = None

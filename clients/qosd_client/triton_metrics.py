@@ -13,7 +13,9 @@ the last read, and turns it into samples for the model's class:
 - TTFTs spread over the histogram's buckets in proportion to their counts, each at
   its bucket's upper bound (pessimistic: a request in the 100–500 ms bucket counts as
   500 ms); requests above the last finite bound count as twice that bound;
-- failures (``nv_inference_request_failure``, any reason) as ERROR samples.
+- failures (``nv_inference_request_failure``) as ERROR samples, or CANCELLED for
+  reason ``CANCELED``;
+- a request's e2e is never below its TTFT.
 
 No TPOT: Triton's metrics do not carry tokens. A counter that went down means the
 server restarted, and its new values are the difference. The first read only sets
@@ -47,7 +49,8 @@ class ModelCounters:
     """One model's counters at one read, summed over its versions."""
 
     success: float = 0.0
-    failure: float = 0.0
+    failure: float = 0.0  # every reason but CANCELED
+    cancelled: float = 0.0  # reason CANCELED: the caller went away
     duration_us: float = 0.0
     # Cumulative bucket counts by upper bound (math.inf for +Inf).
     first_response: dict[float, float] = field(default_factory=dict)
@@ -69,6 +72,8 @@ def parse_triton_metrics(text: str) -> dict[str, ModelCounters]:
             name = sample.name.removesuffix("_total")
             if name == SUCCESS:
                 counters.success += sample.value
+            elif name == FAILURE and sample.labels.get("reason") == "CANCELED":
+                counters.cancelled += sample.value
             elif name == FAILURE:
                 counters.failure += sample.value
             elif name == DURATION:
@@ -97,21 +102,27 @@ def samples_between(
     reset = after.success < before.success or after.duration_us < before.duration_us
     succeeded = _delta(after.success, before.success, reset)
     failed = _delta(after.failure, before.failure, reset or after.failure < before.failure)
-    if succeeded < 1 and failed < 1:
+    cancelled = _delta(
+        after.cancelled, before.cancelled, reset or after.cancelled < before.cancelled
+    )
+    if succeeded < 1 and failed < 1 and cancelled < 1:
         return []
     mean_e2e_ms = _delta(after.duration_us, before.duration_us, reset) / 1000 / max(succeeded, 1)
-    scale = min(1.0, max_samples / (succeeded + failed))
+    scale = min(1.0, max_samples / (succeeded + failed + cancelled))
     ok_count = round(succeeded * scale)
-    error_count = max(1, round(failed * scale)) if failed >= 1 else 0
     ttfts: list[float | None] = [*_spread(_bucket_deltas(before, after, reset), ok_count)]
     samples = [
-        LatencySample(model, qos_class, ttft_ms=ttft, e2e_ms=mean_e2e_ms)
+        # A TTFT at its bucket's bound can exceed the interval's mean e2e; a request's
+        # e2e is never below its TTFT.
+        LatencySample(model, qos_class, ttft_ms=ttft, e2e_ms=max(mean_e2e_ms, ttft or 0.0))
         for ttft in (ttfts or [None] * ok_count)
     ]
-    samples.extend(
-        LatencySample(model, qos_class, e2e_ms=mean_e2e_ms, status=Outcome.ERROR)
-        for _ in range(error_count)
-    )
+    for count, status in ((failed, Outcome.ERROR), (cancelled, Outcome.CANCELLED)):
+        scaled = max(1, round(count * scale)) if count >= 1 else 0
+        samples.extend(
+            LatencySample(model, qos_class, e2e_ms=mean_e2e_ms, status=status)
+            for _ in range(scaled)
+        )
     return samples
 
 

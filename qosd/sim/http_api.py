@@ -31,6 +31,7 @@ class InferenceBackend(Protocol):
         self, request: service_pb2.ModelInferRequest, stream_every: int, traceparent: str = ""
     ) -> AsyncIterator[tuple[int, bool]]: ...
 
+
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OUTPUT = "token_count"
 

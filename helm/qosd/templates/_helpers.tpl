@@ -11,16 +11,27 @@
 {{- end -}}
 {{- end -}}
 
-{{- define "qosd.selectorLabels" -}}
+{{- define "qosd.instanceLabels" -}}
 app.kubernetes.io/name: {{ include "qosd.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- define "qosd.labels" -}}
+{{/* The daemon's pods; the trial Redis has component redis-trial, never matched. */}}
+{{- define "qosd.selectorLabels" -}}
+{{ include "qosd.instanceLabels" . }}
+app.kubernetes.io/component: qosd
+{{- end -}}
+
+{{- define "qosd.commonLabels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
-{{ include "qosd.selectorLabels" . }}
+{{ include "qosd.instanceLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "qosd.labels" -}}
+{{ include "qosd.commonLabels" . }}
+app.kubernetes.io/component: qosd
 {{- end -}}
 
 {{- define "qosd.serviceAccountName" -}}
@@ -81,6 +92,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.redis.url .Values.redis.trial.enabled -}}
 {{- fail "qosd: set redis.url or redis.trial.enabled, not both" -}}
 {{- end -}}
+{{- if and .Values.redis.trial.enabled .Values.redis.existingSecret -}}
+{{- fail "qosd: the trial Redis has no password; unset redis.existingSecret" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The qosd container; used by the Deployment and by gateway pods (sidecar). */}}
@@ -113,7 +127,13 @@ env:
 livenessProbe:
   {{- toYaml .Values.livenessProbe | nindent 2 }}
 readinessProbe:
+  {{- if and (eq .Values.mode "sidecar") (not .Values.sidecar.readinessFollowsStore) }}
+  {{- $probe := deepCopy .Values.readinessProbe }}
+  {{- $_ := set $probe "httpGet" (dict "path" "/healthz" "port" "qosd-http") }}
+  {{- toYaml $probe | nindent 2 }}
+  {{- else }}
   {{- toYaml .Values.readinessProbe | nindent 2 }}
+  {{- end }}
 resources:
   {{- toYaml .Values.resources | nindent 2 }}
 securityContext:
