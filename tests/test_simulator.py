@@ -11,12 +11,12 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
-import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton
 from tritonclient.utils import InferenceServerException
 
 from qosd.sim.experiment import simulator_process
+from qosd.sim.gateway import token_inputs
 from qosd.sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
 from qosd.testing import daemon_processes
 from qosd_client import QosdClient
@@ -141,12 +141,7 @@ def simulator() -> Iterator[tuple[str, str]]:
 
 
 def _inputs(input_tokens: int, output_tokens: int) -> list[triton.InferInput]:
-    tensors = []
-    for name, value in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
-        tensor = triton.InferInput(name, [1], "INT32")
-        tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
-        tensors.append(tensor)
-    return tensors
+    return token_inputs(input_tokens, output_tokens, triton)
 
 
 async def _stream_times(

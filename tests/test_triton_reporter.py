@@ -10,7 +10,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpc_triton
 import tritonclient.grpc.aio as grpc_aio
@@ -20,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from tritonclient.utils import InferenceServerException
 
 from qosd.sim.experiment import SimulatorAddresses, simulator_process
+from qosd.sim.gateway import token_inputs
 from qosd.sim.gpu import GpuModel
 from qosd.testing import daemon_processes
 from qosd_client import LatencySample, Outcome, QosdClient
@@ -63,12 +63,7 @@ def simulator() -> Iterator[SimulatorAddresses]:
 
 
 def _grpc_inputs(module: Any, prompt: int, output: int) -> list[Any]:
-    tensors = []
-    for name, value in (("input_tokens", prompt), ("output_tokens", output)):
-        tensor = module.InferInput(name, [1], "INT32")
-        tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
-        tensors.append(tensor)
-    return tensors
+    return token_inputs(prompt, output, module)
 
 
 def _prompt_tokens(inputs: list[Any]) -> int:

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton
 
 from qosd.sim.experiment import simulator_process
+from qosd.sim.gateway import token_inputs
 from qosd.sim.gpu import GpuModel
 from qosd.testing import daemon_processes
 from qosd_client import LatencySample, Outcome, QosdClient
@@ -170,12 +170,7 @@ def test_the_cli_reports_until_stopped() -> None:
 
 
 def _inputs(prompt: int, output: int) -> list[triton.InferInput]:
-    tensors = []
-    for name, value in (("input_tokens", prompt), ("output_tokens", output)):
-        tensor = triton.InferInput(name, [1], "INT32")
-        tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
-        tensors.append(tensor)
-    return tensors
+    return token_inputs(prompt, output, triton)
 
 
 async def _traffic(address: str, count: int) -> None:

@@ -117,14 +117,7 @@ class _Common:
         for key in QOS_KEYWORDS:
             if values[key] is None and isinstance(parameters.get(key), str):
                 values[key] = parameters[key]
-        traceparent = ""
-        if self.inject_trace:
-            traceparent = current_traceparent()
-            if traceparent:
-                headers = dict(kwargs.get("headers") or {})
-                for key, value in trace_metadata() or ():
-                    headers.setdefault(key, value)
-                kwargs["headers"] = headers
+        traceparent = _add_trace_headers(kwargs) if self.inject_trace else ""
         return _Pending(
             model=model,
             qos_class=values["qos_class"] or self.qos_class or "",
@@ -203,6 +196,18 @@ class _Common:
             )
         )
         self.count("reported")
+
+
+def _add_trace_headers(kwargs: dict[str, Any]) -> str:
+    """Puts the current trace context into the call's ``headers`` (Triton continues
+    it when its own tracing is on); returns the ``traceparent``, or "" outside a span."""
+    traceparent = current_traceparent()
+    if traceparent:
+        headers = dict(kwargs.get("headers") or {})
+        for key, value in trace_metadata() or ():
+            headers.setdefault(key, value)
+        kwargs["headers"] = headers
+    return traceparent
 
 
 def _is_final(result: Any) -> bool:
@@ -295,11 +300,8 @@ class ReportingClient(_Proxy):
     def start_stream(self, callback: Callable[[Any, Any], None], *args: Any, **kwargs: Any) -> Any:
         common = self._common
         stream = self._stream
-        if common.inject_trace and current_traceparent():
-            headers = dict(kwargs.get("headers") or {})
-            for key, value in trace_metadata() or ():
-                headers.setdefault(key, value)
-            kwargs["headers"] = headers
+        if common.inject_trace:
+            _add_trace_headers(kwargs)
 
         def observed(result: Any, error: Any) -> None:
             _stream_response(common, stream, result, error)
@@ -408,12 +410,7 @@ class AsyncReportingClient(_Proxy):
     def stream_infer(self, inputs_iterator: Any, *args: Any, **kwargs: Any) -> Any:
         common = self._common
         stream: dict[str, _Pending] = {}
-        traceparent = current_traceparent() if common.inject_trace else ""
-        if traceparent:
-            headers = dict(kwargs.get("headers") or {})
-            for key, value in trace_metadata() or ():
-                headers.setdefault(key, value)
-            kwargs["headers"] = headers
+        traceparent = _add_trace_headers(kwargs) if common.inject_trace else ""
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             async for item in inputs_iterator:

@@ -47,16 +47,19 @@ class RequestRecord:
         return (self.e2e_ms - self.ttft_ms) / (self.request.output_tokens - 1)
 
 
-def _inputs(request: Request) -> list[triton.InferInput]:
+def token_inputs(input_tokens: int, output_tokens: int, module: Any = triton) -> list[Any]:
+    """The simulated model's two INT32 inputs, as ``module``'s InferInput (any of
+    tritonclient.grpc, .grpc.aio, .http, .http.aio)."""
     tensors = []
-    for name, value in (
-        ("input_tokens", request.input_tokens),
-        ("output_tokens", request.output_tokens),
-    ):
-        tensor = triton.InferInput(name, [1], "INT32")
+    for name, value in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
+        tensor = module.InferInput(name, [1], "INT32")
         tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
         tensors.append(tensor)
     return tensors
+
+
+def _inputs(request: Request) -> list[triton.InferInput]:
+    return token_inputs(request.input_tokens, request.output_tokens)
 
 
 class Gateway:
