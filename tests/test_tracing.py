@@ -29,7 +29,7 @@ from qosd.testing import (
     otlp_receiver,
 )
 from qosd.tracing import _resource, start_tracing, tracing_enabled
-from qosd.v1 import qosd_pb2, qosd_pb2_grpc
+from qosd.v1 import envoy_rls_pb2, qosd_pb2, qosd_pb2_grpc
 from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
 from qosd_client.tracing import trace_metadata
@@ -229,6 +229,45 @@ async def test_reported_latencies_join_the_requests_trace(
     (report,) = collector.wait_for(name="qosd.v1.QoS/Report", span_id=link_span)
     assert report.trace_id == link_trace != trace_id
     assert report.attributes["qosd.samples_accepted"] >= 1
+
+
+async def test_envoy_rls_calls_are_traced_like_acquires(
+    receiver: tuple[OtlpReceiver, str], traced_daemon: DaemonProcess
+) -> None:
+    collector, _ = receiver
+    tracer = _client_tracer()
+    request = envoy_rls_pb2.RateLimitRequest(domain="llm", hits_addend=7)
+    request.descriptors.add().entries.add(key="qos_class", value="P0")
+    async with grpc.aio.insecure_channel(traced_daemon.address) as channel:
+        call = channel.unary_unary(
+            "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            request_serializer=envoy_rls_pb2.RateLimitRequest.SerializeToString,
+            response_deserializer=envoy_rls_pb2.RateLimitResponse.FromString,
+        )
+        with tracer.start_as_current_span("envoy") as parent:
+            answer = await call(request, metadata=trace_metadata(), timeout=5)
+    assert answer.overall_code == envoy_rls_pb2.RateLimitResponse.OK
+    trace_id, parent_id = _ids(parent)
+    name = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    (span,) = collector.wait_for(name=name, trace_id=trace_id)
+    assert span.parent_id == parent_id
+    assert span.attributes["qosd.class"] == "P0"
+    assert span.attributes["qosd.envoy.domain"] == "llm"
+    assert span.attributes["qosd.envoy.hits"] == 7
+    assert span.attributes["qosd.decision"] == "admitted"
+    assert span.attributes["qosd.cost_tokens"] == 7.0
+
+
+async def test_the_console_exporter_prints_spans() -> None:
+    """tracing.exporter: console, for a look without a collector; flushed on SIGTERM."""
+    tree = {"tracing": {"enabled": True, "exporter": "console"}}
+    with daemon_processes(tree) as (daemon,):
+        async with QosdClient(daemon.address) as qos:
+            await qos.acquire("P1", 10, tenant="console")
+        assert daemon.terminate() == 0
+        printed = (daemon.directory / "qosd.log").read_text()
+    assert '"name": "qosd.v1.QoS/Acquire"' in printed
+    assert '"qosd.tenant": "console"' in printed
 
 
 async def test_the_reporter_takes_the_current_span(

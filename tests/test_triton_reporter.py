@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 import tritonclient.grpc as grpc_triton
 import tritonclient.grpc.aio as grpc_aio
@@ -256,3 +257,19 @@ def test_a_reporter_that_cannot_start_says_why() -> None:
     reporter.record(LatencySample("llm", "P1", e2e_ms=1.0))
     assert reporter.stats.dropped == 1
     reporter.close()
+
+
+async def test_the_simulated_http_api_refuses_bad_requests(simulator: SimulatorAddresses) -> None:
+    base = f"http://{simulator.http}/v2"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/health/ready") as ready:
+            assert ready.status == 200
+        for path, body, words in (
+            ("/models/llm/infer", b"{not json", "malformed"),
+            ("/models/llm/infer", b'{"inputs": [{"name": "x"}]}', "malformed"),
+            ("/models/nope/infer", b'{"inputs": []}', "unknown model"),
+            ("/models/llm/infer", b'{"inputs": []}', "missing input"),
+        ):
+            async with session.post(base + path, data=body) as answer:
+                assert answer.status == 400
+                assert words in (await answer.json())["error"]
