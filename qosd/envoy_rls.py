@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Tracer
@@ -52,13 +53,21 @@ class EnvoyRateLimitService:
         self._config: EnvoyRlsConfig = admission.config.envoy_rls
         self._metrics = metrics
         self._tracer = tracer
+        self._counters: dict[tuple[str, str], Any] = {}
+
+    def _count(self, code: str, reason: str) -> None:
+        """qosd_envoy_rls_requests_total, with label children cached as for Acquire."""
+        counter = self._counters.get((code, reason))
+        if counter is None:
+            counter = self._counters[(code, reason)] = self._metrics.envoy_rls.labels(code, reason)
+        counter.inc()
 
     async def ShouldRateLimit(  # noqa: N802 - gRPC method name
         self, request: rls.RateLimitRequest, context: grpc.aio.ServicerContext
     ) -> rls.RateLimitResponse:
         config = self._config
         if config.domains and request.domain not in config.domains:
-            self._metrics.envoy_rls.labels("OK", "other_domain").inc()
+            self._count("OK", "other_domain")
             return _all(request, _OK)
         try:
             entries, hits = _read(request)
@@ -88,7 +97,7 @@ class EnvoyRateLimitService:
             # rate limit call fails (failure_mode_deny is false by default), so an
             # error would let any caller skip admission with a bad header.
             self._metrics.invalid.labels("ShouldRateLimit").inc()
-            self._metrics.envoy_rls.labels("OVER_LIMIT", INVALID_REQUEST).inc()
+            self._count("OVER_LIMIT", INVALID_REQUEST)
             return _refused(request, str(exc))
         decision = outcome.decision
         self._metrics.acquire(
@@ -134,7 +143,7 @@ class EnvoyRateLimitService:
         per_hit = self._config.tokens_per_hit
         code = _OK if decision.admitted else _OVER_LIMIT
         reason = Reason(decision.reason).name
-        self._metrics.envoy_rls.labels(rls.RateLimitResponse.Code.Name(code), reason).inc()
+        self._count("OK" if decision.admitted else "OVER_LIMIT", reason)
         rate = self._admission.policy(outcome.pool, qos_class).rate
         status = rls.RateLimitResponse.DescriptorStatus(
             code=code,

@@ -110,6 +110,9 @@ async def test_descriptors_map_onto_class_tenant_pool_and_cost(
         # The same budget as Acquire: what Envoy spent, an Acquire cannot have.
         refused = await running.client.acquire("P0", 2_500, model="llama-3-8b")
         assert not refused.admitted
+        page = (await running.daemon.metrics_page()).decode()
+        assert 'qosd_envoy_rls_requests_total{code="OK",reason="NONE"} 2.0' in page
+        assert 'qosd_envoy_rls_requests_total{code="OVER_LIMIT",reason="RATE_LIMITED"} 1.0' in page
     finally:
         await call.close()
 
