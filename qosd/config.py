@@ -305,7 +305,7 @@ class TracingConfig(_Strict):
     """
 
     # None: on when OTEL_EXPORTER_OTLP_ENDPOINT or ..._TRACES_ENDPOINT is set (and
-    # OTEL_SDK_DISABLED is not true). Off costs nothing per call: no interceptor.
+    # OTEL_SDK_DISABLED is not true). Off costs nothing per call: no span wrapper.
     enabled: bool | None = None
     exporter: TracingExporter = TracingExporter.OTLP
     # OTLP/gRPC collector, e.g. http://otel-collector:4317 (http:// means plaintext).

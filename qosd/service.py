@@ -47,8 +47,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
     ) -> None:
         self._admission = admission
         self._metrics = metrics or Metrics()
-        # None: tracing off. The RPC's span itself comes from the tracing interceptor;
-        # the servicer adds what it decided.
+        # None: tracing off. The RPC's span itself comes from tracing.traced_handler
+        # (see add_to_server); the servicer adds what it decided.
         self._tracer = tracer
 
     async def Acquire(  # noqa: N802 - gRPC method name

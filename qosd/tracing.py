@@ -208,7 +208,8 @@ def traced_handler(tracer: Tracer, service: str, method: str, handler: Handler) 
                 if span.is_recording():
                     _set_code(span, context.code(), context.details())
                 raise
-            except BaseException:  # cancelled: the caller went away
+            except asyncio.CancelledError:  # the caller went away (other errors are
+                # aborts already: the decoding wrapper turns them into INTERNAL)
                 if span.is_recording():
                     _set_code(span, grpc.StatusCode.CANCELLED, "")
                 raise
