@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qosd.config import ClassPolicy, PoolPolicy
 
@@ -95,6 +95,95 @@ def class_in(pool: PoolPolicy, name: str) -> ClassPolicy:
     raise KeyError(name)
 
 
+#: Most seconds of expiries one call ends (_pool.lua's sweep): a pool idle for long
+#: catches up over its next calls.
+SWEEP_SECONDS = 64
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Leases admitted and neither released nor expired, per class: what status
+    reports in O(classes), and what admission that sees the GPU's state reads.
+
+    A lease counts from its admission until it is released, or until the second of
+    store time its expiry falls in has passed. ``expiring`` files the charges by
+    that second, so the sweep can end what expires without reading any lease.
+    """
+
+    count: dict[str, int] = field(default_factory=dict)
+    charges: dict[str, float] = field(default_factory=dict)
+    expiring: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # [count, charges]
+    first_second: int | None = None  # the oldest second in ``expiring`` not swept yet
+    last_second: int | None = None  # the newest
+
+    def total(self) -> int:
+        return sum(self.count.values())
+
+    def copy(self) -> InFlight:
+        return InFlight(
+            dict(self.count),
+            dict(self.charges),
+            {s: {c: list(v) for c, v in e.items()} for s, e in self.expiring.items()},
+            self.first_second,
+            self.last_second,
+        )
+
+
+def lease_started(flight: InFlight, cls: str, charged: float, expiry_us: int) -> None:
+    flight.count[cls] = flight.count.get(cls, 0) + 1
+    flight.charges[cls] = flight.charges.get(cls, 0.0) + charged
+    second = expiry_us // 1_000_000
+    counts = flight.expiring.setdefault(second, {}).setdefault(cls, [0, 0.0])
+    counts[0] += 1
+    counts[1] += charged
+    if flight.first_second is None or second < flight.first_second:
+        flight.first_second = second
+    if flight.last_second is None or second > flight.last_second:
+        flight.last_second = second
+
+
+def lease_ended(flight: InFlight, cls: str, charged: float, expiry_us: int, now_us: int) -> None:
+    """A release before the lease's expiry second has passed; later ones were swept.
+    A lease its second's bucket does not hold (admitted before this accounting
+    existed) changes nothing."""
+    second = expiry_us // 1_000_000
+    if second < now_us // 1_000_000:
+        return
+    counts = flight.expiring.get(second, {}).get(cls)
+    if counts is None or counts[0] <= 0:
+        return
+    counts[0] -= 1
+    counts[1] = max(0.0, counts[1] - charged)
+    if counts[0] == 0:
+        del flight.expiring[second][cls]
+        if not flight.expiring[second]:
+            del flight.expiring[second]
+    flight.count[cls] = max(0, flight.count.get(cls, 0) - 1)
+    flight.charges[cls] = max(0.0, flight.charges.get(cls, 0.0) - charged)
+
+
+def end_expired(flight: InFlight, now_us: int) -> None:
+    """Ends the leases whose expiry second has passed, SWEEP_SECONDS at a time; once
+    the newest such second has passed, everything left in flight has expired."""
+    now_s = now_us // 1_000_000
+    first = flight.first_second
+    if first is None or first >= now_s:
+        return
+    assert flight.last_second is not None
+    if flight.last_second < now_s:
+        flight.count = dict.fromkeys(flight.count, 0)
+        flight.charges = dict.fromkeys(flight.charges, 0.0)
+        flight.expiring.clear()
+        flight.first_second = flight.last_second = None
+        return
+    last = min(now_s - 1, first + SWEEP_SECONDS - 1)
+    for second in range(first, last + 1):
+        for cls, (count, charges) in flight.expiring.pop(second, {}).items():
+            flight.count[cls] = max(0, flight.count.get(cls, 0) - int(count))
+            flight.charges[cls] = max(0.0, flight.charges.get(cls, 0.0) - charges)
+    flight.first_second = last + 1
+
+
 @dataclass(slots=True)
 class PoolState:
     tokens: dict[str, float]  # per class
@@ -102,6 +191,7 @@ class PoolState:
     updated_us: int
     capacity: float  # the admitted rate the SLO loop set, tokens per second
     admitted: float = 0.0  # tokens admitted since the pool's state was created
+    in_flight: InFlight = field(default_factory=InFlight)
 
 
 def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:

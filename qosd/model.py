@@ -121,6 +121,8 @@ class ClassStatus:
     oldest_wait_ms: int  # how long the longest waiter has waited; 0 when none
     rate: float  # assured tokens per second at the pool's admitted rate now
     burst: float
+    in_flight: int = 0  # leases admitted, neither released nor expired
+    in_flight_cost: float = 0.0  # their charges
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,11 @@ class PoolStatus:
     capacity: float  # the admitted rate the SLO loop set (or the configured one)
     admitted_tokens: float  # tokens admitted since the pool's state was created
     now_ms: int  # the store's clock
+
+    @property
+    def active_leases(self) -> int:
+        """Leases of the pool neither released nor expired (fleet-wide with Redis)."""
+        return sum(cls.in_flight for cls in self.classes.values())
 
 
 @dataclass(frozen=True, slots=True)

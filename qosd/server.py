@@ -55,7 +55,12 @@ def make_store(config: Config) -> BucketStore:
     stale_after_ms = config.waiting.stale_after_ms
     if config.redis.url is None:
         return EmbeddedStore(tombstone_ms=tombstone_ms, stale_after_ms=stale_after_ms)
-    return RedisStore(config.redis, tombstone_ms=tombstone_ms, stale_after_ms=stale_after_ms)
+    return RedisStore(
+        config.redis,
+        tombstone_ms=tombstone_ms,
+        stale_after_ms=stale_after_ms,
+        lease_ttl_ms=int(config.lease.ttl_s * 1000),
+    )
 
 
 @dataclass

@@ -283,7 +283,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
             verdict=verdict.reason if verdict and self._controller.leads else "",
             min_rate_tokens_s=pool.min_capacity,
             max_rate_tokens_s=pool.max_capacity,
-            active_leases=await store.active_leases(name),
+            active_leases=status.active_leases,
         )
         if adjustments:
             entry.last_adjustment.CopyFrom(_adjustment(adjustments[0], status.now_ms))
@@ -314,6 +314,8 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                 can_borrow=cls.can_borrow,
                 configured_rate_tokens_s=cls.rate,
                 latency=_latency(window, slo),
+                in_flight=now.in_flight,
+                in_flight_tokens=now.in_flight_cost,
             )
         return entry
 

@@ -139,14 +139,16 @@ async def test_cancelled_waiter_holds_nothing(make_daemon: DaemonFactory) -> Non
     store = running.daemon.admission.store
     first = await qos.acquire("P2", 500, max_wait_ms=0)
     await qos.release(first.lease_id, input_tokens=500)  # settle so only waiters remain
-    before = await store.active_leases("default")
+    before = (await store.status(running.daemon.admission.pool("default"))).active_leases
     waiter = asyncio.create_task(qos.acquire("P2", 300, max_wait_ms=5_000))
     await asyncio.sleep(0.05)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
     await asyncio.sleep(0.5)  # past the moment it would have been admitted
-    assert await store.active_leases("default") == before == 0
+    assert (
+        (await store.status(running.daemon.admission.pool("default"))).active_leases == before == 0
+    )
     status = await store.status(running.daemon.admission.pool("default"))
     assert status.classes["P2"].tokens == pytest.approx(500)  # full again, nothing held
     assert status.classes["P2"].waiting == 0  # and no queue entry left behind

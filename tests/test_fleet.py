@@ -229,7 +229,7 @@ def test_cancelled_waiters_leave_no_trace(fleet_redis: dict[str, Any]) -> None:
             head = asyncio.create_task(clients[0].acquire("P2", 400, max_wait_ms=60_000))
             await asyncio.sleep(0.2)
             before = await store.status(pool)
-            leases_before = await store.active_leases("default")
+            leases_before = (await store.status(pool)).active_leases
             waiters = [
                 asyncio.create_task(clients[i % 2].acquire("P2", 1, max_wait_ms=30_000))
                 for i in range(1_000)
@@ -247,7 +247,7 @@ def test_cancelled_waiters_leave_no_trace(fleet_redis: dict[str, Any]) -> None:
                 if (await store.status(pool)).classes["P2"].waiting == 1:
                     break
             after = await store.status(pool)
-            leases_after = await store.active_leases("default")
+            leases_after = (await store.status(pool)).active_leases
             head.cancel()
             await asyncio.gather(head, return_exceptions=True)
             return before, during, after, leases_after - leases_before

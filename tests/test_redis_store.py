@@ -329,7 +329,7 @@ async def test_a_batch_redis_runs_after_its_timeout_charges_nothing(own_redis: R
         assert all(isinstance(result, StoreUnavailable) for result in results)
         await asyncio.sleep(0.3)
         assert await class_tokens(store, pool, "P1") == pytest.approx(1500)
-        assert await store.active_leases("default") == 1  # the first one only
+        assert (await store.status(pool)).active_leases == 1  # the first one only
     finally:
         await store.close()
 

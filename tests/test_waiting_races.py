@@ -179,7 +179,7 @@ async def test_a_pump_redis_runs_too_late_charges_nothing(own_redis: RedisServer
         finally:
             os.kill(own_redis.process.pid, signal.SIGCONT)
         await asyncio.sleep(0.2)
-        assert await store.active_leases("default") == 1  # only the first one
+        assert (await store.status(pool)).active_leases == 1  # only the first one
         status = await store.status(pool)
         assert status.classes["P1"].waiting == 1  # still waiting: nothing was done
     finally:

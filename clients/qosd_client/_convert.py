@@ -187,6 +187,8 @@ def pool_state(pool: qosd_pb2.PoolStatus) -> PoolState:
                 can_borrow=c.can_borrow,
                 configured_rate_tokens_s=c.configured_rate_tokens_s,
                 latency=_latency(c.latency),
+                in_flight=c.in_flight,
+                in_flight_tokens=c.in_flight_tokens,
             )
             for c in pool.classes
         ),

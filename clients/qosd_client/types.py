@@ -115,6 +115,8 @@ class ClassState:
     can_borrow: bool
     configured_rate_tokens_s: float
     latency: LatencyState
+    in_flight: int = 0  # leases admitted, neither released nor expired (fleet-wide)
+    in_flight_tokens: float = 0.0  # their charges
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,8 @@ class BucketStore(Protocol):
         ...
 
     async def status(self, pool: PoolPolicy) -> PoolStatus:
-        """The pool's budget and queues now; read-only."""
+        """The pool's budget, queues and leases in flight now; read-only, and
+        O(classes) whatever the number of leases, so scraping it often is safe."""
         ...
 
     async def control(self, pool: PoolPolicy) -> ControlRecord:
@@ -108,10 +109,6 @@ class BucketStore(Protocol):
 
     async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
         """The stored samples of one window, newest first."""
-        ...
-
-    async def active_leases(self, pool: str) -> int:
-        """Leases neither released nor expired (an admin query)."""
         ...
 
     async def ping(self) -> None:

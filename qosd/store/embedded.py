@@ -127,6 +127,7 @@ class EmbeddedStore:
             record.queues.setdefault(cls.name, {})
         effective = budget.effective_pool(pool, record.state.capacity)
         budget.refill(record.state, effective, now_us)
+        budget.end_expired(record.state.in_flight, now_us)
         return record, effective
 
     def _daemon_alive(self, daemon: str, now_us: int) -> bool:
@@ -185,8 +186,11 @@ class EmbeddedStore:
         self._tenants[key] = bucket
         return bucket
 
-    def _add_lease(self, pool: PoolPolicy, cost: float, lease: LeaseSpec, now_us: int) -> int:
+    def _add_lease(
+        self, pool: PoolPolicy, record: _Pool, cls: str, cost: float, lease: LeaseSpec, now_us: int
+    ) -> int:
         expires_us = now_us + lease.ttl_ms * 1000
+        budget.lease_started(record.state.in_flight, cls, cost, expires_us)
         self._leases[lease.lease_id] = _Lease(
             weight=lease.weight,
             input_tokens=lease.input_tokens,
@@ -270,7 +274,7 @@ class EmbeddedStore:
             budget.take(state, cls, cost, how)
             if tenant is not None:
                 tenant.tokens -= cost
-            self._add_lease(pool, cost, lease, now_us)
+            self._add_lease(pool, record, cls.name, cost, lease, now_us)
             return answer(Reason.NONE, admitted=True)
         # Queue only a request whose wait could cover the refill it needs if nobody
         # else took tokens meanwhile; any other is told at once.
@@ -326,7 +330,7 @@ class EmbeddedStore:
                         budget.take(state, cls, cost, how)
                         if tenant is not None:
                             tenant.tokens -= cost
-                        self._add_lease(pool, cost, waiter.lease, now_us)
+                        self._add_lease(pool, record, cls.name, cost, waiter.lease, now_us)
                         del record.queues[cls.name][head.id]
                         admitted[head.id] = BucketDecision(
                             admitted=True,
@@ -393,6 +397,7 @@ class EmbeddedStore:
         if not exact:
             delta = max(-cls.burst, min(cls.burst, delta))
         budget.settle(state, pool, cls, delta)
+        budget.lease_ended(state.in_flight, cls.name, record.charged, record.expires_us, now_us)
         record.released = True
         record.final = record.charged + delta
         record.adjustment = delta
@@ -413,10 +418,12 @@ class EmbeddedStore:
                 existing.state.updated_us,
                 existing.state.capacity,
                 existing.state.admitted,
+                existing.state.in_flight.copy(),
             )
             queues = existing.queues
         effective = budget.effective_pool(pool, state.capacity)
         budget.refill(state, effective, now_us)
+        budget.end_expired(state.in_flight, now_us)
         classes: dict[str, ClassStatus] = {}
         for cls in effective.classes:
             queue = queues.get(cls.name, {})
@@ -427,6 +434,8 @@ class EmbeddedStore:
                 oldest_wait_ms=(now_us - oldest) // 1000,
                 rate=cls.rate,
                 burst=cls.burst,
+                in_flight=state.in_flight.count.get(cls.name, 0),
+                in_flight_cost=state.in_flight.charges.get(cls.name, 0.0),
             )
         return PoolStatus(
             shared_tokens=state.shared,
@@ -492,15 +501,6 @@ class EmbeddedStore:
 
     async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
         return [StoredSample.decode(raw) for raw in self._windows.get((pool, qos_class), ())]
-
-    async def active_leases(self, pool: str) -> int:
-        now_us = self._clock()
-        prefix = f"{pool}:"
-        return sum(
-            1
-            for lease_id, lease in self._leases.items()
-            if lease_id.startswith(prefix) and not lease.released and lease.expires_us > now_us
-        )
 
     def _sweep(self, now_us: int) -> None:
         """Forgets leases and request ids past use, so memory stays bounded."""

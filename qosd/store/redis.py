@@ -76,10 +76,19 @@ class _PoolArgs:
 
 
 class RedisStore:
-    def __init__(self, config: RedisConfig, tombstone_ms: int, stale_after_ms: int = 2_000) -> None:
+    def __init__(
+        self,
+        config: RedisConfig,
+        tombstone_ms: int,
+        stale_after_ms: int = 2_000,
+        lease_ttl_ms: int = 300_000,
+    ) -> None:
+        """``lease_ttl_ms`` is the usual lease TTL: its expiry second is read with the
+        pool's state, so counting a lease in flight costs no extra command."""
         assert config.url is not None
         self._config = config
         self._stale_after_ms = stale_after_ms
+        self._lease_ttl_ms = lease_ttl_ms
         # A lease hash must outlive its newest lease's TTL by the tombstone time, plus
         # its one-second filing width and some clock skew between replicas.
         self._keep_extra_ms = tombstone_ms + 5_000
@@ -93,7 +102,7 @@ class RedisStore:
         )
         names = (
             "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",
-            "report", "leases",
+            "report",
         )  # fmt: skip
         self._scripts = {name: _Script.load(name) for name in names}
         self._pool_args: dict[str, _PoolArgs] = {}
@@ -146,6 +155,7 @@ class RedisStore:
                 repr(pool.burst_s),
                 self._stale_after_ms,
                 len(pool.classes),
+                self._lease_ttl_ms,
             ]
             for cls in pool.classes:
                 policy += [
@@ -424,13 +434,17 @@ class RedisStore:
         now_us = int(reply[0])
         classes: dict[str, ClassStatus] = {}
         for index, cls in enumerate(pool.classes):
-            tokens, waiting, oldest, rate, burst = reply[4 + 5 * index : 9 + 5 * index]
+            tokens, waiting, oldest, rate, burst, in_flight, in_flight_cost = reply[
+                4 + 7 * index : 11 + 7 * index
+            ]
             classes[cls.name] = ClassStatus(
                 tokens=float(tokens),
                 waiting=int(waiting),
                 oldest_wait_ms=(now_us - int(float(oldest))) // 1000 if oldest else 0,
                 rate=float(rate),
                 burst=float(burst),
+                in_flight=int(in_flight),
+                in_flight_cost=float(in_flight_cost),
             )
         return PoolStatus(
             shared_tokens=float(reply[1]),
@@ -531,21 +545,6 @@ class RedisStore:
         key = f"{self._config.key_prefix}:{{{pool}}}:window:{qos_class}"
         raw = await self._client.execute(key, "LRANGE", key, 0, -1)
         return [StoredSample.decode(item) for item in raw]
-
-    async def active_leases(self, pool: str) -> int:
-        """Counts live leases by scanning the pool's lease hashes: an admin query."""
-        pattern = f"{self._config.key_prefix}:{{{pool}}}:leases:*"
-        cursor, hashes = "0", []
-        while True:
-            cursor, found = await self._client.execute(
-                pattern, "SCAN", cursor, "MATCH", pattern, "COUNT", 1000
-            )
-            hashes.extend(found)
-            if cursor == "0":
-                break
-        if not hashes:
-            return 0
-        return int(await self._run(self._scripts["leases"], hashes, ()))
 
 
 def _lease_stub(lease_id: str) -> LeaseSpec:

@@ -568,6 +568,8 @@ class ClassStatus(_message.Message):
     CAN_BORROW_FIELD_NUMBER: _builtins.int
     CONFIGURED_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Class name, as configured."""
     priority: _builtins.int
@@ -601,6 +603,13 @@ class ClassStatus(_message.Message):
     """The rate the class would have at the configured capacity; `rate_tokens_s` is
     its rate at the pool's admitted rate now (the SLO loop's or a pin's).
     """
+    in_flight: _builtins.int
+    """Leases of this class in flight: admitted, neither released nor expired,
+    fleet-wide with Redis. A lease never released counts until the second its TTL
+    ends in has passed. Kept as counters by the scripts, so reading them is O(1).
+    """
+    in_flight_tokens: _builtins.float
+    """Their charges, tokens: the class's admitted cost not yet settled."""
     @_builtins.property
     def latency(self) -> Global___LatencyStatus:
         """Latency over the class's window (its samples of the last `report.max_age_s`, or
@@ -623,10 +632,12 @@ class ClassStatus(_message.Message):
         can_borrow: _builtins.bool = ...,
         configured_rate_tokens_s: _builtins.float = ...,
         latency: Global___LatencyStatus | None = ...,
+        in_flight: _builtins.int = ...,
+        in_flight_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "configured_rate_tokens_s", b"configured_rate_tokens_s", "latency", b"latency", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "configured_rate_tokens_s", b"configured_rate_tokens_s", "in_flight", b"in_flight", "in_flight_tokens", b"in_flight_tokens", "latency", b"latency", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,12 @@
 -- KEYS[1]        pool state hash: u (updated, us of Redis TIME), s (shared tokens),
 --                R (admitted rate the SLO loop set; absent: as configured), K (the
 --                configured capacity R was written under), a (tokens admitted so
---                far), t:<class> (class tokens), w:<class> (waiters queued)
+--                far), t:<class> (class tokens), w:<class> (waiters queued),
+--                n:<class> and c:<class> (leases in flight: admitted, neither
+--                released nor expired, and their charges), x:<second> (of those,
+--                the ones whose lease expires in that second of Redis time:
+--                "class|count|charges|class|count|charges..."), xo and xn (the
+--                oldest and newest such second; the sweep below ends them)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
@@ -13,7 +18,8 @@
 -- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
 -- ARGV[1]        number of calls in the batch
 -- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
---                tokens), stale_after_ms, n, then per class in priority order: name,
+--                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
+--                second is read with the state), then per class in priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
 --                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
@@ -31,10 +37,11 @@ local capacity = tonumber(ARGV[2])
 local pool_burst_s = tonumber(ARGV[3])
 local stale_after_us = tonumber(ARGV[4]) * 1000
 local class_count = tonumber(ARGV[5])
+local default_ttl_us = tonumber(ARGV[6]) * 1000
 local classes = {}
 local class_index = {}
 do
-  local a = 6
+  local a = 7
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -51,7 +58,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 6 + 12 * class_count
+local NEXT_ARG = 7 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -101,12 +108,35 @@ local function allocate(rate_total)
 end
 
 -- The pool's state, refilled to now (qosd/budget.py: fresh_state, refill).
-local state = {tokens = {}, waiting = {}}
+local now_s = math.floor(now / 1000000)
+local state = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
+-- Expiry buckets of leases in flight, by second (qosd/budget.py: InFlight): read
+-- lazily, each at most once per call, and written back by save_state().
+local expiring = {}      -- second -> {class index -> {count, charges}}
+local expiring_dirty = {} -- second -> true when changed
+local expiring_gone = {}  -- 'x:<second>' fields to delete
+local function parse_expiring(value)
+  local entry = {}
+  if value then
+    for name, count, charges in string.gmatch(value, '([^|]+)|([^|]+)|([^|]+)') do
+      local i = class_index[name]
+      if i then
+        entry[i] = {tonumber(count), tonumber(charges)}
+      end
+    end
+  end
+  return entry
+end
+local HEADER = 8  -- fields read before the per-class ones
 do
-  local fields = {'u', 's', 'R', 'a', 'K'}
+  local default_second = math.floor((now + default_ttl_us) / 1000000)
+  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second}
   for i = 1, class_count do
-    fields[#fields + 1] = 't:' .. classes[i].name
-    fields[#fields + 1] = 'w:' .. classes[i].name
+    local name = classes[i].name
+    fields[#fields + 1] = 't:' .. name
+    fields[#fields + 1] = 'w:' .. name
+    fields[#fields + 1] = 'n:' .. name
+    fields[#fields + 1] = 'c:' .. name
   end
   local values = redis.call('HMGET', STATE, unpack(fields))
   state.capacity = tonumber(values[3]) or capacity
@@ -117,13 +147,19 @@ do
   if written_under and written_under > 0 and written_under ~= capacity then
     state.capacity = state.capacity * capacity / written_under
   end
+  state.expiry_from = tonumber(values[6])
+  state.expiry_to = tonumber(values[7])
+  expiring[default_second] = parse_expiring(values[8])
   allocate(state.capacity)
   if values[1] then
     state.updated = tonumber(values[1])
     state.shared = tonumber(values[2])
     for i = 1, class_count do
-      state.tokens[i] = tonumber(values[4 + 2 * i]) or classes[i].burst
-      state.waiting[i] = tonumber(values[5 + 2 * i]) or 0
+      local at = HEADER + 4 * (i - 1)
+      state.tokens[i] = tonumber(values[at + 1]) or classes[i].burst
+      state.waiting[i] = tonumber(values[at + 2]) or 0
+      state.in_n[i] = tonumber(values[at + 3]) or 0
+      state.in_c[i] = tonumber(values[at + 4]) or 0
     end
   else
     state.updated = now
@@ -131,6 +167,8 @@ do
     for i = 1, class_count do
       state.tokens[i] = classes[i].burst
       state.waiting[i] = 0
+      state.in_n[i] = 0
+      state.in_c[i] = 0
     end
   end
   if now > state.updated then
@@ -150,6 +188,96 @@ do
 end
 local state_changed = false
 
+-- Leases in flight (qosd/budget.py: InFlight). A lease counts from its admission
+-- until it is released or the second of Redis time its expiry falls in has passed.
+local function expiring_at(second)
+  local entry = expiring[second]
+  if entry == nil then
+    entry = parse_expiring(redis.call('HGET', STATE, 'x:' .. second))
+    expiring[second] = entry
+  end
+  return entry
+end
+
+local function lease_started(i, charged, expiry_us)
+  state_changed = true
+  state.in_n[i] = state.in_n[i] + 1
+  state.in_c[i] = state.in_c[i] + charged
+  local second = math.floor(expiry_us / 1000000)
+  local entry = expiring_at(second)
+  local counts = entry[i] or {0, 0}
+  entry[i] = {counts[1] + 1, counts[2] + charged}
+  expiring_dirty[second] = true
+  if state.expiry_from == nil or second < state.expiry_from then
+    state.expiry_from = second
+  end
+  if state.expiry_to == nil or second > state.expiry_to then
+    state.expiry_to = second
+  end
+end
+
+-- A lease released before its expiry second has passed stops counting now; one
+-- released later was ended by the sweep already.
+local function lease_ended(i, charged, expiry_us)
+  local second = math.floor(expiry_us / 1000000)
+  if second < now_s then
+    return
+  end
+  local entry = expiring_at(second)
+  local counts = entry[i]
+  if counts == nil or counts[1] <= 0 then
+    return  -- not counted (admitted before this accounting existed)
+  end
+  state_changed = true
+  entry[i] = {counts[1] - 1, math.max(0, counts[2] - charged)}
+  expiring_dirty[second] = true
+  state.in_n[i] = math.max(0, state.in_n[i] - 1)
+  state.in_c[i] = math.max(0, state.in_c[i] - charged)
+end
+
+-- End the leases whose expiry second has passed: at most 64 seconds of them per
+-- call, so a pool idle for long catches up over its next calls; once the newest
+-- second has passed, everything left in flight has expired.
+do
+  local from = state.expiry_from
+  if from and from < now_s then
+    if state.expiry_to < now_s then
+      for i = 1, class_count do
+        state.in_n[i] = 0
+        state.in_c[i] = 0
+      end
+      local fields = redis.call('HKEYS', STATE)
+      for _, name in ipairs(fields) do
+        if string.sub(name, 1, 2) == 'x:' then
+          expiring_gone[#expiring_gone + 1] = name
+        end
+      end
+      expiring = {}
+      state.expiry_from = nil
+      state.expiry_to = nil
+    else
+      local last = math.min(now_s - 1, from + 63)
+      local names = {}
+      for second = from, last do
+        names[#names + 1] = 'x:' .. second
+      end
+      local due = redis.call('HMGET', STATE, unpack(names))
+      for j = 1, #names do
+        for i, counts in pairs(parse_expiring(due[j])) do
+          state.in_n[i] = math.max(0, state.in_n[i] - counts[1])
+          state.in_c[i] = math.max(0, state.in_c[i] - counts[2])
+        end
+        if due[j] then
+          expiring_gone[#expiring_gone + 1] = names[j]
+        end
+        expiring[from + j - 1] = nil
+      end
+      state.expiry_from = last + 1
+    end
+    state_changed = true
+  end
+end
+
 local function save_state()
   if not state_changed then
     return
@@ -157,12 +285,49 @@ local function save_state()
   local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared),
     'a', num(state.admitted), 'R', num(state.capacity), 'K', num(capacity)}
   for i = 1, class_count do
-    fields[#fields + 1] = 't:' .. classes[i].name
+    local name = classes[i].name
+    fields[#fields + 1] = 't:' .. name
     fields[#fields + 1] = num(state.tokens[i])
-    fields[#fields + 1] = 'w:' .. classes[i].name
+    fields[#fields + 1] = 'w:' .. name
     fields[#fields + 1] = state.waiting[i]
+    fields[#fields + 1] = 'n:' .. name
+    fields[#fields + 1] = state.in_n[i]
+    fields[#fields + 1] = 'c:' .. name
+    fields[#fields + 1] = num(state.in_c[i])
+  end
+  local gone = {}
+  for _, name in ipairs(expiring_gone) do
+    if not expiring_dirty[tonumber(string.sub(name, 3))] then
+      gone[#gone + 1] = name
+    end
+  end
+  for second in pairs(expiring_dirty) do
+    local parts = {}
+    for i, counts in pairs(expiring[second]) do
+      if counts[1] > 0 then
+        parts[#parts + 1] = classes[i].name .. '|' .. counts[1] .. '|' .. num(counts[2])
+      end
+    end
+    if #parts > 0 then
+      fields[#fields + 1] = 'x:' .. second
+      fields[#fields + 1] = table.concat(parts, '|')
+    else
+      gone[#gone + 1] = 'x:' .. second  -- every lease of that second has ended
+    end
+  end
+  if state.expiry_from then
+    fields[#fields + 1] = 'xo'
+    fields[#fields + 1] = string.format('%.0f', state.expiry_from)
+    fields[#fields + 1] = 'xn'
+    fields[#fields + 1] = string.format('%.0f', state.expiry_to)
+  else
+    gone[#gone + 1] = 'xo'
+    gone[#gone + 1] = 'xn'
   end
   redis.call('HSET', STATE, unpack(fields))
+  if #gone > 0 then
+    redis.call('HDEL', STATE, unpack(gone))
+  end
 end
 
 local OWN = 1
@@ -416,8 +581,9 @@ end
 local lease_writes = {}  -- lease hash key -> {field, value, ...}
 local lease_keep = {}    -- lease hash key -> ms it must live
 
-local function add_lease(lease_key, field, cost, ttl_ms, keep_ms, weight, input, output)
-  local expiry = string.format('%.0f', now + ttl_ms * 1000)
+local function add_lease(i, lease_key, field, cost, ttl_ms, keep_ms, weight, input, output)
+  local expiry_us = now + ttl_ms * 1000
+  local expiry = string.format('%.0f', expiry_us)
   local writes = lease_writes[lease_key]
   if writes == nil then
     writes = {}
@@ -426,6 +592,7 @@ local function add_lease(lease_key, field, cost, ttl_ms, keep_ms, weight, input,
   writes[#writes + 1] = field
   writes[#writes + 1] = expiry .. '|' .. num(cost) .. '|' .. weight .. '|' .. input .. '|' .. output
   lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(keep_ms))
+  lease_started(i, cost, expiry_us)
   return expiry
 end
 

@@ -99,7 +99,7 @@ for _ = 1, count do
           tenant[1] = tenant[1] - cost
           tenant[5] = true
         end
-        local expiry = add_lease(lease_key, field, cost, ttl_ms, ARGV[a + 5], ARGV[a + 6],
+        local expiry = add_lease(i, lease_key, field, cost, ttl_ms, ARGV[a + 5], ARGV[a + 6],
           ARGV[a + 7], ARGV[a + 8])
         if request_key then
           redis.call('SET', request_key, lease_id .. '|' .. ARGV[a + 1] .. '|' .. expiry,

@@ -99,7 +99,7 @@ while progress and admitted < MAX_ADMITTED do
           tenant[1] = tenant[1] - w.cost
           tenant[5] = true
         end
-        local expiry = add_lease(m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
+        local expiry = add_lease(i, m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
           m.input, m.output)
         if m.request_key then
           redis.call('SET', m.request_key, m.lease_id .. '|' .. num(w.cost) .. '|' .. expiry,

@@ -12,6 +12,8 @@
 -- An active lease field is "expiry_us|charged|weight|input|output" (_pool.lua);
 -- settling turns it into "R|final|adjustment|outcome", which stays until the lease
 -- hash expires, so a repeated release gets the first answer.
+-- A lease released before its expiry stops counting as in flight (_pool.lua:
+-- lease_ended).
 -- Returns 4 values per release: status ('released' now, 'again' if settled before,
 -- 'expired' or 'unknown'), final charge, adjustment, class tokens after.
 local reply = {}
@@ -68,6 +70,7 @@ for _ = 1, tonumber(ARGV[1]) do
         delta = math.max(-burst, math.min(burst, delta))
       end
       settle(i, delta)
+      lease_ended(i, tonumber(charged), tonumber(expiry))
       local final = num(tonumber(charged) + delta)
       local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + 5]
       leases[lease_key][field] = settled
