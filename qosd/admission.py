@@ -396,9 +396,10 @@ class Admission:
             outcome=outcome,
             output_weight=self._output_weight,
         )
-        settlement = await self._store.release(self._pools[policy.pool], policy, lease_id, usage)
-        if settlement.adjustment < 0:
-            self._waiting.nudge(policy.pool)  # tokens came back: a waiter may fit now
+        pool = self._pools[policy.pool]
+        settlement = await self._store.release(pool, policy, lease_id, usage)
+        if settlement.adjustment < 0 or (pool.gated and not settlement.already_released):
+            self._waiting.nudge(policy.pool)  # tokens or room came back: a waiter may fit
         return settlement
 
     # -- report -----------------------------------------------------------------

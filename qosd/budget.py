@@ -24,6 +24,20 @@ Rules for taking ``cost`` tokens from class c (after refill):
 
 Settlement moves the class bucket by ``charged - actual``; what a refund lifts
 above the burst overflows into the shared tokens, like refill.
+
+A *GPU-gated* pool (``max_in_flight`` or ``max_in_flight_tokens`` set) admits by
+what its servers can take instead, and the buckets decide the order:
+
+1. ``cost > max_cost`` is never admitted, as above; nobody overtakes their class.
+2. A request needs *room*: the leases in flight plus this one within the bound
+   (``has_room``; a request alone in an idle pool always fits).
+3. Its *standing* is within its share when its own bucket covers it (or is full, for
+   a cost above the burst), over its share otherwise; then its effective rank, then
+   its arrival. It is admitted only when no waiter of another class stands better.
+4. It pays from its own bucket, else with shared tokens, else into debt on its own
+   bucket (OVER), never below minus one burst. So while the servers have room and
+   anyone waits, the pool admits: nobody times out for lack of budget, and a class
+   that used more than its share recently goes after those that did not.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from qosd.config import ClassPolicy, PoolPolicy
 
 OWN = 1
 BORROW = 2
+OVER = 3  # a GPU-gated pool's admission over the class's share, into bounded debt
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,6 +84,7 @@ def effective_pool(pool: PoolPolicy, capacity: float) -> PoolPolicy:
             left -= extra
         free_rate = 0.0
     scale = capacity / pool.capacity
+    shrink = min(1.0, scale)  # the in-flight bound follows cuts, never above the servers'
     classes = tuple(
         dataclasses.replace(
             cls,
@@ -85,6 +101,8 @@ def effective_pool(pool: PoolPolicy, capacity: float) -> PoolPolicy:
         free_rate=free_rate,
         shared_burst=pool.burst_s * capacity,
         classes=classes,
+        max_in_flight=pool.max_in_flight * shrink,
+        max_in_flight_tokens=pool.max_in_flight_tokens * shrink,
     )
 
 
@@ -237,10 +255,43 @@ def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bo
     return 0
 
 
+def has_room(flight: InFlight, pool: PoolPolicy, cost: float) -> bool:
+    """Whether a GPU-gated pool's servers can take one more request of this cost."""
+    count = flight.total()
+    if count == 0:
+        return True  # alone in an idle pool: always, whatever its size
+    if pool.max_in_flight > 0 and count + 1 > pool.max_in_flight:
+        return False
+    return not (
+        pool.max_in_flight_tokens > 0
+        and sum(flight.charges.values()) + cost > pool.max_in_flight_tokens
+    )
+
+
+def within_share(state: PoolState, cls: ClassPolicy, cost: float) -> bool:
+    """A GPU-gated pool's standing: the class's own bucket covers the cost (or is
+    full, for a cost above the burst)."""
+    return state.tokens[cls.name] >= min(cost, cls.burst)
+
+
+def gated_how(state: PoolState, cls: ClassPolicy, cost: float) -> int:
+    """How a GPU-gated pool's admission pays: own tokens, shared ones, else debt."""
+    own = state.tokens[cls.name]
+    if own >= min(cost, cls.burst):
+        return OWN
+    if cls.can_borrow and max(own, 0.0) + state.shared >= cost:
+        return BORROW
+    return OVER
+
+
 def take(state: PoolState, cls: ClassPolicy, cost: float, how: int) -> None:
     state.admitted += cost
     if how == OWN:
         state.tokens[cls.name] -= cost
+        return
+    if how == OVER:
+        tokens = state.tokens[cls.name]
+        state.tokens[cls.name] = max(tokens - cost, min(tokens, -cls.burst))
         return
     own = max(state.tokens[cls.name], 0.0)
     state.tokens[cls.name] -= own

@@ -102,6 +102,18 @@ class PoolConfig(_Strict):
     models: list[str] = Field(default_factory=list)
     # How much unused capacity the shared tokens hold, in seconds of capacity.
     burst_s: Annotated[float, Field(gt=0, le=3600)] = 0.5
+    # What the pool's servers can run at once, fleet-wide: leases in flight (admitted,
+    # not yet released) may not exceed this many requests, nor this many tokens of
+    # their charges (cost units: with cost.output_weight 1, the estimated prompt plus
+    # output tokens, i.e. KV cache). Typically the servers' batch slots (vLLM
+    # max_num_seqs) and KV cache, summed over the pool. Setting either makes the pool
+    # *GPU-gated*: within the bound admission is work-conserving, a class short of
+    # tokens is admitted over its share when nobody of better standing waits, and
+    # the token buckets decide who gets the next free slot (docs/design.md). The SLO
+    # loop's cuts of the admitted rate shrink the bound in proportion. None: no bound,
+    # the token buckets alone decide.
+    max_in_flight: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    max_in_flight_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
 
 
 class WaitingConfig(_Strict):
@@ -474,6 +486,14 @@ class PoolPolicy:
     burst_s: float  # shared tokens hold this many seconds of capacity
     min_capacity: float  # bounds of the admitted rate, tokens per second
     max_capacity: float
+    # The in-flight bound at the admitted rate (configured, scaled by the SLO loop's
+    # cuts); 0: none. Either set makes the pool GPU-gated (PoolConfig).
+    max_in_flight: float = 0.0
+    max_in_flight_tokens: float = 0.0
+
+    @property
+    def gated(self) -> bool:
+        return self.max_in_flight > 0 or self.max_in_flight_tokens > 0
 
 
 def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
@@ -519,6 +539,8 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             burst_s=pool.burst_s,
             min_capacity=max(control.min_capacity * pool.capacity_tokens_s, floors),
             max_capacity=control.max_capacity * pool.capacity_tokens_s,
+            max_in_flight=float(pool.max_in_flight or 0),
+            max_in_flight_tokens=pool.max_in_flight_tokens or 0.0,
         )
     return pools
 

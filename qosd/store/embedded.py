@@ -42,8 +42,18 @@ _LOOKAHEAD = 64  # as _pool.lua: blocked waiters looked past per class for a hea
 _MAX_ADMITTED_PER_PUMP = 64  # as pump.lua
 
 
+#: What a GPU-gated pool's refusal suggests as retry-after: it waits for room, and no
+#: refill says when that comes. As acquire.lua.
+ROOM_RETRY_MS = 50
+
+
 def monotonic_us() -> int:
     return time.monotonic_ns() // 1000
+
+
+def _standing(state: budget.PoolState, cls: ClassPolicy, cost: float, rank: int) -> tuple[int, int]:
+    """A GPU-gated pool's order: within its share first, then by effective rank."""
+    return (0 if budget.within_share(state, cls, cost) else 1, rank)
 
 
 @dataclass(slots=True)
@@ -176,6 +186,24 @@ class EmbeddedStore:
             for head in self._heads(record, pool, now_us)
         )
 
+    def _gated_how(
+        self, record: _Pool, pool: PoolPolicy, cls: ClassPolicy, cost: float, now_us: int
+    ) -> int:
+        """A GPU-gated pool's answer for a new request: how it pays, or 0 to wait
+        (budget.py, rules for GPU-gated pools)."""
+        state = record.state
+        if self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
+            return 0
+        if not budget.has_room(state.in_flight, pool, cost):
+            return 0
+        mine = _standing(state, cls, cost, cls.rank)
+        for head in self._heads(record, pool, now_us):
+            if head.cls.name != cls.name and (
+                _standing(state, head.cls, head.record.cost, head.rank) <= mine
+            ):
+                return 0  # someone stands better, or as well and came first
+        return budget.gated_how(state, cls, cost)
+
     def _tenant(
         self, pool: PoolPolicy, cls: ClassPolicy, tenant: str, now_us: int
     ) -> budget.TenantBucket:
@@ -254,7 +282,9 @@ class EmbeddedStore:
             return answer(Reason.COST_EXCEEDS_BURST)
         queue = record.queues[cls.name]
         how = 0
-        if not self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
+        if pool.gated:
+            how = self._gated_how(record, pool, cls, cost, now_us)
+        elif not self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             shared_open = (
                 cls.can_borrow
                 and state.tokens[cls.name] < cost
@@ -278,8 +308,13 @@ class EmbeddedStore:
             return answer(Reason.NONE, admitted=True)
         # Queue only a request whose wait could cover the refill it needs if nobody
         # else took tokens meanwhile; any other is told at once.
-        retry_ms = max(budget.retry_after_ms(state, pool, cls, cost), tenant_wait_ms)
-        if wait_ms <= 0 or retry_ms > wait_ms:
+        if pool.gated:  # waits for room and its turn, which no refill predicts
+            retry_ms = max(ROOM_RETRY_MS, tenant_wait_ms)
+            if wait_ms <= 0:
+                return answer(Reason.RATE_LIMITED, retry_ms)
+        else:
+            retry_ms = max(budget.retry_after_ms(state, pool, cls, cost), tenant_wait_ms)
+        if wait_ms <= 0 or (not pool.gated and retry_ms > wait_ms):
             return answer(Reason.RATE_LIMITED, retry_ms)
         if len(queue) >= cls.max_queue:
             return answer(Reason.QUEUE_FULL, retry_ms)
@@ -310,6 +345,12 @@ class EmbeddedStore:
         progress = True
         while progress and len(admitted) < _MAX_ADMITTED_PER_PUMP:
             progress = False
+            if pool.gated:
+                granted = self._pump_gated(record, pool, mine, now_us)
+                if granted is not None:
+                    admitted[granted[0]] = granted[1]
+                    progress = True
+                continue
             shared_open = True
             for head in self._heads(record, pool, now_us):
                 cls = head.cls
@@ -358,6 +399,45 @@ class EmbeddedStore:
             else:
                 results.append(PumpResult(WaiterState.GONE, None))
         return results
+
+    def _pump_gated(
+        self, record: _Pool, pool: PoolPolicy, mine: dict[str, Waiter], now_us: int
+    ) -> tuple[str, BucketDecision] | None:
+        """Admits the best-standing head if it is this daemon's and the pool has room
+        for it; a head of another daemon holds the room for that daemon's next pump.
+        A head over its tenant's ceiling steps aside. Returns what it admitted."""
+        state = record.state
+        heads = sorted(
+            self._heads(record, pool, now_us),
+            key=lambda h: (*_standing(state, h.cls, h.record.cost, h.rank), h.record.enqueued_us),
+        )
+        for head in heads:
+            cls, cost = head.cls, head.record.cost
+            waiter = mine.get(head.id)
+            if not budget.has_room(state.in_flight, pool, cost) or waiter is None:
+                return None
+            tenant = None
+            if cls.tenant_rate > 0:
+                tenant = self._tenant(pool, cls, waiter.lease.tenant, now_us)
+                if not budget.tenant_allows(tenant, cost, cls.tenant_burst):
+                    wait_ms = budget.tenant_wait_ms(tenant, cost, cls.tenant_rate, cls.tenant_burst)
+                    head.record.blocked_until_us = now_us + wait_ms * 1000
+                    continue
+            budget.take(state, cls, cost, budget.gated_how(state, cls, cost))
+            if tenant is not None:
+                tenant.tokens -= cost
+            self._add_lease(pool, record, cls.name, cost, waiter.lease, now_us)
+            del record.queues[cls.name][head.id]
+            return head.id, BucketDecision(
+                admitted=True,
+                reason=Reason.NONE,
+                lease_id=waiter.lease.lease_id,
+                charged=cost,
+                remaining=state.tokens[cls.name],
+                retry_after_ms=0,
+                lease_ttl_ms=waiter.lease.ttl_ms,
+            )
+        return None
 
     # -- cancel.lua -----------------------------------------------------------------
 

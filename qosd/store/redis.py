@@ -156,6 +156,8 @@ class RedisStore:
                 self._stale_after_ms,
                 len(pool.classes),
                 self._lease_ttl_ms,
+                repr(pool.max_in_flight),
+                repr(pool.max_in_flight_tokens),
             ]
             for cls in pool.classes:
                 policy += [

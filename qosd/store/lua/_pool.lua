@@ -19,7 +19,9 @@
 -- ARGV[1]        number of calls in the batch
 -- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
 --                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
---                second is read with the state), then per class in priority order: name,
+--                second is read with the state), max_in_flight and max_in_flight_tokens
+--                (0: none; either makes the pool GPU-gated), then per class in
+--                priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
 --                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
@@ -38,10 +40,13 @@ local pool_burst_s = tonumber(ARGV[3])
 local stale_after_us = tonumber(ARGV[4]) * 1000
 local class_count = tonumber(ARGV[5])
 local default_ttl_us = tonumber(ARGV[6]) * 1000
+local max_in_flight = tonumber(ARGV[7])
+local max_in_flight_tokens = tonumber(ARGV[8])
+local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 7
+  local a = 9
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -58,7 +63,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 7 + 12 * class_count
+local NEXT_ARG = 9 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -68,6 +73,8 @@ local DAEMONS = KEYS[class_count + 3]
 -- first, then the configured rates in priority order, and what is above them shared.
 local free_rate = 0
 local shared_burst = 0
+local bound_count = 0   -- the in-flight bound at R (configured, shrunk by cuts)
+local bound_charges = 0
 local function allocate(rate_total)
   local assigned = 0
   for i = 1, class_count do
@@ -105,6 +112,9 @@ local function allocate(rate_total)
     c.tenant_burst = c.nominal_tenant_burst * scale
   end
   shared_burst = pool_burst_s * rate_total
+  local shrink = math.min(1, scale)  -- follows cuts, never above the servers'
+  bound_count = max_in_flight * shrink
+  bound_charges = max_in_flight_tokens * shrink
 end
 
 -- The pool's state, refilled to now (qosd/budget.py: fresh_state, refill).
@@ -332,6 +342,8 @@ end
 
 local OWN = 1
 local BORROW = 2
+local OVER = 3  -- a GPU-gated pool's admission over the class's share, into bounded debt
+local ROOM_RETRY_MS = 50  -- a GPU-gated refusal's retry-after: room comes with no refill
 
 -- qosd/budget.py: how_to_take, take, settle, retry_after_ms, effective_rank.
 local function how_to_take(i, cost, shared_open)
@@ -349,11 +361,47 @@ local function how_to_take(i, cost, shared_open)
   return 0
 end
 
+-- GPU-gated pools (qosd/budget.py: has_room, within_share, gated_how).
+local function has_room(cost)
+  local count, charges = 0, 0
+  for i = 1, class_count do
+    count = count + state.in_n[i]
+    charges = charges + state.in_c[i]
+  end
+  if count == 0 then
+    return true  -- alone in an idle pool: always, whatever its size
+  end
+  if bound_count > 0 and count + 1 > bound_count then
+    return false
+  end
+  return not (bound_charges > 0 and charges + cost > bound_charges)
+end
+
+local function within_share(i, cost)
+  return state.tokens[i] >= math.min(cost, classes[i].burst)
+end
+
+local function gated_how(i, cost)
+  local own = state.tokens[i]
+  if own >= math.min(cost, classes[i].burst) then
+    return OWN
+  end
+  if classes[i].can_borrow and math.max(own, 0) + state.shared >= cost then
+    return BORROW
+  end
+  return OVER
+end
+
 local function take(i, cost, how)
   state_changed = true
   state.admitted = state.admitted + cost
   if how == OWN then
     state.tokens[i] = state.tokens[i] - cost
+    return
+  end
+  if how == OVER then
+    local tokens = state.tokens[i]
+    state.tokens[i] = math.max(tokens - cost, math.min(tokens, -classes[i].burst))
     return
   end
   local own = math.max(state.tokens[i], 0)
@@ -553,6 +601,31 @@ local function has_live_waiter(i)
     end
   end
   return false
+end
+
+-- A GPU-gated pool's order: within its share first (0), then by effective rank.
+local function stands_before(x_within, x_rank, y_within, y_rank)
+  return x_within < y_within or (x_within == y_within and x_rank <= y_rank)
+end
+
+local function standing(w)
+  return within_share(w.class, w.cost) and 0 or 1
+end
+
+-- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
+-- It needs room, no waiter of its class (FIFO), and nobody of another class standing
+-- better than it, or as well and earlier (qosd/store/embedded.py: _gated_how).
+local function gated_how_for_new(i, cost)
+  if has_live_waiter(i) or not has_room(cost) then
+    return 0
+  end
+  local mine = within_share(i, cost) and 0 or 1
+  for _, w in ipairs(heads()) do
+    if w.class ~= i and stands_before(standing(w), w.rank, mine, classes[i].rank) then
+      return 0
+    end
+  end
+  return gated_how(i, cost)
 end
 
 -- May class i take shared tokens now? Not while a waiter of another class with the

@@ -80,7 +80,9 @@ for _ = 1, count do
       answer(0, 2, '', ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
     else
       local how = 0
-      if not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
+      if pool_gated then
+        how = gated_how_for_new(i, cost)
+      elseif not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
       end
@@ -109,11 +111,15 @@ for _ = 1, count do
       else
         -- Queue only a request whose wait could cover the refill it needs if nobody
         -- else took tokens meanwhile; any other is told at once.
-        local retry = retry_after_ms(i, cost)
-        if tenant_wait > retry then
-          retry = tenant_wait
+        -- A GPU-gated pool's request waits for room and its turn, which no refill
+        -- predicts: it is queued whenever it may wait.
+        local retry
+        if pool_gated then
+          retry = math.max(ROOM_RETRY_MS, tenant_wait)
+        else
+          retry = math.max(retry_after_ms(i, cost), tenant_wait)
         end
-        if wait_ms <= 0 or retry > wait_ms then
+        if wait_ms <= 0 or (not pool_gated and retry > wait_ms) then
           answer(0, 1, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
         elseif state.waiting[i] >= c.max_queue then
           answer(0, 5, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)

@@ -1,6 +1,7 @@
 -- Let a daemon's waiters in, in fleet-wide order, and report on the rest.
 -- Mirrors qosd/store/embedded.py (pump). Pool state, policy, budget functions and
--- waiter helpers come from _pool.lua.
+-- waiter helpers come from _pool.lua. A GPU-gated pool is pumped by pump_gated()
+-- below; the walk that follows describes the other pools.
 --
 -- A daemon calls this every few milliseconds while it has waiters in the pool. It
 -- walks the heads of all class queues in effective-rank order (aging included):
@@ -74,49 +75,97 @@ end
 
 local MAX_ADMITTED = 64
 local admitted = 0
+
+-- Over its tenant's ceiling, a waiter steps aside (not holding up other tenants).
+-- Returns the tenant bucket to charge (nil without a ceiling), or false if blocked.
+local function tenant_for(w, m)
+  if not m.tenant_key then
+    return nil
+  end
+  local i = w.class
+  local tenant = tenant_load(m.tenant_key, classes[i].tenant_rate, classes[i].tenant_burst)
+  if tenant[1] < math.min(w.cost, tenant[4]) then
+    w.blocked = now + tenant_wait_ms(tenant, w.cost) * 1000
+    redis.call('HSET', WAITERS, w.id, waiter_value(w))
+    return false
+  end
+  return tenant
+end
+
+local function admit(w, m, how, tenant)
+  local i = w.class
+  take(i, w.cost, how)
+  if tenant then
+    tenant[1] = tenant[1] - w.cost
+    tenant[5] = true
+  end
+  local expiry = add_lease(i, m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
+    m.input, m.output)
+  if m.request_key then
+    redis.call('SET', m.request_key, m.lease_id .. '|' .. num(w.cost) .. '|' .. expiry,
+      'PX', m.ttl_ms)
+  end
+  remove_waiter(i, w.id)
+  m.admitted = true
+  admitted = admitted + 1
+end
+
+-- A GPU-gated pool: the best-standing head goes when the pool has room for it, if it
+-- is this daemon's; another daemon's head holds the room for that daemon's next
+-- pump (qosd/store/embedded.py: _pump_gated). Returns whether it admitted one.
+local function pump_gated()
+  local order_heads = heads()
+  for _, w in ipairs(order_heads) do
+    w.within = standing(w)
+  end
+  table.sort(order_heads, function(x, y)
+    if x.within ~= y.within then
+      return x.within < y.within
+    end
+    if x.rank ~= y.rank then
+      return x.rank < y.rank
+    end
+    return x.enqueued < y.enqueued
+  end)
+  for _, w in ipairs(order_heads) do
+    local m = mine[w.id]
+    if not m or not has_room(w.cost) then
+      return false
+    end
+    local tenant = tenant_for(w, m)
+    if tenant ~= false then
+      admit(w, m, gated_how(w.class, w.cost), tenant)
+      return true
+    end
+  end
+  return false
+end
+
 local progress = true
 while progress and admitted < MAX_ADMITTED do
   progress = false
-  local shared_open = true
-  for _, w in ipairs(heads()) do
-    local i = w.class
-    local how = how_to_take(i, w.cost, shared_open)
-    local m = mine[w.id]
-    if how ~= 0 and m then
-      local tenant = nil
-      if m.tenant_key then
-        tenant = tenant_load(m.tenant_key, classes[i].tenant_rate, classes[i].tenant_burst)
-        if tenant[1] < math.min(w.cost, tenant[4]) then
-          -- Over its tenant's ceiling: step aside (not holding up other tenants).
-          w.blocked = now + tenant_wait_ms(tenant, w.cost) * 1000
-          redis.call('HSET', WAITERS, w.id, waiter_value(w))
-          how = 0
+  if pool_gated then
+    progress = pump_gated()
+  else
+    local shared_open = true
+    for _, w in ipairs(heads()) do
+      local i = w.class
+      local how = how_to_take(i, w.cost, shared_open)
+      local m = mine[w.id]
+      if how ~= 0 and m then
+        local tenant = tenant_for(w, m)
+        if tenant ~= false then
+          admit(w, m, how, tenant)
+          progress = true
+          break  -- the heads changed: walk again
         end
-      end
-      if how ~= 0 then
-        take(i, w.cost, how)
-        if tenant then
-          tenant[1] = tenant[1] - w.cost
-          tenant[5] = true
+      elseif how ~= 0 then
+        if how == BORROW then
+          shared_open = false  -- kept for another daemon's waiter
         end
-        local expiry = add_lease(i, m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
-          m.input, m.output)
-        if m.request_key then
-          redis.call('SET', m.request_key, m.lease_id .. '|' .. num(w.cost) .. '|' .. expiry,
-            'PX', m.ttl_ms)
-        end
-        remove_waiter(i, w.id)
-        m.admitted = true
-        admitted = admitted + 1
-        progress = true
-        break  -- the heads changed: walk again
+      elseif classes[i].can_borrow then
+        shared_open = false  -- nothing after it may take what it waits for
       end
-    elseif how ~= 0 then
-      if how == BORROW then
-        shared_open = false  -- kept for another daemon's waiter
-      end
-    elseif classes[i].can_borrow then
-      shared_open = false  -- nothing after it may take what it waits for
     end
   end
 end

@@ -1,0 +1,157 @@
+"""GPU-gated pools: admission by what the servers can take, in the buckets' order.
+
+A pool with ``max_in_flight`` (requests) or ``max_in_flight_tokens`` (charges) admits
+while its leases in flight stay within the bound, and is work-conserving inside it:
+a class short of tokens is admitted over its share when nobody of better standing
+waits. When the bound is reached, requests wait, and the next free slot goes to the
+best standing: within its share before over it, then by rank (with aging), then by
+arrival. Run on the embedded store, a standalone Redis and a 3-node cluster.
+
+Rates (tests/conftest.py): P0 6,000/s (burst 3,000), P1 3,000/s (burst 1,500), P2
+1,000/s (burst 500), no borrowing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from qosd_client import QosdClient, Reason
+from tests.conftest import DaemonFactory
+
+GATED: dict[str, Any] = {"pools": {"default": {"max_in_flight": 3}}}
+
+
+async def _in_flight(qos: QosdClient) -> int:
+    return (await qos.status("default")).pool("default").active_leases
+
+
+async def _waiting(qos: QosdClient, qos_class: str) -> int:
+    return (await qos.status("default")).pool("default").cls(qos_class).waiting
+
+
+async def _until_waiting(qos: QosdClient, qos_class: str, count: int) -> None:
+    deadline = time.monotonic() + 5.0
+    while await _waiting(qos, qos_class) != count:
+        assert time.monotonic() < deadline, f"{qos_class} never had {count} waiting"
+        await asyncio.sleep(0.01)
+
+
+async def test_room_admits_a_class_over_its_share(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon(GATED)).client
+    within = await qos.acquire("P2", 500, max_wait_ms=0)  # P2's whole burst
+    assert within.admitted and within.remaining_tokens == pytest.approx(0, abs=1)
+    # Nothing waits and the servers have room: over its share, into debt...
+    over = await qos.acquire("P2", 400, max_wait_ms=0)
+    assert over.admitted and over.remaining_tokens == pytest.approx(-400, abs=50)  # + refill
+    # ... never below minus one burst.
+    deeper = await qos.acquire("P2", 400, max_wait_ms=0)
+    assert deeper.admitted and deeper.remaining_tokens == pytest.approx(-500, abs=1)
+    # The bound of 3 in flight holds, whatever the buckets hold.
+    full = await qos.acquire("P0", 10, max_wait_ms=0)
+    assert not full.admitted and full.reason is Reason.RATE_LIMITED
+    assert full.retry_after_s > 0
+    assert await _in_flight(qos) == 3
+
+
+async def test_a_release_frees_room_for_a_waiter(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon(GATED)).client
+    leases = [await qos.acquire("P0", 100, max_wait_ms=0) for _ in range(3)]
+    waiter = asyncio.create_task(qos.acquire("P1", 100, max_wait_ms=3_000))
+    await _until_waiting(qos, "P1", 1)
+    await qos.release(leases[0].lease_id)  # refunds nothing, but frees a slot
+    result = await waiter
+    assert result.admitted and result.waited_s < 2.0
+    assert await _in_flight(qos) == 3
+
+
+async def test_the_next_slot_goes_within_share_first(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon(GATED)).client
+    p0 = [await qos.acquire("P0", 1000, max_wait_ms=0) for _ in range(3)]  # P0's burst
+    assert all(lease.admitted for lease in p0)
+    # A P0 waiter over its share arrives first, then a P1 waiter within its share.
+    over = asyncio.create_task(qos.acquire("P0", 500, max_wait_ms=3_000))
+    await _until_waiting(qos, "P0", 1)
+    within = asyncio.create_task(qos.acquire("P1", 500, max_wait_ms=3_000))
+    await _until_waiting(qos, "P1", 1)
+    await qos.release(p0[0].lease_id, input_tokens=1000)
+    first = await within
+    assert first.admitted
+    assert not over.done() and await _waiting(qos, "P0") == 1  # one slot, one winner
+    await qos.release(p0[1].lease_id, input_tokens=1000)
+    second = await over
+    assert second.admitted
+
+
+async def test_the_token_bound_lets_a_lone_request_through(make_daemon: DaemonFactory) -> None:
+    qos = (
+        await make_daemon(
+            {
+                "pools": {"default": {"max_in_flight_tokens": 2_000}},
+                "classes": {"P1": {"max_cost_tokens": 6_000}},
+            }
+        )
+    ).client
+    big = await qos.acquire("P1", 5_000, max_wait_ms=0)  # above the bound, but alone
+    assert big.admitted
+    small = await qos.acquire("P0", 10, max_wait_ms=0)
+    assert not small.admitted and small.reason is Reason.RATE_LIMITED
+    await qos.release(big.lease_id)
+    fits = [await qos.acquire("P0", 900, max_wait_ms=0) for _ in range(2)]
+    assert all(lease.admitted for lease in fits)
+    assert not (await qos.acquire("P0", 300, max_wait_ms=0)).admitted  # 1,800 + 300
+
+
+async def test_cuts_shrink_the_bound(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon({"pools": {"default": {"max_in_flight": 4}}})).client
+    await qos.pin_rate("default", 5_000)  # half the configured rate: half the bound
+    two = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
+    assert all(lease.admitted for lease in two)
+    assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted
+    await qos.unpin_rate("default")
+    await qos.pin_rate("default", 20_000)  # growth never lifts it above the servers'
+    more = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
+    assert all(lease.admitted for lease in more)
+    assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted
+
+
+@pytest.mark.slow
+async def test_work_conservation_under_waiters(make_daemon: DaemonFactory) -> None:
+    """Demand at three times the pool's rate, in requests larger than any burst: the
+    pool admits at least 95 % of its rate R for as long as requests wait."""
+    rate = 10_000.0
+    qos = (
+        await make_daemon(
+            {
+                "pools": {"default": {"max_in_flight": 64}},
+                "classes": {
+                    name: {"max_wait_ms": 1_000, "max_cost_tokens": 4_000}
+                    for name in ("P0", "P1", "P2")
+                },
+            }
+        )
+    ).client
+    admitted = 0.0
+    stop = time.monotonic() + 2.0
+    releases: list[asyncio.Task[None]] = []
+
+    async def release_later(lease_id: str) -> None:
+        await asyncio.sleep(0.2)  # the request's service time, in this test's model
+        await qos.release(lease_id)
+
+    async def caller(qos_class: str) -> None:
+        nonlocal admitted
+        while time.monotonic() < stop:
+            result = await qos.acquire(qos_class, 4_000, max_wait_ms=1_000)
+            if result.admitted:
+                admitted += result.tokens_charged
+                releases.append(asyncio.create_task(release_later(result.lease_id)))
+
+    started = time.monotonic()
+    await asyncio.gather(*(caller(("P0", "P1", "P2")[n % 3]) for n in range(12)))
+    elapsed = time.monotonic() - started
+    await asyncio.gather(*releases)
+    assert admitted >= 0.95 * rate * elapsed
