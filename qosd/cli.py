@@ -15,7 +15,7 @@ import uvloop
 
 from qosd import ctl, logs
 from qosd.config import Config, ConfigError, load_config
-from qosd.server import StartupError, serve
+from qosd.server import StartupError, serve, write_ready_file
 from qosd_client import QosdClient
 from qosd_client.reporter import LatencyReporter
 from qosd_client.triton_metrics import TritonMetricsScraper
@@ -118,6 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     scrape.add_argument("--default-class", help="class of models not named by --class")
     scrape.add_argument("--interval", type=float, default=5.0, help="seconds between reads")
     scrape.add_argument("--max-samples", type=int, default=200, help="per model and read")
+    scrape.add_argument(
+        "--ready-file", metavar="PATH",
+        help="once the first read (the baseline) has succeeded, write {pid, metrics_url, "
+        "qosd} as JSON here; requests that finish after it are reported. The same moment "
+        "is logged at INFO as 'baseline read from URL'",
+    )  # fmt: skip
     scrape.add_argument("--log-level", default="INFO")
 
     check = commands.add_parser("config", help="configuration tools").add_subparsers(
@@ -213,6 +219,11 @@ def _triton_scrape(args: argparse.Namespace) -> int:
         print("qosd triton-scrape: --interval > 0 and --max-samples >= 1", file=sys.stderr)
         return 2
 
+    def baseline_read() -> None:
+        """Tells a supervisor (or a test) that requests finishing from now on count."""
+        if args.ready_file:
+            write_ready_file(args.ready_file, {"metrics_url": args.metrics_url, "qosd": args.qosd})
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -223,7 +234,7 @@ def _triton_scrape(args: argparse.Namespace) -> int:
                 args.metrics_url, reporter, classes, default_class=args.default_class,
                 interval_s=args.interval, max_samples=args.max_samples,
             )  # fmt: skip
-            await scraper.run(stop)
+            await scraper.run(stop, on_baseline=baseline_read)
 
     uvloop.run(main())
     return 0

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from queue import Empty, Queue
 from threading import Event
+from typing import Any
 
 import uvloop
 
@@ -79,8 +83,32 @@ def class_load(
     cost: int,
     max_wait_ms: int,
     start: Event,
+    ready: Queue[str] | None = None,
 ) -> ClassLoadResult:
-    """Waits for ``start``, then keeps ``clients`` callers of one class asking (and
-    waiting up to ``max_wait_ms``) for ``seconds``; rejected callers back off briefly."""
+    """Says so on ``ready`` (its interpreter is up), waits for ``start``, then keeps
+    ``clients`` callers of one class asking (and waiting up to ``max_wait_ms``) for
+    ``seconds``; rejected callers back off briefly."""
+    if ready is not None:
+        ready.put(qos_class)
     start.wait()
     return uvloop.run(_class_load(addresses, qos_class, clients, seconds, cost, max_wait_ms))
+
+
+def wait_for_workers(
+    ready: Queue[str], futures: Sequence[Future[Any]], timeout_s: float = 60.0
+) -> None:
+    """Returns once every worker has said it is ready on ``ready``; raises the error of
+    one that failed first, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    waiting_for = len(futures)
+    while waiting_for:
+        for future in futures:
+            if future.done():
+                future.result()  # raises what the worker raised
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{waiting_for} of {len(futures)} load workers never started")
+        try:
+            ready.get(timeout=0.1)
+        except Empty:
+            continue
+        waiting_for -= 1

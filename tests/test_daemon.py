@@ -37,6 +37,7 @@ from qosd_client import (
     Unavailable,
 )
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
+from tests.waiting import eventually
 
 
 def test_domain_enums_match_the_wire() -> None:
@@ -138,14 +139,20 @@ async def test_cancelled_waiter_holds_nothing(make_daemon: DaemonFactory) -> Non
     qos = running.client
     store = running.daemon.admission.store
     first = await qos.acquire("P2", 500, max_wait_ms=0)
+    drained_at = time.monotonic()
     await qos.release(first.lease_id, input_tokens=500)  # settle so only waiters remain
     before = (await store.status(running.daemon.admission.pool("default"))).active_leases
     waiter = asyncio.create_task(qos.acquire("P2", 300, max_wait_ms=5_000))
-    await asyncio.sleep(0.05)
+    queued = await eventually(
+        lambda: store.status(running.daemon.admission.pool("default")),
+        lambda s: s.classes["P2"].waiting == 1,
+    )
+    assert queued.classes["P2"].waiting == 1  # it waits in the queue when cancelled
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    await asyncio.sleep(0.5)  # past the moment it would have been admitted
+    # Past the moment it would have been admitted (0.3 s), and the bucket full (0.5 s).
+    await asyncio.sleep(max(0.0, drained_at + 0.55 - time.monotonic()))
     assert (
         (await store.status(running.daemon.admission.pool("default"))).active_leases == before == 0
     )
@@ -191,7 +198,10 @@ def test_sigterm_drains_waiters_and_exits(tmp_path: Path) -> None:
         async with QosdClient(daemon.address) as qos:
             await qos.acquire("P2", 500, max_wait_ms=0)  # drain the bucket
             waiter = asyncio.create_task(qos.acquire("P2", 500, max_wait_ms=4_000))
-            await asyncio.sleep(0.2)
+            queued = await eventually(
+                lambda: qos.status("default"), lambda s: s.pool("default").cls("P2").waiting == 1
+            )
+            assert queued.pool("default").cls("P2").waiting == 1  # waiting when SIGTERM comes
             assert daemon.process is not None
             began = time.monotonic()
             daemon.process.send_signal(15)

@@ -24,7 +24,8 @@ from qosd.store.redis import RedisStore
 from qosd.testing import DaemonProcess, RedisCluster, RedisServer, daemon_processes
 from qosd_client import QosdClient, Reason
 from tests.conftest import merge
-from tests.load import ClassLoadResult, class_load
+from tests.load import ClassLoadResult, class_load, wait_for_workers
+from tests.waiting import eventually
 
 CAPACITY = 20_000.0
 SHARES = {"P0": 0.60, "P1": 0.35, "P2": 0.05}
@@ -85,14 +86,15 @@ def run_loads(
     """Runs one worker process per (class, clients, cost, max_wait_ms), all at once;
     returns their results by class and the Redis time the run took."""
     context = multiprocessing.get_context("spawn")
-    start = context.Manager().Event()
+    manager = context.Manager()
+    start, ready = manager.Event(), manager.Queue()
     addresses = [daemon.address for daemon in daemons]
     with ProcessPoolExecutor(len(loads), mp_context=context) as pool:
         futures = [
-            pool.submit(class_load, addresses, name, clients, seconds, cost, wait, start)
+            pool.submit(class_load, addresses, name, clients, seconds, cost, wait, start, ready)
             for name, clients, cost, wait in loads
         ]
-        time.sleep(1.0)  # let the workers start their interpreters
+        wait_for_workers(ready, futures)  # their interpreters are up
         began = redis_seconds(settings)
         start.set()
         results = [future.result(timeout=seconds + 60) for future in futures]
@@ -192,7 +194,10 @@ def test_p0_waiting_on_one_daemon_goes_before_a_later_p2_on_another(
                 order.append(f"{qos_class} after {result.waited_s * 1000:.0f} ms")
 
             p0 = asyncio.create_task(wait_for(a, "P0", 400))
-            await asyncio.sleep(0.03)
+            queued = await eventually(
+                lambda: a.status("default"), lambda s: s.pool("default").cls("P0").waiting == 1
+            )
+            assert queued.pool("default").cls("P0").waiting == 1  # queued before the P2 comes
             await asyncio.gather(p0, wait_for(b, "P2", 100))
             return order
 
@@ -227,8 +232,10 @@ def test_cancelled_waiters_leave_no_trace(fleet_redis: dict[str, Any]) -> None:
         try:
             assert (await clients[0].acquire("P2", 1_000, max_wait_ms=0)).admitted
             head = asyncio.create_task(clients[0].acquire("P2", 400, max_wait_ms=60_000))
-            await asyncio.sleep(0.2)
-            before = await store.status(pool)
+            before = await eventually(
+                lambda: store.status(pool), lambda s: s.classes["P2"].waiting == 1
+            )
+            assert before.classes["P2"].waiting == 1  # the head waits
             leases_before = (await store.status(pool)).active_leases
             waiters = [
                 asyncio.create_task(clients[i % 2].acquire("P2", 1, max_wait_ms=30_000))
@@ -314,10 +321,13 @@ def test_queue_bound_holds_under_a_flood(fleet_redis: dict[str, Any]) -> None:
                     await asyncio.sleep(0.05)
 
             await asyncio.gather(sampler(), *(flooder(i) for i in range(400)))
-            await asyncio.sleep(1.5)  # the last waiters time out
+            # Every caller has its answer; the last waiters' entries leave the queue.
+            after = await eventually(
+                lambda: store.status(pool), lambda s: s.classes["P1"].waiting == 0
+            )
             figures["redis_after"] = redis_memory()
             figures["rss_after"] = sum(rss_bytes(pid) for pid in pids)
-            figures["waiting_after"] = (await store.status(pool)).classes["P1"].waiting
+            figures["waiting_after"] = after.classes["P1"].waiting
         finally:
             for channel in qos:
                 await channel.close()
@@ -368,13 +378,18 @@ def test_a_dead_daemons_waiters_expire_by_themselves(fleet_redis: dict[str, Any]
         try:
             assert (await a.acquire("P2", 1_000, max_wait_ms=0)).admitted  # P2 drained
             head = asyncio.create_task(a.acquire("P2", 400, max_wait_ms=60_000))  # ~40 s
-            await asyncio.sleep(0.2)
+            queued = await eventually(
+                lambda: store.status(pool), lambda s: s.classes["P2"].waiting == 1
+            )
+            assert queued.classes["P2"].waiting == 1
             daemon_a.kill()  # dies holding the head of the queue
             await asyncio.gather(head, return_exceptions=True)
             waiting_before = (await store.status(pool)).classes["P2"].waiting
             result = await b.acquire("P2", 1, max_wait_ms=5_000)
-            await asyncio.sleep(0.05)
-            waiting_after = (await store.status(pool)).classes["P2"].waiting
+            after = await eventually(
+                lambda: store.status(pool), lambda s: s.classes["P2"].waiting == 0
+            )
+            waiting_after = after.classes["P2"].waiting
             return result, waiting_before, waiting_after
         finally:
             await a.close()

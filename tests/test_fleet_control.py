@@ -11,7 +11,6 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -27,20 +26,9 @@ from qosd_client import (
 )
 from tests.conftest import Backend, DaemonFactory, merge
 from tests.test_fleet import fleet_redis  # noqa: F401 - a fixture
+from tests.waiting import eventually
 
 P0_SLO: dict[str, Any] = {"classes": {"P0": {"slo": {"ttft_ms": 500}}}}
-
-
-async def eventually(
-    probe: Callable[[], Awaitable[Any]], check: Callable[[Any], bool], timeout_s: float
-) -> Any:
-    """Polls ``probe`` until ``check`` holds; returns the last value (the caller asserts)."""
-    deadline = time.monotonic() + timeout_s
-    value = await probe()
-    while not check(value) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        value = await probe()
-    return value
 
 
 def bad_p0(count: int) -> list[LatencySample]:
@@ -79,7 +67,11 @@ async def test_status_shows_rates_compliance_and_pins(make_daemon: DaemonFactory
     assert pinned.last_change.reason == "pinned at 5000 tokens/s by an operator"
     assert pinned.last_change.by == status.daemon_id
     assert pinned.verdict == "pinned at 5000 tokens/s by an operator"
-    await asyncio.sleep(0.3)  # the loop turns, and leaves the pin alone
+    # The loop turns (its verdict on a pinned pool), and leaves the pin alone.
+    turned = await eventually(
+        qos.status, lambda s: s.pool("default").verdict == "pinned by an operator", 5.0
+    )
+    assert turned.pool("default").verdict == "pinned by an operator"
     assert (await qos.status()).pool("default").admitted_rate_tokens_s == 5_000
 
     for bad in (0.0, 2_499.0, 20_001.0, math.nan, math.inf):
@@ -231,7 +223,8 @@ async def test_leader_failover_within_the_lease_and_one_change_per_cooldown(
                 lambda s: s.pool("default").last_change is not None,
                 4.0,
             )
-            assert status.pool("default").last_change.by == leader
+            change = status.pool("default").last_change
+            assert change is not None and change.by == leader
             # ...then dies without a word. The survivor takes the lease when it lapses.
             processes[index].kill()
             killed_at = time.monotonic()

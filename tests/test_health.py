@@ -21,6 +21,7 @@ from qosd.config import Config
 from qosd.server import Daemon, StartupError, start
 from qosd.testing import RedisServer, free_port, redis_server
 from tests.conftest import BASE_CONFIG, merge
+from tests.waiting import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -123,7 +124,15 @@ async def test_fail_open_keeps_serving_while_redis_is_down(
 ) -> None:
     daemon = await running(_redis(own_redis.url, "open"))
     own_redis.kill()
-    for _ in range(8):  # several check intervals
+
+    async def serving_and_ready() -> tuple[int, Any]:
+        assert await _grpc_status(daemon) == SERVING  # while the monitor notices, too
+        return await _http(daemon, "/readyz")
+
+    # The monitor sees the store go (a check interval plus the store timeout) ...
+    _, seen = await eventually(serving_and_ready, lambda reply: not reply[1]["store_reachable"], 5)
+    assert not seen["store_reachable"]
+    for _ in range(8):  # ... and several check intervals later, it still serves
         await asyncio.sleep(INTERVAL_S)
         assert await _grpc_status(daemon) == SERVING
     status, body = await _http(daemon, "/readyz")

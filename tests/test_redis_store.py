@@ -26,6 +26,7 @@ from qosd.store.redis import RedisStore
 from qosd.testing import RedisCluster, RedisServer, redis_server
 from qosd_client import LatencySample, QosdClient
 from tests.conftest import BASE_CONFIG, merge
+from tests.waiting import unread_bytes, until
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ class Monitor:
 
     def __enter__(self) -> Monitor:
         self._thread.start()
-        self._ready.wait(5)
+        assert self._ready.wait(5), "MONITOR did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -71,10 +72,9 @@ async def test_uncontended_acquire_is_one_round_trip(own_redis: RedisServer) -> 
     try:
         async with QosdClient(daemon.addresses[0]) as qos:
             await qos.acquire("P1", 10)  # connections open, scripts known
-            with Monitor(own_redis.url) as monitor:
-                await asyncio.sleep(0.2)
+            with Monitor(own_redis.url) as monitor:  # listening once entered
                 result = await qos.acquire("P1", 10, request_id="one-trip")
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2)  # time for a command that should not follow
             released = await qos.release(result.lease_id)
         assert result.admitted and not released.already_released
         # Only the daemon talks to this server, apart from the monitor's own handshakes.
@@ -211,6 +211,7 @@ async def test_cluster_follows_moved_redirects(cluster_store: RedisStore) -> Non
 
 
 BUSY_SCRIPT = """
+redis.log(redis.LOG_WARNING, ARGV[2])
 local started = redis.call('TIME')
 local until_us = started[1] * 1000000 + started[2] + tonumber(ARGV[1]) * 1000
 repeat
@@ -220,13 +221,30 @@ return 1
 """
 
 
-def block_redis(url: str, milliseconds: int) -> None:
-    """Keeps a Redis server busy for a while, as a slow command or a pause would."""
+def block_redis(url: str, milliseconds: int, marker: str = "busy") -> None:
+    """Keeps a Redis server busy for a while, as a slow command or a pause would; its
+    log says ``marker`` when that begins."""
     client = redis.Redis.from_url(url)
     try:
-        client.eval(BUSY_SCRIPT, 0, milliseconds)
+        client.eval(BUSY_SCRIPT, 0, milliseconds, marker)
     finally:
         client.close()
+
+
+async def busy(server: RedisServer, milliseconds: int) -> asyncio.Task[None]:
+    """Starts keeping ``server`` busy; returns the blocker once Redis runs it."""
+    marker = f"qosd-test busy {uuid.uuid4().hex}"
+    log = server.directory / "redis.log"
+    blocker = asyncio.create_task(asyncio.to_thread(block_redis, server.url, milliseconds, marker))
+    started = await until(lambda: marker in log.read_text(errors="replace"))  # it logs so
+    assert started, "the busy script never ran"
+    return blocker
+
+
+async def waits_unread(server: RedisServer, within_s: float) -> None:
+    """Returns once a call has reached ``server`` and waits there, unread."""
+    reached = await until(lambda: unread_bytes(server.port) > 0, timeout_s=within_s)
+    assert reached, "the call did not reach Redis while it was busy"
 
 
 def read_lease(url: str, cluster: bool, prefix: str, lease_id: str) -> str | None:
@@ -241,7 +259,9 @@ def read_lease(url: str, cluster: bool, prefix: str, lease_id: str) -> str | Non
 
 
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
-async def test_admission_of_a_departed_caller_is_refunded_exactly(backend: Any) -> None:
+async def test_admission_of_a_departed_caller_is_refunded_exactly(
+    backend: Any, redis_standalone: RedisServer
+) -> None:
     """A caller cancelled while its script call is in flight: the admission is undone,
     refunding the whole charge, even one above the burst."""
     settings = {**backend.redis, "timeout_ms": 2_000}
@@ -253,11 +273,10 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(backend: Any) 
         pool, policy = policies(config, "P1")
         warm = await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
         await store.release(pool, policy, warm.lease_id, UsageReport(10, 0, Outcome.OK, 0.0))
-        blocker = asyncio.create_task(asyncio.to_thread(block_redis, settings["url"], 300))
-        await asyncio.sleep(0.1)  # Redis is busy now
+        blocker = await busy(redis_standalone, 300)  # Redis is busy now
         spec = lease_spec("default", "P1")
         call = asyncio.create_task(store.acquire(pool, policy, 2_500, spec, 0, DAEMON))
-        await asyncio.sleep(0.05)  # sent: waiting behind the busy script
+        await waits_unread(redis_standalone, 0.3)  # sent: waiting behind the busy script
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
@@ -275,7 +294,9 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(backend: Any) 
 
 
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
-async def test_departed_caller_with_request_id_keeps_its_admission(backend: Any) -> None:
+async def test_departed_caller_with_request_id_keeps_its_admission(
+    backend: Any, redis_standalone: RedisServer
+) -> None:
     """With a request id the caller will retry: the retry must find what it paid for."""
     settings = {**backend.redis, "timeout_ms": 2_000}
     config = Config.model_validate(merge(BASE_CONFIG, {"redis": settings}))
@@ -283,16 +304,17 @@ async def test_departed_caller_with_request_id_keeps_its_admission(backend: Any)
     await store.start()
     try:
         pool, policy = policies(config, "P1")
-        blocker = asyncio.create_task(asyncio.to_thread(block_redis, settings["url"], 300))
-        await asyncio.sleep(0.1)
+        blocker = await busy(redis_standalone, 300)
         spec = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
         call = asyncio.create_task(store.acquire(pool, policy, 600, spec, 0, DAEMON))
-        await asyncio.sleep(0.05)
+        await waits_unread(redis_standalone, 0.3)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
         await blocker
-        await asyncio.sleep(0.1)
+        # Redis has run the call, and given its answer to nobody ...
+        assert await until(lambda: unread_bytes(redis_standalone.port) == 0)
+        await asyncio.sleep(0.1)  # ... long enough for a wrong refund of it to land
         retry = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
         replay = await store.acquire(pool, policy, 600, retry, 0, DAEMON)
         assert replay.replayed and replay.lease_id == spec.lease_id
@@ -324,10 +346,12 @@ async def test_a_batch_redis_runs_after_its_timeout_charges_nothing(own_redis: R
                 for _ in range(5)
             ]
             results = await asyncio.gather(*calls, return_exceptions=True)
+            sent = unread_bytes(own_redis.port)
         finally:
             os.kill(own_redis.process.pid, signal.SIGCONT)
         assert all(isinstance(result, StoreUnavailable) for result in results)
-        await asyncio.sleep(0.3)
+        assert sent > 0  # the batch reached the stopped Redis, which runs it late ...
+        assert await until(lambda: unread_bytes(own_redis.port) == 0)  # ... now: it has run
         assert await class_tokens(store, pool, "P1") == pytest.approx(1500)
         assert (await store.status(pool)).active_leases == 1  # the first one only
     finally:

@@ -20,7 +20,7 @@ import redis
 import redis.cluster
 
 from qosd.testing import RedisCluster, RedisServer, daemon_processes
-from tests.load import ClassLoadResult, class_load
+from tests.load import ClassLoadResult, class_load, wait_for_workers
 
 RATE = 10_000.0  # tokens/s for the hammered class (share 0.5 of 20,000)
 BURST = 5_000.0  # 0.5 s of rate
@@ -61,16 +61,20 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
         },
     }
     context = multiprocessing.get_context("spawn")
-    start = context.Manager().Event()
+    manager = context.Manager()
+    start, ready = manager.Event(), manager.Queue()
     with (
         daemon_processes(config, count=DAEMONS) as daemons,
         ProcessPoolExecutor(WORKERS, mp_context=context) as pool,
     ):
         addresses = [daemon.address for daemon in daemons]
         futures = [
-            pool.submit(class_load, addresses, "P0", CLIENTS // WORKERS, SECONDS, COST, 0, start)
+            pool.submit(
+                class_load, addresses, "P0", CLIENTS // WORKERS, SECONDS, COST, 0, start, ready
+            )
             for _ in range(WORKERS)
         ]
+        wait_for_workers(ready, futures)  # their interpreters are up: T starts now
         began = redis_time(url, bucket_key)
         start.set()
         results: list[ClassLoadResult] = [future.result(timeout=SECONDS + 60) for future in futures]

@@ -4,6 +4,7 @@ the simulated server, and sent on to a real daemon."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from qosd_client.triton_metrics import (
     parse_triton_metrics,
     samples_between,
 )
+from tests.waiting import wait_until
 
 DATA = Path(__file__).parent / "data" / "triton"
 
@@ -143,8 +145,9 @@ def test_the_cli_refuses_bad_options() -> None:
     assert bad.returncode == 2 and "MODEL=CLASS" in bad.stderr
 
 
-def test_the_cli_reports_until_stopped() -> None:
+def test_the_cli_reports_until_stopped(tmp_path: Path) -> None:
     tree = {"pools": {"llm": {"capacity_tokens_s": 100_000}}, "default_pool": "llm"}
+    ready = tmp_path / "ready.json"
     with (
         daemon_processes(tree) as (daemon,),
         simulator_process(GpuModel(speed=4.0)) as simulated,
@@ -152,11 +155,16 @@ def test_the_cli_reports_until_stopped() -> None:
         process = subprocess.Popen(
             [sys.executable, "-m", "qosd.cli", "triton-scrape", "--metrics-url",
              simulated.metrics_url, "--qosd", daemon.address, "--class", "llm=P0",
-             "--interval", "0.2"],
+             "--interval", "0.2", "--ready-file", str(ready)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            time.sleep(0.5)  # the baseline read
+            # The baseline read: requests that finish after it are the ones reported.
+            wait_until(lambda: ready.exists() or process.poll() is not None, timeout_s=30)
+            assert ready.exists(), f"no baseline read (exit code {process.poll()})"
+            written = json.loads(ready.read_text())
+            assert written == {"pid": process.pid, "metrics_url": simulated.metrics_url,
+                               "qosd": daemon.address}  # fmt: skip
             asyncio.run(_traffic(simulated.grpc, 4))
             deadline = time.monotonic() + 10
             samples = 0
@@ -166,7 +174,9 @@ def test_the_cli_reports_until_stopped() -> None:
             assert samples == 4
         finally:
             process.terminate()
-            assert process.wait(10) == 0
+            _, logged = process.communicate(timeout=10)
+            assert process.returncode == 0, logged
+    assert f"baseline read from {simulated.metrics_url}" in logged  # said as well as written
 
 
 def _inputs(prompt: int, output: int) -> list[triton.InferInput]:

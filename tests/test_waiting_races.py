@@ -32,6 +32,7 @@ from qosd.store.redis import RedisStore
 from qosd.testing import RedisServer, redis_server
 from qosd.waiting import WaitingRoom
 from tests.conftest import BASE_CONFIG, merge
+from tests.waiting import unread_bytes, until
 
 DAEMON = "race-daemon"
 
@@ -77,12 +78,14 @@ class SlowPumps:
     def __init__(self, inner: BucketStore, delay_s: float) -> None:
         self.inner = inner
         self.delay_s = delay_s
+        self.answered = asyncio.Event()  # a pump's answer has reached the room
 
     async def pump(
         self, pool: PoolPolicy, daemon: str, waiters: Sequence[Waiter]
     ) -> list[PumpResult]:
         results = await self.inner.pump(pool, daemon, waiters)
-        await asyncio.sleep(self.delay_s)
+        await asyncio.sleep(self.delay_s)  # the busy network
+        self.answered.set()
         return results
 
     def __getattr__(self, name: str) -> Any:
@@ -99,37 +102,41 @@ async def test_grant_losing_to_a_timeout_keeps_a_request_ids_charge(store: Bucke
     pool = pool_policy()
     p1 = class_of(pool, "P1")
     assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted  # drained
-    room = WaitingRoom(SlowPumps(store, 0.08), DAEMON, 0.005, no_store)
+    slow = SlowPumps(store, 0.08)
+    room = WaitingRoom(slow, DAEMON, 0.005, no_store)
     first = lease("P1", request_id="req-7")
     queued = await store.acquire(pool, p1, 150, first, 400, DAEMON)  # fits after ~50 ms
     assert queued.queued
     await asyncio.sleep(0.06)  # it fits now: the first pump grants it, but answers late
     answer = await room.wait(pool, Waiter("P1", 150, first), 0.04)
     assert answer.reason is Reason.QUEUE_TIMEOUT
-    await asyncio.sleep(0.15)  # the late grant has landed, and been left alone
+    await asyncio.wait_for(slow.answered.wait(), 5)  # the late grant has landed ...
+    await room.close()  # ... and whatever the room did about it is done: left it alone
     retry = await store.acquire(pool, p1, 150, lease("P1", request_id="req-7"), 0, DAEMON)
     assert retry.admitted and retry.replayed and retry.lease_id == first.lease_id
     # ... and it is still charged: its release is the first one, at the full estimate.
     usage = UsageReport(150, 0, Outcome.OK, 0.0)
     settled = await store.release(pool, p1, first.lease_id, usage)
     assert not settled.already_released and settled.charged == 150
-    await room.close()
 
 
 async def test_waiters_joining_a_failed_pump_are_answered_too() -> None:
     """A pump that fails answers every waiter of the pool by the fail mode, including
     those that joined while it was in flight, instead of leaving them unpumped."""
 
+    pumping = asyncio.Event()
+
     class FailingStore(EmbeddedStore):
         async def pump(self, *args: Any, **kwargs: Any) -> list[PumpResult]:
-            await asyncio.sleep(0.05)
+            pumping.set()
+            await asyncio.sleep(0.05)  # a store slow to fail
             raise StoreUnavailable("redis: gone")
 
     store = FailingStore(tombstone_ms=60_000)
     pool = pool_policy()
     room = WaitingRoom(store, DAEMON, 0.005, no_store)
     first = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 5.0))
-    await asyncio.sleep(0.01)  # the pump is in flight
+    await asyncio.wait_for(pumping.wait(), 5)  # the pump is in flight
     second = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 5.0))
     answers = await asyncio.wait_for(asyncio.gather(first, second), 1.0)
     assert [answer.reason for answer in answers] == [Reason.BACKEND_UNAVAILABLE] * 2
@@ -176,9 +183,11 @@ async def test_a_pump_redis_runs_too_late_charges_nothing(own_redis: RedisServer
         try:
             with pytest.raises(StoreUnavailable):
                 await store.pump(pool, DAEMON, [Waiter("P1", 100, spec)])
+            sent = unread_bytes(own_redis.port)
         finally:
             os.kill(own_redis.process.pid, signal.SIGCONT)
-        await asyncio.sleep(0.2)
+        assert sent > 0  # the pump reached the stopped Redis, which runs it late ...
+        assert await until(lambda: unread_bytes(own_redis.port) == 0)  # ... now: it has run
         assert (await store.status(pool)).active_leases == 1  # only the first one
         status = await store.status(pool)
         assert status.classes["P1"].waiting == 1  # still waiting: nothing was done

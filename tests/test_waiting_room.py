@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from qosd_client import AcquireResult, QosdClient, Reason
+from qosd_client import AcquireResult, QosdClient, Reason, Status
 from tests.conftest import DaemonFactory, RunningDaemon, merge
+from tests.waiting import eventually
 
 # Capacity 1,000 tokens/s; shared tokens hold 0.5 s of it (500). P0 refills at 600/s
 # (burst 300), P1 at 300/s (burst 150), P2 at 100/s (burst 50). Every class borrows,
@@ -36,6 +37,13 @@ SLOW_POOL: dict[str, Any] = {
 async def status(running: RunningDaemon) -> Any:
     admission = running.daemon.admission
     return await admission.store.status(admission.pool("default"))
+
+
+async def queued(running: RunningDaemon, qos_class: str, count: int) -> int:
+    """Waits until ``count`` requests of the class are in its queue; returns how many
+    are (the caller asserts)."""
+    now = await eventually(lambda: status(running), lambda s: s.classes[qos_class].waiting == count)
+    return int(now.classes[qos_class].waiting)
 
 
 async def test_borrowing_uses_capacity_another_class_leaves(make_daemon: DaemonFactory) -> None:
@@ -64,8 +72,7 @@ async def test_shared_tokens_go_to_the_higher_class_waiting(make_daemon: DaemonF
     qos = running.client
     assert (await qos.acquire("P0", 800, max_wait_ms=0)).admitted  # P0 and shared empty
     p0 = asyncio.create_task(qos.acquire("P0", 400, max_wait_ms=3_000))
-    await asyncio.sleep(0.05)
-    assert (await status(running)).classes["P0"].waiting == 1
+    assert await queued(running, "P0", 1) == 1
     assert (await qos.acquire("P2", 50, max_wait_ms=0)).admitted  # P2's own floor: fine
     # Shared tokens refill from the full P1 (300/s) meanwhile, but P0 waits for them.
     await asyncio.sleep(0.1)
@@ -87,7 +94,7 @@ async def test_fifo_within_a_class(make_daemon: DaemonFactory) -> None:
         return result
 
     big = asyncio.create_task(request("big", 300))
-    await asyncio.sleep(0.02)
+    assert await queued(running, "P1", 1) == 1  # "big" waits before "small" comes
     small = asyncio.create_task(request("small", 10))  # fits long before "big" does
     results = await asyncio.gather(big, small)
     assert all(result.admitted for result in results)
@@ -99,7 +106,7 @@ async def test_queue_bound_answers_queue_full(make_daemon: DaemonFactory) -> Non
     qos = running.client
     assert (await qos.acquire("P1", 650, max_wait_ms=0)).admitted
     waiters = [asyncio.create_task(qos.acquire("P1", 300, max_wait_ms=3_000)) for _ in range(2)]
-    await asyncio.sleep(0.05)
+    assert await queued(running, "P1", 2) == 2
     full = await qos.acquire("P1", 10, max_wait_ms=3_000)
     assert not full.admitted and full.reason is Reason.QUEUE_FULL
     assert full.retry_after_s > 0
@@ -111,7 +118,7 @@ async def test_waiter_times_out_at_its_max_wait(make_daemon: DaemonFactory) -> N
     qos = running.client
     assert (await qos.acquire("P2", 550, max_wait_ms=0)).admitted  # P2 and shared empty
     head = asyncio.create_task(qos.acquire("P2", 1_000, max_wait_ms=3_000))
-    await asyncio.sleep(0.02)
+    assert await queued(running, "P2", 1) == 1
     began = time.monotonic()
     behind = await qos.acquire("P2", 5, max_wait_ms=300)  # could fit, but FIFO
     elapsed = time.monotonic() - began
@@ -165,9 +172,8 @@ async def drain_scarce_pool(qos: QosdClient) -> None:
 
 @pytest.mark.parametrize("aging_ms", [0, 100])
 async def test_aging_lets_a_waiting_p2_go_first(make_daemon: DaemonFactory, aging_ms: int) -> None:
-    qos = (
-        await make_daemon(merge(SCARCE_POOL, {"classes": {"P2": {"aging_ms": aging_ms}}}))
-    ).client
+    running = await make_daemon(merge(SCARCE_POOL, {"classes": {"P2": {"aging_ms": aging_ms}}}))
+    qos = running.client
     await drain_scarce_pool(qos)
     order: list[str] = []
 
@@ -177,7 +183,7 @@ async def test_aging_lets_a_waiting_p2_go_first(make_daemon: DaemonFactory, agin
         order.append(qos_class)
 
     p2 = asyncio.create_task(wait_for("P2"))
-    await asyncio.sleep(0.03)
+    assert await queued(running, "P2", 1) == 1  # P2 waits first
     p1 = asyncio.create_task(wait_for("P1"))
     await asyncio.gather(p1, p2)
     # Without aging P1 outranks P2. With it, P2 (waiting ~350 ms when 300 shared tokens
@@ -197,7 +203,7 @@ async def test_tenant_ceiling_keeps_one_tenant_from_taking_a_class(
     assert 0.05 <= capped.retry_after_s <= 0.11  # 100 tokens at the tenant's 1,000/s
     assert (await qos.acquire("P1", 500, tenant="polite", max_wait_ms=0)).admitted
     greedy = asyncio.create_task(qos.acquire("P1", 100, tenant="greedy", max_wait_ms=1_000))
-    await asyncio.sleep(0.02)  # queued, stepping aside for its tenant's ceiling
+    assert await queued(running, "P1", 1) == 1  # queued, stepping aside for its tenant's ceiling
     # ... which does not hold up another tenant, even one that will not wait.
     assert (await qos.acquire("P1", 100, tenant="other", max_wait_ms=0)).admitted
     waited = await greedy
@@ -208,8 +214,10 @@ async def test_status_shows_queues_and_the_worst_wait(make_daemon: DaemonFactory
     running = await make_daemon(SLOW_POOL)
     qos = running.client
     assert (await qos.acquire("P1", 650, max_wait_ms=0)).admitted
+    began = time.monotonic()
     waiters = [asyncio.create_task(qos.acquire("P1", 400, max_wait_ms=3_000)) for _ in range(3)]
-    await asyncio.sleep(0.2)
+    assert await queued(running, "P1", 3) == 3
+    await asyncio.sleep(max(0.0, began + 0.2 - time.monotonic()))  # the oldest waits 0.2 s
     now = (await qos.status()).pool("default")  # through the Admin service
     p1 = now.cls("P1")
     assert (p1.waiting, p1.waiting_here) == (3, 3)
@@ -221,16 +229,21 @@ async def test_status_shows_queues_and_the_worst_wait(make_daemon: DaemonFactory
     for waiter in waiters:
         waiter.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
-    await asyncio.sleep(0.1)
-    after = (await qos.status("default")).pool("default").cls("P1")
-    assert (after.waiting, after.waiting_here) == (0, 0)
+
+    def p1_queue(now: Status) -> tuple[int, int]:
+        p1 = now.pool("default").cls("P1")
+        return p1.waiting, p1.waiting_here
+
+    after = await eventually(lambda: qos.status("default"), lambda s: p1_queue(s) == (0, 0))
+    assert p1_queue(after) == (0, 0)
 
 
 @pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
 async def test_waiters_on_two_daemons_share_one_queue(make_daemon: DaemonFactory) -> None:
     """Two daemons on one Redis: a P0 waiting on one goes before a P2 that arrives
     later at the other, although the P2 needs far fewer tokens."""
-    a = (await make_daemon(SCARCE_POOL)).client
+    first = await make_daemon(SCARCE_POOL)
+    a = first.client
     b = (await make_daemon(SCARCE_POOL)).client  # same backend, same key prefix
     await drain_scarce_pool(a)
     order: list[str] = []
@@ -241,7 +254,7 @@ async def test_waiters_on_two_daemons_share_one_queue(make_daemon: DaemonFactory
         order.append(qos_class)
 
     p0 = asyncio.create_task(wait_for(a, "P0", 400))
-    await asyncio.sleep(0.03)
+    assert await queued(first, "P0", 1) == 1  # in the fleet-wide queue before the P2 comes
     p2 = asyncio.create_task(wait_for(b, "P2", 100))
     await asyncio.gather(p0, p2)
     # 100 shared tokens come in after ~0.12 s, 400 after ~0.47 s: without the fleet-wide

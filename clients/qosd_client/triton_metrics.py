@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -212,11 +212,20 @@ class TritonMetricsScraper:
             log.warning("reading %s failed: %r", self._url, error)
             return []
         self.stats.reads += 1
+        baseline = self._last is None
         samples = self.samples_since_last(current)
+        if baseline:
+            log.info("baseline read from %s (%d models); reporting from the next read",
+                     self._url, len(current))  # fmt: skip
         for sample in samples:
             self._sink.record(sample)
         self.stats.samples += len(samples)
         return samples
+
+    @property
+    def has_baseline(self) -> bool:
+        """Whether a read has succeeded: requests that finish from now on are reported."""
+        return self._last is not None
 
     def samples_since_last(self, current: dict[str, ModelCounters]) -> list[LatencySample]:
         last, self._last = self._last, current
@@ -234,10 +243,14 @@ class TritonMetricsScraper:
             )  # fmt: skip
         return samples
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Scrapes until ``stop`` is set."""
+    async def run(self, stop: asyncio.Event, on_baseline: Callable[[], None] | None = None) -> None:
+        """Scrapes until ``stop`` is set; calls ``on_baseline`` once, after the first
+        read that succeeds (the baseline)."""
         async with aiohttp.ClientSession() as session:
             while not stop.is_set():
                 await self.scrape_once(session)
+                if on_baseline is not None and self.has_baseline:
+                    on_baseline()
+                    on_baseline = None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self._interval_s)
