@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 MAX_ID_LENGTH = 128
 MAX_LATENCY_MS = 86_400_000.0  # one day: anything longer is a unit mistake
 FAIL_OPEN_MARK = "open-"
+LONG_PREFILL_MESSAGE = (
+    "its prefill would stall the pool's most urgent requests in flight for longer than "
+    "they can absorb, and no gap in their traffic came within its max wait; retry "
+    "later or use a pool whose servers chunk prefill"
+)
 
 
 class InvalidArgument(ValueError):
@@ -225,9 +230,13 @@ class Admission:
         max_wait_ms: int | None,
         deadline_s: float | None,
         lease_ttl_ms: int | None = None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> AcquireOutcome:
         """``lease_ttl_ms`` overrides ``lease.ttl_s`` for callers that never release
-        (Envoy's rate limit protocol has no Release)."""
+        (Envoy's rate limit protocol has no Release). ``slo_ttft_ms`` and
+        ``slo_tpot_ms`` are the request's own objectives: validated here, judged when
+        the model server reports them; a TTFT objective also caps the wait."""
         pool = self._pool_of.get(model) or self.resolve_pool(model)
         policy = self._policies.get((pool, qos_class)) or self._class_policy(pool, qos_class)
         max_tokens = self._max_tokens
@@ -243,6 +252,12 @@ class Admission:
             raise InvalidArgument(f"max_wait_ms must not be negative (got {max_wait_ms})")
         else:
             wait_ms = min(max_wait_ms, policy.max_wait_ms)
+        if slo_ttft_ms is not None or slo_tpot_ms is not None:
+            _objective(slo_ttft_ms, "slo_ttft_ms")
+            _objective(slo_tpot_ms, "slo_tpot_ms")
+            if slo_ttft_ms is not None:
+                # Admitted after its TTFT objective has passed, it has missed it already.
+                wait_ms = min(wait_ms, math.ceil(slo_ttft_ms))
 
         wait_s = wait_ms / 1000
         if deadline_s is not None:
@@ -271,6 +286,8 @@ class Admission:
             message = ""
             if decision.reason is Reason.QUEUE_TIMEOUT:
                 message = "max wait exhausted"
+            elif decision.reason is Reason.LONG_PREFILL:
+                message = LONG_PREFILL_MESSAGE
             elif decision.reason is Reason.SHUTTING_DOWN:
                 message = "daemon is draining; retry on another replica"
             return AcquireOutcome(decision, pool, waited_ms, message)
@@ -281,6 +298,8 @@ class Admission:
                 0,
                 "daemon is draining; retry on another replica",
             )
+        if decision.reason is Reason.LONG_PREFILL:
+            return AcquireOutcome(decision, pool, 0, LONG_PREFILL_MESSAGE)
         return AcquireOutcome(decision, pool, 0)
 
     async def _wait(
@@ -426,6 +445,8 @@ class Admission:
         input_tokens: int,
         output_tokens: int,
         status: Outcome,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> Sample:
         """Validates one latency sample; raises InvalidArgument naming the field."""
         pool = self.resolve_pool(model)
@@ -441,6 +462,8 @@ class Admission:
                 )
         if ttft_ms is None and tpot_ms is None and e2e_ms is None:
             raise InvalidArgument("needs at least one of ttft_ms, tpot_ms, e2e_ms")
+        _objective(slo_ttft_ms, "slo_ttft_ms")
+        _objective(slo_tpot_ms, "slo_tpot_ms")
         return Sample(
             pool=pool,
             qos_class=policy.name,
@@ -451,11 +474,22 @@ class Admission:
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             status=status,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
         )
 
     async def report(self, samples: list[Sample]) -> None:
         if samples:
             await self._store.report(samples, self._config.report.window_size)
+
+
+def _objective(value: float | None, field: str) -> None:
+    """A request's own latency objective: absent, or a sane number of milliseconds."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= MAX_LATENCY_MS):
+        raise InvalidArgument(
+            f"{field} must be a finite number of milliseconds above 0 and at most "
+            f"{MAX_LATENCY_MS:.0f} (got {value})"
+        )
 
 
 def _ms(seconds: float) -> int:

@@ -210,6 +210,9 @@ class PoolState:
     capacity: float  # the admitted rate the SLO loop set, tokens per second
     admitted: float = 0.0  # tokens admitted since the pool's state was created
     in_flight: InFlight = field(default_factory=InFlight)
+    # Prompts longer than this (tokens) wait for a gap in the top class's traffic; the
+    # SLO loop learns it from reports (qosd.stall). 0: no such rule.
+    long_prefill_tokens: float = 0.0
 
 
 def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
@@ -266,6 +269,20 @@ def has_room(flight: InFlight, pool: PoolPolicy, cost: float) -> bool:
         pool.max_in_flight_tokens > 0
         and sum(flight.charges.values()) + cost > pool.max_in_flight_tokens
     )
+
+
+def held_for_gap(
+    state: PoolState, pool: PoolPolicy, cls: ClassPolicy, input_tokens: int, top_waiting: int
+) -> bool:
+    """Whether a prompt must wait for a gap in the top class's traffic: it is longer
+    than the learned threshold, so its prefill would stall an unchunked server for
+    longer than that class's requests can absorb, and that class has requests in
+    flight or (for another class's prompt) waiting."""
+    limit = state.long_prefill_tokens
+    if limit <= 0 or input_tokens <= limit:
+        return False
+    top = pool.classes[0].name
+    return state.in_flight.count.get(top, 0) > 0 or (cls.name != top and top_waiting > 0)
 
 
 def within_share(state: PoolState, cls: ClassPolicy, cost: float) -> bool:

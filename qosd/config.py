@@ -54,11 +54,31 @@ class _Strict(BaseModel):
 
 
 class SloConfig(_Strict):
-    """Latency objectives of a class; a request attains its SLO when it meets all set."""
+    """Latency objectives of a class; a request attains its SLO when it meets all set.
+
+    The TTFT objective grows with the prompt: ``ttft_ms`` (the base) plus
+    ``ttft_ms_per_1k_tokens`` for every 1,000 prompt tokens beyond
+    ``ttft_free_tokens``. ``qosd.slo.request_objectives`` is the one place that
+    applies the rule (and a request's own objectives, which replace the class's).
+    """
 
     ttft_ms: Annotated[float, Field(gt=0)] | None = None
     tpot_ms: Annotated[float, Field(gt=0)] | None = None
     e2e_ms: Annotated[float, Field(gt=0)] | None = None
+    # Allowance added to the TTFT objective per 1,000 prompt tokens beyond
+    # ttft_free_tokens, ms: the long prompt's own prefill. 0: the same for any length.
+    ttft_ms_per_1k_tokens: Annotated[float, Field(ge=0, le=86_400_000)] = 0.0
+    # Prompt tokens the base objective already covers.
+    ttft_free_tokens: Annotated[int, Field(ge=0, le=2**40)] = 4096
+
+    @model_validator(mode="after")
+    def _allowance_needs_a_base(self) -> SloConfig:
+        if self.ttft_ms_per_1k_tokens > 0 and self.ttft_ms is None:
+            raise ValueError(
+                "ttft_ms_per_1k_tokens needs ttft_ms, the objective of a prompt of up to "
+                "ttft_free_tokens tokens"
+            )
+        return self
 
 
 class ClassConfig(_Strict):
@@ -114,6 +134,11 @@ class PoolConfig(_Strict):
     # the token buckets alone decide.
     max_in_flight: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_in_flight_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
+    # The pool's servers chunk prefill (vLLM --enable-chunked-prefill, Sarathi): a long
+    # prompt slows every step a little instead of stalling them all, so it needs no
+    # gap in the top class's traffic (qosd/stall.py). False: the SLO loop learns which
+    # prompts would stall the top class too long, and they wait for a gap.
+    chunked_prefill: bool = False
 
 
 class WaitingConfig(_Strict):
@@ -270,7 +295,9 @@ def _default_classes() -> dict[str, ClassConfig]:
             priority=0,
             share=0.60,
             max_wait_ms=200,
-            slo=SloConfig(ttft_ms=500, tpot_ms=50),
+            # 200 ms per 1,000 prompt tokens beyond 4,096 covers a long prompt's own
+            # prefill (docs/configuration.md, "Objectives that scale with the prompt").
+            slo=SloConfig(ttft_ms=500, tpot_ms=50, ttft_ms_per_1k_tokens=200),
         ),
         "P1": ClassConfig(
             priority=1,
@@ -279,7 +306,7 @@ def _default_classes() -> dict[str, ClassConfig]:
             # that has missed it already (benchmarks/qos_replay.py showed P1 at 48 %
             # attainment under overload with 3 s).
             max_wait_ms=1_000,
-            slo=SloConfig(ttft_ms=2_000, tpot_ms=100),
+            slo=SloConfig(ttft_ms=2_000, tpot_ms=100, ttft_ms_per_1k_tokens=200),
         ),
         "P2": ClassConfig(priority=2, share=0.05, max_wait_ms=30_000, aging_ms=5_000),
     }

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from qosd.config import Config, ControlConfig, PoolPolicy, SloConfig
 from qosd.model import ControlRecord, StoredSample, StoreUnavailable
 from qosd.slo import WindowStats, improving, trend, window_stats
+from qosd.stall import long_prefill_threshold
 from qosd.store.base import BucketStore
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,7 @@ class _PoolMemory:
 
     admitted: float | None = None
     at_ms: int = 0
+    long_prefill: float | None = None  # the threshold last told to the store
 
 
 def gather_evidence(
@@ -363,11 +365,21 @@ class Controller:
             except Exception:
                 log.exception("SLO loop failed to judge pool %s", pool.name)
 
-    async def evidence(self, pool: PoolPolicy, since_ms: int, now_ms: int) -> Evidence:
+    async def windows(self, pool: PoolPolicy) -> dict[str, list[StoredSample]]:
+        return {cls.name: await self._store.window(pool.name, cls.name) for cls in pool.classes}
+
+    async def evidence(
+        self,
+        pool: PoolPolicy,
+        since_ms: int,
+        now_ms: int,
+        windows: dict[str, list[StoredSample]] | None = None,
+    ) -> Evidence:
         """Each class's evidence since ``since_ms`` (the last change). The arithmetic
         runs in a worker thread: windows can be large, and the event loop it would
         otherwise hold up also answers Acquire."""
-        windows = {cls.name: await self._store.window(pool.name, cls.name) for cls in pool.classes}
+        if windows is None:
+            windows = await self.windows(pool)
         objectives = {name: self._config.classes[name].slo for name in windows}
         max_age = self._config.report.max_age_s
         return await asyncio.to_thread(
@@ -395,10 +407,12 @@ class Controller:
             )
             utilization = rate / status.capacity
         memory.admitted, memory.at_ms = status.admitted_tokens, status.now_ms
+        windows = await self.windows(pool)
+        await self._tune_long_prefill(pool, windows, memory)
         if record.pinned:
             self.last_verdicts[pool.name] = Verdict(HOLD, "pinned by an operator")
             return None
-        evidence = await self.evidence(pool, record.changed_ms, status.now_ms)
+        evidence = await self.evidence(pool, record.changed_ms, status.now_ms, windows)
         verdict = judge(
             evidence,
             utilization,
@@ -447,6 +461,28 @@ class Controller:
             pool.name, record.capacity, update.capacity, update.reason,
         )  # fmt: skip
         return update
+
+    async def _tune_long_prefill(
+        self, pool: PoolPolicy, windows: dict[str, list[StoredSample]], memory: _PoolMemory
+    ) -> None:
+        """Learns which prompts would stall the top class too long (qosd.stall) and
+        tells the store when the threshold moves by a tenth or more."""
+        if self._config.pools[pool.name].chunked_prefill:
+            return
+        top = pool.classes[0].name
+        threshold = await asyncio.to_thread(
+            long_prefill_threshold, windows, top, self._config.classes[top].slo
+        )
+        known = memory.long_prefill
+        if known is not None and (
+            threshold == known or (threshold and known and abs(threshold / known - 1) < 0.1)
+        ):
+            return
+        await self._store.set_long_prefill(pool, threshold)
+        memory.long_prefill = threshold
+        if threshold:
+            log.info("pool %s: prompts over %.0f tokens wait for a gap in %s traffic",
+                     pool.name, threshold, top)  # fmt: skip
 
     async def pin(self, pool: PoolPolicy, capacity: float | None) -> ControlRecord:
         """Fixes a pool's admitted rate (the loop leaves it alone), or frees it."""

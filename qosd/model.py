@@ -22,6 +22,7 @@ class Reason(enum.IntEnum):
     QUEUE_FULL = 5
     FAIL_OPEN = 6
     SHUTTING_DOWN = 7
+    LONG_PREFILL = 8
 
 
 class Outcome(enum.IntEnum):
@@ -106,6 +107,7 @@ class WaiterState(enum.IntEnum):
     ADMITTED = 1
     WAITING = 3
     GONE = 4  # dropped by the store: taken for a dead daemon's, or long expired
+    HELD = 5  # still waiting: a long prompt held for a gap in the top class's traffic
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,7 @@ class PoolStatus:
     capacity: float  # the admitted rate the SLO loop set (or the configured one)
     admitted_tokens: float  # tokens admitted since the pool's state was created
     now_ms: int  # the store's clock
+    long_prefill_tokens: float = 0.0  # longer prompts wait for a gap (0: no rule)
 
     @property
     def active_leases(self) -> int:
@@ -189,7 +192,12 @@ class UsageReport:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One validated latency sample, ready to store. Latencies are in milliseconds."""
+    """One validated latency sample, ready to store. Latencies are in milliseconds.
+
+    ``slo_ttft_ms`` and ``slo_tpot_ms`` are the objectives the request itself stated
+    (``AcquireRequest.slo_ttft_ms``, forwarded to the model server); None: its
+    class's (``qosd.slo.request_objectives``).
+    """
 
     pool: str
     qos_class: str
@@ -200,23 +208,37 @@ class Sample:
     input_tokens: int
     output_tokens: int
     status: Outcome
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def encode(self) -> str:
-        """Compact form stored in window lists: ``ttft|tpot|e2e|in|out|status|tenant``.
+        """Compact form stored in window lists: ``ttft|tpot|e2e|in|out|status|tenant``,
+        then ``|slo:<ttft>:<tpot>`` when the request stated objectives.
 
-        Stores prefix it with their own timestamp (``ms|``); empty means not measured.
+        Stores prefix it with their own timestamp (``ms|``); empty means not measured
+        (or, in the ``slo:`` part, not stated). The objectives come after the tenant so
+        that a daemon of an earlier version, which splits off the tenant as the rest
+        of the line, still reads the sample (it only sees a longer tenant). A tenant
+        may hold ``|`` itself, so a sample whose tenant does always ends in the part,
+        and ``StoredSample.decode`` can take the last ``|`` field for it. (Only a sample
+        of an earlier version whose tenant itself ended in ``|slo:<n>:<n>`` would be
+        misread.)
         """
-        return "|".join(
-            (
-                _fmt(self.ttft_ms),
-                _fmt(self.tpot_ms),
-                _fmt(self.e2e_ms),
-                str(self.input_tokens),
-                str(self.output_tokens),
-                str(int(self.status)),
-                self.tenant,
-            )
+        fields = (
+            _fmt(self.ttft_ms),
+            _fmt(self.tpot_ms),
+            _fmt(self.e2e_ms),
+            str(self.input_tokens),
+            str(self.output_tokens),
+            str(int(self.status)),
+            self.tenant,
         )
+        if self.slo_ttft_ms is None and self.slo_tpot_ms is None and "|" not in self.tenant:
+            return "|".join(fields)
+        return "|".join((*fields, f"{_SLO_MARK}{_fmt(self.slo_ttft_ms)}:{_fmt(self.slo_tpot_ms)}"))
+
+
+_SLO_MARK = "slo:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,10 +253,19 @@ class StoredSample:
     output_tokens: int
     status: Outcome
     tenant: str
+    slo_ttft_ms: float | None = None  # the request's own objectives, when it stated them
+    slo_tpot_ms: float | None = None
 
     @classmethod
     def decode(cls, raw: str) -> StoredSample:
-        at, ttft, tpot, e2e, inp, out, status, tenant = raw.split("|", 7)
+        """Reads ``Sample.encode``'s form, and that of earlier versions (no ``slo:``)."""
+        at, ttft, tpot, e2e, inp, out, status, rest = raw.split("|", 7)
+        tenant, slo_ttft, slo_tpot = rest, None, None
+        if "|" in rest:
+            head, _, last = rest.rpartition("|")
+            objectives = _parse_objectives(last)
+            if objectives is not None:
+                tenant, (slo_ttft, slo_tpot) = head, objectives
         return cls(
             at_ms=int(at),
             ttft_ms=_parse(ttft),
@@ -244,6 +275,8 @@ class StoredSample:
             output_tokens=int(out),
             status=Outcome(int(status)),
             tenant=tenant,
+            slo_ttft_ms=slo_ttft,
+            slo_tpot_ms=slo_tpot,
         )
 
 
@@ -253,6 +286,19 @@ def _fmt(value: float | None) -> str:
 
 def _parse(raw: str) -> float | None:
     return None if raw == "" else float(raw)
+
+
+def _parse_objectives(field: str) -> tuple[float | None, float | None] | None:
+    """``slo:<ttft>:<tpot>``; None when the field is not one (a tenant's own ``|``)."""
+    if not field.startswith(_SLO_MARK):
+        return None
+    parts = field[len(_SLO_MARK) :].split(":")
+    if len(parts) != 2:
+        return None
+    try:
+        return _parse(parts[0]), _parse(parts[1])
+    except ValueError:
+        return None
 
 
 class LeaseNotFound(LookupError):

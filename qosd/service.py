@@ -67,6 +67,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                 expected_output_tokens=request.expected_output_tokens,
                 max_wait_ms=request.max_wait_ms if request.HasField("max_wait_ms") else None,
                 deadline_s=context.time_remaining(),
+                slo_ttft_ms=request.slo_ttft_ms if request.HasField("slo_ttft_ms") else None,
+                slo_tpot_ms=request.slo_tpot_ms if request.HasField("slo_tpot_ms") else None,
             )
         except InvalidArgument as exc:
             self._metrics.invalid.labels("Acquire").inc()
@@ -158,6 +160,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                         input_tokens=item.input_tokens,
                         output_tokens=item.output_tokens,
                         status=_sample_status(item.status),
+                        slo_ttft_ms=item.slo_ttft_ms if item.HasField("slo_ttft_ms") else None,
+                        slo_tpot_ms=item.slo_tpot_ms if item.HasField("slo_tpot_ms") else None,
                     )
                 )
             except InvalidArgument as exc:
@@ -284,6 +288,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
             min_rate_tokens_s=pool.min_capacity,
             max_rate_tokens_s=pool.max_capacity,
             active_leases=status.active_leases,
+            long_prefill_tokens=status.long_prefill_tokens,
         )
         if adjustments:
             entry.last_adjustment.CopyFrom(_adjustment(adjustments[0], status.now_ms))

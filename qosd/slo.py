@@ -4,11 +4,15 @@ Model servers ``Report`` samples from every replica into one window per (pool,
 class) in the store (the newest ``report.window_size``). This module reads the
 evidence out of a window for the SLO loop and for operators:
 
-- a sample *complies* when every latency it measured meets every objective set for
-  its class (a latency it did not measure is not judged); a failed request
-  (OUTCOME_ERROR) never complies; a cancelled one is left out, since the caller, not
-  the server, ended it;
-- compliance is the share of complying samples; a class without objectives has none;
+- a sample's *objectives* are its own (those its request stated, ``slo_ttft_ms`` and
+  ``slo_tpot_ms``), else its class's, with the TTFT objective scaled by its prompt
+  length (``request_objectives``, the one definition of a request's objectives);
+- a sample *complies* when every latency it measured meets every objective it has (a
+  latency it did not measure is not judged, and a sample with no objectives complies
+  by being served); a failed request (OUTCOME_ERROR) never complies; a cancelled one
+  is left out, since the caller, not the server, ended it;
+- compliance is the share of complying samples; a window none of whose samples has
+  an objective (a class without objectives whose requests stated none) has none;
 - cut-offs select the evidence: samples *reported* after a time (the SLO loop's last
   change: what the server does now), or of requests *started* after it (a report's
   time less its latency, as reports come when requests end: requests admitted under
@@ -26,6 +30,55 @@ from qosd.model import Outcome, StoredSample
 
 
 @dataclass(frozen=True, slots=True)
+class Objectives:
+    """The latency objectives one request is judged against, ms; None: not judged."""
+
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+
+    @property
+    def any(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None or self.e2e_ms is not None
+
+
+def request_objectives(
+    slo: SloConfig,
+    input_tokens: int,
+    *,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+) -> Objectives:
+    """The objectives of one request of a class with objectives ``slo`` and a prompt of
+    ``input_tokens`` tokens; ``ttft_ms`` and ``tpot_ms`` are those the request stated
+    itself (None: not stated).
+
+    - TTFT: the stated objective, as stated; else the class's ``ttft_ms`` plus
+      ``ttft_ms_per_1k_tokens`` for every 1,000 prompt tokens beyond
+      ``ttft_free_tokens`` (a prompt within them keeps the base); None when neither;
+    - TPOT: the stated objective, else the class's;
+    - end to end: the class's.
+
+    The windows' compliance, the SLO loop and GetStatus judge through it; so should
+    anything else that scores requests against their objectives (a benchmark).
+    """
+    ttft = ttft_ms
+    if ttft is None and slo.ttft_ms is not None:
+        ttft = slo.ttft_ms
+        beyond = input_tokens - slo.ttft_free_tokens
+        if beyond > 0 and slo.ttft_ms_per_1k_tokens:
+            ttft += slo.ttft_ms_per_1k_tokens * beyond / 1000
+    return Objectives(ttft, slo.tpot_ms if tpot_ms is None else tpot_ms, slo.e2e_ms)
+
+
+def sample_objectives(sample: StoredSample, slo: SloConfig) -> Objectives:
+    """A stored sample's objectives: those it reported, else its class's for its prompt."""
+    return request_objectives(
+        slo, sample.input_tokens, ttft_ms=sample.slo_ttft_ms, tpot_ms=sample.slo_tpot_ms
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Percentiles:
     p50: float
     p95: float
@@ -39,7 +92,10 @@ class WindowStats:
     ttft_ms: Percentiles | None
     tpot_ms: Percentiles | None
     e2e_ms: Percentiles | None
-    has_slo: bool
+    has_slo: bool  # some sample judged has an objective (its own or its class's)
+    # The largest, over TTFT, TPOT and end to end, of the median latency relative to
+    # each sample's own objective; None: nothing measured against an objective.
+    pressure: float | None = None
 
     @property
     def compliance(self) -> float | None:
@@ -49,20 +105,12 @@ class WindowStats:
         return self.compliant / self.samples
 
 
-def pressure(stats: WindowStats, slo: SloConfig) -> float | None:
-    """How close the typical request runs to its objectives: the largest p50 latency
-    over its objective (1.0: half the requests at the limit). A trend to watch while
-    compliance itself is pinned at 0 or 1."""
-    ratios = [
-        measured.p50 / objective
-        for objective, measured in (
-            (slo.ttft_ms, stats.ttft_ms),
-            (slo.tpot_ms, stats.tpot_ms),
-            (slo.e2e_ms, stats.e2e_ms),
-        )
-        if objective is not None and measured is not None
-    ]
-    return max(ratios) if ratios else None
+def pressure(stats: WindowStats, slo: SloConfig | None = None) -> float | None:
+    """How close the typical request runs to its objectives: the largest median, over
+    the latencies, of each sample's latency over its own objective (1.0: half the
+    requests at the limit). A trend to watch while compliance itself is pinned at 0 or
+    1. (``slo`` is not needed: each sample's objectives were applied in ``_stats``.)"""
+    return stats.pressure
 
 
 def trend(
@@ -81,25 +129,42 @@ def trend(
     return _stats(recent[:half], slo), _stats(recent[half:], slo)
 
 
-def improving(older: WindowStats, newer: WindowStats, slo: SloConfig) -> bool:
+def improving(older: WindowStats, newer: WindowStats, slo: SloConfig | None = None) -> bool:
     """Whether later-started requests fare better: more of them comply or, where
     compliance is pinned (all or none), their typical latency is lower."""
     if older.compliance is None or newer.compliance is None:
         return False
     if newer.compliance != older.compliance:
         return newer.compliance > older.compliance
-    before, after = pressure(older, slo), pressure(newer, slo)
+    before, after = older.pressure, newer.pressure
     return before is not None and after is not None and after < before
 
 
 def _stats(samples: Sequence[StoredSample], slo: SloConfig) -> WindowStats:
+    compliant = 0
+    has_slo = has_objectives(slo)
+    ratios: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for sample in samples:
+        objectives = sample_objectives(sample, slo)
+        has_slo = has_slo or objectives.any
+        compliant += complies(sample, objectives)
+        for ratio, objective, measured in zip(
+            ratios,
+            (objectives.ttft_ms, objectives.tpot_ms, objectives.e2e_ms),
+            (sample.ttft_ms, sample.tpot_ms, sample.e2e_ms),
+            strict=True,
+        ):
+            if objective is not None and measured is not None:
+                ratio.append(measured / objective)
+    medians = [p.p50 for p in map(percentiles, ratios) if p is not None]
     return WindowStats(
         samples=len(samples),
-        compliant=sum(1 for s in samples if complies(s, slo)),
+        compliant=compliant,
         ttft_ms=percentiles([s.ttft_ms for s in samples if s.ttft_ms is not None]),
         tpot_ms=percentiles([s.tpot_ms for s in samples if s.tpot_ms is not None]),
         e2e_ms=percentiles([s.e2e_ms for s in samples if s.e2e_ms is not None]),
-        has_slo=has_objectives(slo),
+        has_slo=has_slo,
+        pressure=max(medians) if medians else None,
     )
 
 
@@ -107,13 +172,14 @@ def has_objectives(slo: SloConfig) -> bool:
     return slo.ttft_ms is not None or slo.tpot_ms is not None or slo.e2e_ms is not None
 
 
-def complies(sample: StoredSample, slo: SloConfig) -> bool:
+def complies(sample: StoredSample, objectives: Objectives) -> bool:
+    """Whether the sample met every objective it has (``sample_objectives``)."""
     if sample.status == Outcome.ERROR:
         return False
     for objective, measured in (
-        (slo.ttft_ms, sample.ttft_ms),
-        (slo.tpot_ms, sample.tpot_ms),
-        (slo.e2e_ms, sample.e2e_ms),
+        (objectives.ttft_ms, sample.ttft_ms),
+        (objectives.tpot_ms, sample.tpot_ms),
+        (objectives.e2e_ms, sample.e2e_ms),
     ):
         if objective is not None and measured is not None and measured > objective:
             return False

@@ -7,7 +7,8 @@ waiting caller, a pump task per pool that asks the store every ``waiting.poll_ms
 (or at once after a local release) to admit what it can, and a timer per waiter.
 
 Every waiter gets exactly one answer: admitted by a pump, QUEUE_TIMEOUT at its
-deadline (measured here, from when it was queued), SHUTTING_DOWN on drain, or the
+deadline (measured here, from when it was queued; LONG_PREFILL instead for a long
+prompt the store held for a gap in the top class's traffic), SHUTTING_DOWN on drain, or the
 fail-mode answer when the store is lost. Whatever the store does for a waiter after
 it was answered (a grant racing a timeout or a cancelled caller) is undone: the
 lease is refunded in full and the queue entry removed.
@@ -44,6 +45,7 @@ class _Local:
     waiter: Waiter
     future: asyncio.Future[BucketDecision]
     timer: asyncio.TimerHandle | None = None
+    held: bool = False  # the last pump held it for a gap in the top class's traffic
 
 
 @dataclass(eq=False)
@@ -153,7 +155,8 @@ class WaitingRoom:
         return True
 
     def _expire(self, room: _PoolRoom, local: _Local) -> None:
-        if self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT)):
+        reason = Reason.LONG_PREFILL if local.held else Reason.QUEUE_TIMEOUT
+        if self._answer(room, local, _rejected(local.waiter, reason)):
             self._in_background(self._store.cancel(room.policy, [local.waiter]))
 
     async def _pump_loop(self, room: _PoolRoom) -> None:
@@ -180,7 +183,8 @@ class WaitingRoom:
                     await asyncio.wait_for(room.wake.wait(), self._poll_s)
 
     def _settle(self, room: _PoolRoom, local: _Local, result: PumpResult) -> None:
-        if result.state is WaiterState.WAITING:
+        if result.state in (WaiterState.WAITING, WaiterState.HELD):
+            local.held = result.state is WaiterState.HELD
             return
         if result.state is WaiterState.ADMITTED:
             assert result.decision is not None

@@ -48,6 +48,8 @@ def acquire_request(
     tenant: str,
     request_id: str,
     max_wait_ms: int | None,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
 ) -> qosd_pb2.AcquireRequest:
     request = qosd_pb2.AcquireRequest(
         request_id=request_id,
@@ -59,6 +61,10 @@ def acquire_request(
     )
     if max_wait_ms is not None:
         request.max_wait_ms = max_wait_ms
+    if slo_ttft_ms is not None:
+        request.slo_ttft_ms = slo_ttft_ms
+    if slo_tpot_ms is not None:
+        request.slo_tpot_ms = slo_tpot_ms
     return request
 
 
@@ -125,6 +131,10 @@ def report_request(samples: list[LatencySample]) -> qosd_pb2.ReportRequest:
             item.tpot_ms = sample.tpot_ms
         if sample.e2e_ms is not None:
             item.e2e_ms = sample.e2e_ms
+        if sample.slo_ttft_ms is not None:
+            item.slo_ttft_ms = sample.slo_ttft_ms
+        if sample.slo_tpot_ms is not None:
+            item.slo_tpot_ms = sample.slo_tpot_ms
     return request
 
 
@@ -200,6 +210,7 @@ def pool_state(pool: qosd_pb2.PoolStatus) -> PoolState:
         min_rate_tokens_s=pool.min_rate_tokens_s,
         max_rate_tokens_s=pool.max_rate_tokens_s,
         active_leases=pool.active_leases,
+        long_prefill_tokens=pool.long_prefill_tokens,
     )
 
 

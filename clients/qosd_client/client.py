@@ -101,8 +101,15 @@ class QosdClient:
         request_id: str = "",
         max_wait_ms: int | None = None,
         timeout_s: float | None = None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> AcquireResult:
-        """Asks for admission. Returns the decision; raises only on errors."""
+        """Asks for admission. Returns the decision; raises only on errors.
+
+        ``slo_ttft_ms`` and ``slo_tpot_ms`` state the request's own objectives (the
+        Gateway API Inference Extension's ``x-slo-ttft-ms``, ``x-slo-tpot-ms``), which
+        replace its class's; pass them on to the model server so that its report
+        carries them (``LatencySample.slo_ttft_ms``)."""
         request = _convert.acquire_request(
             qos_class=qos_class,
             input_tokens=input_tokens,
@@ -111,6 +118,8 @@ class QosdClient:
             tenant=tenant,
             request_id=request_id,
             max_wait_ms=max_wait_ms,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
         )
         timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
         try:
@@ -257,6 +266,8 @@ class SyncQosdClient:
         request_id: str = "",
         max_wait_ms: int | None = None,
         timeout_s: float | None = None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> AcquireResult:
         request = _convert.acquire_request(
             qos_class=qos_class,
@@ -266,6 +277,8 @@ class SyncQosdClient:
             tenant=tenant,
             request_id=request_id,
             max_wait_ms=max_wait_ms,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
         )
         timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
         try:

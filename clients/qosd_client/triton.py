@@ -15,7 +15,11 @@ results; each finished request becomes one ``LatencySample``:
 Which class and tenant: the keyword arguments ``qos_class``, ``tenant`` and
 ``lease_id`` (taken off before tritonclient sees them), else request parameters of
 the same names (what a gateway forwards to the server), else the wrapper's defaults.
-Calls with no class are not reported (``stats.unclassified``).
+Calls with no class are not reported (``stats.unclassified``). The objectives a
+request stated itself (``slo_ttft_ms``, ``slo_tpot_ms``: milliseconds, as passed to
+``QosdClient.acquire``) come the same way, keywords first, then request parameters
+(a number, or a string holding one); the sample carries them, and qosd judges it
+against them instead of its class's.
 
 Reporting never blocks or fails an inference: samples go to a reporter's bounded
 buffer (``LatencyReporter`` on an event loop, ``ThreadedLatencyReporter`` for
@@ -46,6 +50,7 @@ from qosd_client.types import LatencySample, Outcome, SampleSink
 log = logging.getLogger("qosd_client.triton")
 
 QOS_KEYWORDS = ("qos_class", "tenant", "lease_id")
+OBJECTIVE_KEYWORDS = ("slo_ttft_ms", "slo_tpot_ms")
 # A stream's open requests kept for matching responses: a request whose end never
 # comes (a model that flags it only with an empty final response nobody asked for)
 # must not grow a long-lived stream's memory without bound.
@@ -77,6 +82,8 @@ class _Pending:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 TokenCounter = Callable[[Any], int]
@@ -113,10 +120,14 @@ class _Common:
     def begin(self, model: str, kwargs: dict[str, Any], inputs: Any) -> _Pending:
         """Takes the QoS keywords off ``kwargs`` and starts the clock."""
         values = {key: kwargs.pop(key, None) for key in QOS_KEYWORDS}
+        stated = {key: _milliseconds(kwargs.pop(key, None)) for key in OBJECTIVE_KEYWORDS}
         parameters = kwargs.get("parameters") or {}
         for key in QOS_KEYWORDS:
             if values[key] is None and isinstance(parameters.get(key), str):
                 values[key] = parameters[key]
+        for key in OBJECTIVE_KEYWORDS:
+            if stated[key] is None:
+                stated[key] = _milliseconds(parameters.get(key))
         traceparent = _add_trace_headers(kwargs) if self.inject_trace else ""
         return _Pending(
             model=model,
@@ -126,6 +137,8 @@ class _Common:
             traceparent=traceparent,
             input_tokens=self._count_input(inputs),
             started=time.monotonic(),
+            slo_ttft_ms=stated["slo_ttft_ms"],
+            slo_tpot_ms=stated["slo_tpot_ms"],
         )
 
     def _count_input(self, inputs: Any) -> int:
@@ -193,9 +206,22 @@ class _Common:
                 status=status,
                 lease_id=pending.lease_id,
                 traceparent=pending.traceparent,
+                slo_ttft_ms=pending.slo_ttft_ms,
+                slo_tpot_ms=pending.slo_tpot_ms,
             )
         )
         self.count("reported")
+
+
+def _milliseconds(value: Any) -> float | None:
+    """A stated objective as a keyword or request parameter: a number, or a string
+    holding one; anything else is no objective. qosd checks the range."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 def _add_trace_headers(kwargs: dict[str, Any]) -> str:
@@ -420,7 +446,11 @@ class AsyncReportingClient(_Proxy):
                 request = dict(item)
                 if not request.get("request_id"):
                     request["request_id"] = uuid.uuid4().hex
-                options = {key: request.pop(key) for key in QOS_KEYWORDS if key in request}
+                options = {
+                    key: request.pop(key)
+                    for key in (*QOS_KEYWORDS, *OBJECTIVE_KEYWORDS)
+                    if key in request
+                }
                 options["parameters"] = request.get("parameters")
                 pending = common.begin(request["model_name"], options, request.get("inputs"))
                 pending.traceparent = pending.traceparent or traceparent

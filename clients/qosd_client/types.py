@@ -18,6 +18,7 @@ class Reason(enum.IntEnum):
     QUEUE_FULL = 5
     FAIL_OPEN = 6
     SHUTTING_DOWN = 7
+    LONG_PREFILL = 8
 
 
 class Outcome(enum.IntEnum):
@@ -69,6 +70,11 @@ class LatencySample:
     # W3C traceparent of the request reported; LatencyReporter.record fills it from
     # the current span when empty. qosd then shows these latencies in that trace.
     traceparent: str = ""
+    # The objectives the request ran under when it stated its own (acquire's
+    # slo_ttft_ms / slo_tpot_ms, forwarded to the model server), ms; None: its
+    # class's, which qosd scales with input_tokens.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,7 @@ class PoolState:
     min_rate_tokens_s: float
     max_rate_tokens_s: float
     active_leases: int = 0  # neither released nor expired
+    long_prefill_tokens: float = 0.0  # longer prompts wait for a gap in P0 traffic; 0: none
 
     def cls(self, name: str) -> ClassState:
         return next(c for c in self.classes if c.name == name)

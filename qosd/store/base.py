@@ -94,6 +94,11 @@ class BucketStore(Protocol):
         change a pool within one cooldown. Logged in the pool's history."""
         ...
 
+    async def set_long_prefill(self, pool: PoolPolicy, tokens: float) -> None:
+        """Sets the prompt length above which a request waits for a gap in the top
+        class's traffic (the SLO loop learns it, ``qosd.stall``); 0: no such rule."""
+        ...
+
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         """The pool's latest adjustments, newest first."""
         ...

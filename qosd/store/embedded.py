@@ -43,8 +43,9 @@ _MAX_ADMITTED_PER_PUMP = 64  # as pump.lua
 
 
 #: What a GPU-gated pool's refusal suggests as retry-after: it waits for room, and no
-#: refill says when that comes. As acquire.lua.
+#: refill says when that comes; and a long prompt's, held for a gap. As acquire.lua.
 ROOM_RETRY_MS = 50
+LONG_PREFILL_RETRY_MS = 1000
 
 
 def monotonic_us() -> int:
@@ -75,6 +76,7 @@ class _Queued:
     daemon: str
     cost: float
     blocked_until_us: int = 0
+    input_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -140,6 +142,11 @@ class EmbeddedStore:
         budget.end_expired(record.state.in_flight, now_us)
         return record, effective
 
+    @staticmethod
+    def _held(record: _Pool, pool: PoolPolicy, cls: ClassPolicy, input_tokens: int) -> bool:
+        top_waiting = len(record.queues[pool.classes[0].name])
+        return budget.held_for_gap(record.state, pool, cls, input_tokens, top_waiting)
+
     def _daemon_alive(self, daemon: str, now_us: int) -> bool:
         return self._daemons.get(daemon, 0) >= now_us - self._stale_after_us
 
@@ -155,7 +162,9 @@ class EmbeddedStore:
                     or waiter.deadline_us + self._stale_after_us < now_us
                 ):
                     dead.append(waiter_id)
-                elif waiter.blocked_until_us <= now_us:
+                elif waiter.blocked_until_us <= now_us and not self._held(
+                    record, pool, cls, waiter.input_tokens
+                ):
                     rank = budget.effective_rank(cls, now_us - waiter.enqueued_us)
                     heads.append(_Head(waiter_id, cls, waiter, rank))
                     break
@@ -282,7 +291,10 @@ class EmbeddedStore:
             return answer(Reason.COST_EXCEEDS_BURST)
         queue = record.queues[cls.name]
         how = 0
-        if pool.gated:
+        held = self._held(record, pool, cls, lease.input_tokens)
+        if held:
+            pass  # waits for a gap in the top class's traffic
+        elif pool.gated:
             how = self._gated_how(record, pool, cls, cost, now_us)
         elif not self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             shared_open = (
@@ -308,13 +320,15 @@ class EmbeddedStore:
             return answer(Reason.NONE, admitted=True)
         # Queue only a request whose wait could cover the refill it needs if nobody
         # else took tokens meanwhile; any other is told at once.
-        if pool.gated:  # waits for room and its turn, which no refill predicts
+        if held and wait_ms <= 0:
+            return answer(Reason.LONG_PREFILL, LONG_PREFILL_RETRY_MS)
+        if pool.gated or held:  # waits for room, a gap, its turn: no refill predicts
             retry_ms = max(ROOM_RETRY_MS, tenant_wait_ms)
             if wait_ms <= 0:
                 return answer(Reason.RATE_LIMITED, retry_ms)
         else:
             retry_ms = max(budget.retry_after_ms(state, pool, cls, cost), tenant_wait_ms)
-        if wait_ms <= 0 or (not pool.gated and retry_ms > wait_ms):
+        if wait_ms <= 0 or (not pool.gated and not held and retry_ms > wait_ms):
             return answer(Reason.RATE_LIMITED, retry_ms)
         if len(queue) >= cls.max_queue:
             return answer(Reason.QUEUE_FULL, retry_ms)
@@ -324,6 +338,7 @@ class EmbeddedStore:
             daemon=daemon_id,
             cost=cost,
             blocked_until_us=now_us + tenant_wait_ms * 1000 if tenant_wait_ms else 0,
+            input_tokens=lease.input_tokens,
         )
         self._daemons[daemon_id] = now_us
         return answer(Reason.NONE, queued=True)
@@ -395,7 +410,9 @@ class EmbeddedStore:
             if decision is not None:
                 results.append(PumpResult(WaiterState.ADMITTED, decision))
             elif waiter.id in record.queues[waiter.qos_class]:
-                results.append(PumpResult(WaiterState.WAITING, None))
+                cls = budget.class_in(pool, waiter.qos_class)
+                held = self._held(record, pool, cls, waiter.lease.input_tokens)
+                results.append(PumpResult(WaiterState.HELD if held else WaiterState.WAITING, None))
             else:
                 results.append(PumpResult(WaiterState.GONE, None))
         return results
@@ -499,6 +516,7 @@ class EmbeddedStore:
                 existing.state.capacity,
                 existing.state.admitted,
                 existing.state.in_flight.copy(),
+                existing.state.long_prefill_tokens,
             )
             queues = existing.queues
         effective = budget.effective_pool(pool, state.capacity)
@@ -523,6 +541,7 @@ class EmbeddedStore:
             capacity=state.capacity,
             admitted_tokens=state.admitted,
             now_ms=now_us // 1000,
+            long_prefill_tokens=state.long_prefill_tokens,
         )
 
     # -- control.lua, adjust.lua, lead.lua ------------------------------------------
@@ -559,6 +578,10 @@ class EmbeddedStore:
             Adjustment(now_ms, old, update.capacity, update.reason, update.changed_by)
         )
         return True
+
+    async def set_long_prefill(self, pool: PoolPolicy, tokens: float) -> None:
+        record, _ = self._pool(pool, self._clock())
+        record.state.long_prefill_tokens = tokens
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         return list(self._history.get(pool.name, ()))[:limit]

@@ -437,7 +437,7 @@ class RedisStore:
         classes: dict[str, ClassStatus] = {}
         for index, cls in enumerate(pool.classes):
             tokens, waiting, oldest, rate, burst, in_flight, in_flight_cost = reply[
-                4 + 7 * index : 11 + 7 * index
+                5 + 7 * index : 12 + 7 * index
             ]
             classes[cls.name] = ClassStatus(
                 tokens=float(tokens),
@@ -454,6 +454,7 @@ class RedisStore:
             capacity=float(reply[2]),
             admitted_tokens=float(reply[3]),
             now_ms=now_us // 1000,
+            long_prefill_tokens=float(reply[4]),
         )
 
     # -- the SLO loop's state -------------------------------------------------------
@@ -513,6 +514,13 @@ class RedisStore:
             ),
         )
         return bool(applied == 1)
+
+    async def set_long_prefill(self, pool: PoolPolicy, tokens: float) -> None:
+        state_key = self._args_for(pool).keys[0]
+        if tokens > 0:
+            await self._client.execute(state_key, "HSET", state_key, "P", repr(float(tokens)))
+        else:
+            await self._client.execute(state_key, "HDEL", state_key, "P")
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         if limit <= 0:

@@ -104,6 +104,13 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     Retry at once on another replica. Calls that arrive after the drain began are
     refused by gRPC itself with status UNAVAILABLE.
     """
+    REASON_LONG_PREFILL: _Reason.ValueType  # 8
+    """The prompt's predicted prefill would stall the pool's most urgent class (P0)
+    for longer than its requests in flight can absorb, on a server that does not
+    chunk prefill, and no gap in that class's traffic came within the request's max
+    wait. Retry later, or send it to a pool whose servers chunk prefill.
+    `retry_after_ms` is a hint only.
+    """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
     """Reason qualifies a decision."""
@@ -137,6 +144,13 @@ REASON_SHUTTING_DOWN: Reason.ValueType  # 7
 """The daemon is draining (SIGTERM) and the request could not be admitted at once.
 Retry at once on another replica. Calls that arrive after the drain began are
 refused by gRPC itself with status UNAVAILABLE.
+"""
+REASON_LONG_PREFILL: Reason.ValueType  # 8
+"""The prompt's predicted prefill would stall the pool's most urgent class (P0)
+for longer than its requests in flight can absorb, on a server that does not
+chunk prefill, and no gap in that class's traffic came within the request's max
+wait. Retry later, or send it to a pool whose servers chunk prefill.
+`retry_after_ms` is a hint only.
 """
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
@@ -179,6 +193,8 @@ class AcquireRequest(_message.Message):
     INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    SLO_TTFT_MS_FIELD_NUMBER: _builtins.int
+    SLO_TPOT_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen idempotency key, unique per pool, at most 128 characters. Repeating
     an Acquire with the same `request_id` within the lease TTL of its first admission
@@ -205,6 +221,16 @@ class AcquireRequest(_message.Message):
     class's configured max wait. 0: answer now. Values above the class's max wait
     are capped to it. The gRPC deadline, when shorter, wins.
     """
+    slo_ttft_ms: _builtins.float
+    """The request's own latency objectives, milliseconds, as the Gateway API Inference
+    Extension carries them (`x-slo-ttft-ms`, `x-slo-tpot-ms`). Absent: the class's.
+    Each must be finite, above 0 and at most 86400000 (one day), else
+    INVALID_ARGUMENT. They may be tighter or looser than the class's; the request is
+    judged against them instead (forward them to the model server, which reports
+    them in LatencySample). A stated TTFT objective also caps the wait: a request
+    admitted after its TTFT objective has passed has missed it already.
+    """
+    slo_tpot_ms: _builtins.float
     def __init__(
         self,
         *,
@@ -215,14 +241,25 @@ class AcquireRequest(_message.Message):
         input_tokens: _builtins.int = ...,
         expected_output_tokens: _builtins.int = ...,
         max_wait_ms: _builtins.int | None = ...,
+        slo_ttft_ms: _builtins.float | None = ...,
+        slo_tpot_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms", "max_wait_ms", b"max_wait_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms", "_slo_tpot_ms", b"_slo_tpot_ms", "_slo_ttft_ms", b"_slo_ttft_ms", "max_wait_ms", b"max_wait_ms", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms", "expected_output_tokens", b"expected_output_tokens", "input_tokens", b"input_tokens", "max_wait_ms", b"max_wait_ms", "model", b"model", "qos_class", b"qos_class", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms", "_slo_tpot_ms", b"_slo_tpot_ms", "_slo_ttft_ms", b"_slo_ttft_ms", "expected_output_tokens", b"expected_output_tokens", "input_tokens", b"input_tokens", "max_wait_ms", b"max_wait_ms", "model", b"model", "qos_class", b"qos_class", "request_id", b"request_id", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_wait_ms: _TypeAlias = _typing.Literal["max_wait_ms"]  # noqa: Y015
     _WhichOneofArgType__max_wait_ms: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms"]  # noqa: Y015
+    _WhichOneofReturnType__slo_tpot_ms: _TypeAlias = _typing.Literal["slo_tpot_ms"]  # noqa: Y015
+    _WhichOneofArgType__slo_tpot_ms: _TypeAlias = _typing.Literal["_slo_tpot_ms", b"_slo_tpot_ms"]  # noqa: Y015
+    _WhichOneofReturnType__slo_ttft_ms: _TypeAlias = _typing.Literal["slo_ttft_ms"]  # noqa: Y015
+    _WhichOneofArgType__slo_ttft_ms: _TypeAlias = _typing.Literal["_slo_ttft_ms", b"_slo_ttft_ms"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_wait_ms) -> _WhichOneofReturnType__max_wait_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slo_tpot_ms) -> _WhichOneofReturnType__slo_tpot_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slo_ttft_ms) -> _WhichOneofReturnType__slo_ttft_ms | None: ...
 
 Global___AcquireRequest: _TypeAlias = AcquireRequest  # noqa: Y015
 
@@ -392,6 +429,8 @@ class LatencySample(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    SLO_TTFT_MS_FIELD_NUMBER: _builtins.int
+    SLO_TPOT_MS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model or pool name, resolved like AcquireRequest.model: required unless the
     config names a default pool.
@@ -419,6 +458,14 @@ class LatencySample(_message.Message):
     tracing on, qosd adds a span with these latencies to that trace. Optional;
     one that does not parse is ignored.
     """
+    slo_ttft_ms: _builtins.float
+    """The objectives the request ran under, when it stated its own
+    (AcquireRequest.slo_ttft_ms, slo_tpot_ms, forwarded by the gateway), ms. Stored
+    with the sample, which is judged against them instead of its class's. Absent:
+    the class's, with the TTFT objective scaled by input_tokens. Validated as in
+    AcquireRequest (finite, above 0, at most one day).
+    """
+    slo_tpot_ms: _builtins.float
     def __init__(
         self,
         *,
@@ -433,19 +480,29 @@ class LatencySample(_message.Message):
         status: Global___Outcome.ValueType = ...,
         lease_id: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        slo_ttft_ms: _builtins.float | None = ...,
+        slo_tpot_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_slo_tpot_ms", b"_slo_tpot_ms", "_slo_ttft_ms", b"_slo_ttft_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "input_tokens", b"input_tokens", "lease_id", b"lease_id", "model", b"model", "output_tokens", b"output_tokens", "qos_class", b"qos_class", "status", b"status", "tenant", b"tenant", "tpot_ms", b"tpot_ms", "traceparent", b"traceparent", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms", "_slo_tpot_ms", b"_slo_tpot_ms", "_slo_ttft_ms", b"_slo_ttft_ms", "_tpot_ms", b"_tpot_ms", "_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "input_tokens", b"input_tokens", "lease_id", b"lease_id", "model", b"model", "output_tokens", b"output_tokens", "qos_class", b"qos_class", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms", "status", b"status", "tenant", b"tenant", "tpot_ms", b"tpot_ms", "traceparent", b"traceparent", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__e2e_ms: _TypeAlias = _typing.Literal["e2e_ms"]  # noqa: Y015
     _WhichOneofArgType__e2e_ms: _TypeAlias = _typing.Literal["_e2e_ms", b"_e2e_ms"]  # noqa: Y015
+    _WhichOneofReturnType__slo_tpot_ms: _TypeAlias = _typing.Literal["slo_tpot_ms"]  # noqa: Y015
+    _WhichOneofArgType__slo_tpot_ms: _TypeAlias = _typing.Literal["_slo_tpot_ms", b"_slo_tpot_ms"]  # noqa: Y015
+    _WhichOneofReturnType__slo_ttft_ms: _TypeAlias = _typing.Literal["slo_ttft_ms"]  # noqa: Y015
+    _WhichOneofArgType__slo_ttft_ms: _TypeAlias = _typing.Literal["_slo_ttft_ms", b"_slo_ttft_ms"]  # noqa: Y015
     _WhichOneofReturnType__tpot_ms: _TypeAlias = _typing.Literal["tpot_ms"]  # noqa: Y015
     _WhichOneofArgType__tpot_ms: _TypeAlias = _typing.Literal["_tpot_ms", b"_tpot_ms"]  # noqa: Y015
     _WhichOneofReturnType__ttft_ms: _TypeAlias = _typing.Literal["ttft_ms"]  # noqa: Y015
     _WhichOneofArgType__ttft_ms: _TypeAlias = _typing.Literal["_ttft_ms", b"_ttft_ms"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__e2e_ms) -> _WhichOneofReturnType__e2e_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slo_tpot_ms) -> _WhichOneofReturnType__slo_tpot_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slo_ttft_ms) -> _WhichOneofReturnType__slo_ttft_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__tpot_ms) -> _WhichOneofReturnType__tpot_ms | None: ...
     @_typing.overload
@@ -781,6 +838,7 @@ class PoolStatus(_message.Message):
     MIN_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
     MAX_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
     ACTIVE_LEASES_FIELD_NUMBER: _builtins.int
+    LONG_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     capacity_tokens_s: _builtins.float
     """Configured capacity, tokens per second."""
@@ -803,6 +861,11 @@ class PoolStatus(_message.Message):
     max_rate_tokens_s: _builtins.float
     active_leases: _builtins.int
     """Leases of the pool neither released nor expired, fleet-wide with Redis."""
+    long_prefill_tokens: _builtins.float
+    """Prompts longer than this many tokens wait for a gap in the top class's traffic
+    (their prefill would stall it beyond what it can absorb; learned by the SLO
+    loop from reports, docs/design.md); 0: no such rule now.
+    """
     @_builtins.property
     def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassStatus]:
         """In priority order."""
@@ -829,10 +892,11 @@ class PoolStatus(_message.Message):
         min_rate_tokens_s: _builtins.float = ...,
         max_rate_tokens_s: _builtins.float = ...,
         active_leases: _builtins.int = ...,
+        long_prefill_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_adjustment", b"last_adjustment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "long_prefill_tokens", b"long_prefill_tokens", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

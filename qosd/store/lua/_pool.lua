@@ -10,11 +10,13 @@
 --                released nor expired, and their charges), x:<second> (of those,
 --                the ones whose lease expires in that second of Redis time:
 --                "class|count|charges|class|count|charges..."), xo and xn (the
---                oldest and newest such second; the sweep below ends them)
+--                oldest and newest such second; the sweep below ends them), P (the
+--                long-prefill threshold the SLO loop learned, prompt tokens: a longer
+--                prompt waits for a gap in the top class's traffic; absent: none)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
---                tenant_blocked_until" (times in us)
+--                tenant_blocked_until|input_tokens" (times in us)
 -- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
 -- ARGV[1]        number of calls in the batch
 -- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
@@ -137,10 +139,10 @@ local function parse_expiring(value)
   end
   return entry
 end
-local HEADER = 8  -- fields read before the per-class ones
+local HEADER = 9  -- fields read before the per-class ones
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
-  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second}
+  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P'}
   for i = 1, class_count do
     local name = classes[i].name
     fields[#fields + 1] = 't:' .. name
@@ -160,6 +162,7 @@ do
   state.expiry_from = tonumber(values[6])
   state.expiry_to = tonumber(values[7])
   expiring[default_second] = parse_expiring(values[8])
+  state.long_prefill = tonumber(values[9]) or 0
   allocate(state.capacity)
   if values[1] then
     state.updated = tonumber(values[1])
@@ -344,6 +347,7 @@ local OWN = 1
 local BORROW = 2
 local OVER = 3  -- a GPU-gated pool's admission over the class's share, into bounded debt
 local ROOM_RETRY_MS = 50  -- a GPU-gated refusal's retry-after: room comes with no refill
+local LONG_PREFILL_RETRY_MS = 1000  -- a long prompt's: a hint, gaps are unpredictable
 
 -- qosd/budget.py: how_to_take, take, settle, retry_after_ms, effective_rank.
 local function how_to_take(i, cost, shared_open)
@@ -500,19 +504,30 @@ local function save_tenants()
   end
 end
 
--- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until" (us).
+-- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until|input"
+-- (us; input: prompt tokens, absent in records of older daemons).
 local function parse_waiter(value)
-  local enqueued, deadline, daemon, cost, blocked =
-    string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  local enqueued, deadline, daemon, cost, blocked, input =
+    string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)$')
   return {
     enqueued = tonumber(enqueued), deadline = tonumber(deadline), daemon = daemon,
-    cost = tonumber(cost), blocked = tonumber(blocked),
+    cost = tonumber(cost), blocked = tonumber(blocked), input = tonumber(input) or 0,
   }
 end
 
 local function waiter_value(w)
   return string.format('%.0f', w.enqueued) .. '|' .. string.format('%.0f', w.deadline) .. '|' ..
-    w.daemon .. '|' .. num(w.cost) .. '|' .. string.format('%.0f', w.blocked)
+    w.daemon .. '|' .. num(w.cost) .. '|' .. string.format('%.0f', w.blocked) .. '|' ..
+    string.format('%.0f', w.input)
+end
+
+-- A prompt longer than the learned threshold stalls an unchunked server for longer
+-- than the top class's requests can absorb: one of class i waits while that class
+-- has anything in flight, or (i not the top class) waiting (qosd/budget.py:
+-- held_for_gap).
+local function held_for_gap(i, input)
+  return state.long_prefill > 0 and input > state.long_prefill
+    and (state.in_n[1] > 0 or (i ~= 1 and state.waiting[1] > 0))
 end
 
 local daemon_seen = {}
@@ -557,14 +572,14 @@ local function heads()
             redis.call('ZREM', classes[i].queue, id)
             redis.call('HDEL', WAITERS, id)
             removed = true
-          elseif w.blocked <= now then
+          elseif w.blocked <= now and not held_for_gap(i, w.input) then
             w.id = id
             w.class = i
             w.rank = effective_rank(i, now - w.enqueued)
             head = w
             break
           else
-            start = start + 1  -- blocked: stays, look past it
+            start = start + 1  -- blocked, or held for a gap: stays, look past it
           end
         end
         if #ids < PAGE then

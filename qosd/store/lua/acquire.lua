@@ -80,7 +80,11 @@ for _ = 1, count do
       answer(0, 2, '', ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
     else
       local how = 0
-      if pool_gated then
+      local input = tonumber(ARGV[a + 7])
+      local held = held_for_gap(i, input)
+      if held then
+        how = 0  -- waits for a gap in the top class's traffic
+      elseif pool_gated then
         how = gated_how_for_new(i, cost)
       elseif not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
@@ -114,12 +118,14 @@ for _ = 1, count do
         -- A GPU-gated pool's request waits for room and its turn, which no refill
         -- predicts: it is queued whenever it may wait.
         local retry
-        if pool_gated then
+        if pool_gated or held then
           retry = math.max(ROOM_RETRY_MS, tenant_wait)
         else
           retry = math.max(retry_after_ms(i, cost), tenant_wait)
         end
-        if wait_ms <= 0 or (not pool_gated and retry > wait_ms) then
+        if held and wait_ms <= 0 then
+          answer(0, 8, '', ARGV[a + 1], num(state.tokens[i]), LONG_PREFILL_RETRY_MS, 0, 0)
+        elseif wait_ms <= 0 or (not pool_gated and not held and retry > wait_ms) then
           answer(0, 1, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
         elseif state.waiting[i] >= c.max_queue then
           answer(0, 5, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
@@ -132,7 +138,7 @@ for _ = 1, count do
           redis.call('ZADD', c.queue, enqueued_at, field)
           redis.call('HSET', WAITERS, field, waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
-            cost = cost, blocked = blocked,
+            cost = cost, blocked = blocked, input = input,
           }))
           daemon_seen[daemon] = now
           enqueued_at = enqueued_at + 1

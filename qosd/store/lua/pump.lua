@@ -22,7 +22,8 @@
 -- output_tokens, has_request_id, has_tenant_key.
 -- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
 -- Returns per waiter 8 values: status (1 admitted, 3 still waiting, 4 gone: its
--- entry was dropped as stale), reason, lease_id, charged, remaining, 0, ttl_ms, 0.
+-- entry was dropped as stale, 5 still waiting, held for a gap in the top class's
+-- traffic), reason, lease_id, charged, remaining, 0, ttl_ms, 0.
 local daemon = ARGV[NEXT_ARG]
 local deadline = tonumber(ARGV[NEXT_ARG + 1])
 if deadline > 0 and now > deadline then
@@ -175,10 +176,12 @@ local n = 0
 for _, m in ipairs(order) do
   local status = 1
   if not m.admitted then
-    if redis.call('HEXISTS', WAITERS, m.field) == 1 then
-      status = 3
-    else
+    if redis.call('HEXISTS', WAITERS, m.field) == 0 then
       status = 4
+    elseif held_for_gap(m.class, tonumber(m.input)) then
+      status = 5
+    else
+      status = 3
     end
   end
   reply[n + 1] = status

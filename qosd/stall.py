@@ -1,0 +1,171 @@
+"""Long prompts that cannot stall P0: the stall a prefill causes, learned from reports,
+against the stall the pool's most urgent class can absorb.
+
+On a server that does not chunk prefill, a prompt is prefilled in one iteration and
+every other request waits for it: a 32K-token prompt stalls everyone for about 2 s,
+so P0 requests arriving meanwhile miss their TTFT, and those decoding their TPOT.
+Every turn, the SLO loop's leader learns from the pool's latency windows:
+
+- **The stall of a prompt of n tokens.** A request's TTFT is at least its own
+  prefill; queueing and other prefills only add to it. So the fastest TTFTs per token
+  in each band of prompt lengths (their 5th percentile) approximate prefill time.
+  Prefill is a fixed cost, linear work per token and attention quadratic in the
+  prompt, so those points are fitted as ``stall(n) = c + a·n + b·n²`` ms.
+- **The tolerance.** How much later the top class's requests could each have been
+  served and still have met their objectives: TTFT slack (objective less TTFT) and,
+  over the decode, TPOT slack ((objective less TPOT) × (output tokens − 1)), the
+  smaller of the two per sample. The tenth percentile over its recent samples is the
+  stall the class can take (TOLERANCE_QUANTILE).
+
+The threshold is the prompt length whose predicted stall equals the tolerance, but
+never below the 90th percentile of recent prompt lengths: the rule is for prompts
+unusual in their pool, and must not hold back the pool's ordinary traffic while the
+top class runs at its limit (no slack). The stores (``budget.held_for_gap``) hold a
+longer prompt while the top class has requests in flight or waiting, so it waits for
+a gap in that traffic (bursty traffic has them), within its max wait, and is refused
+with REASON_LONG_PREFILL otherwise.
+A pool whose servers chunk prefill (``pools.<pool>.chunked_prefill``) has no
+threshold: its long prompts slow every step a little instead of stopping them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from qosd.config import SloConfig
+from qosd.model import Outcome, StoredSample
+from qosd.slo import sample_objectives
+
+MIN_SAMPLES = 20  # evidence needed for either estimate
+MIN_PROMPT_TOKENS = 256  # shorter prompts' TTFT is mostly fixed overhead
+QUANTILE = 0.05  # the fastest: queueing and others' prefills only add
+TOLERANCE_QUANTILE = 0.1  # a stall nine in ten of the top class's requests absorb
+USUAL_QUANTILE = 0.9  # prompts up to this quantile of the pool's are never held
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillModel:
+    """Prefill time of a prompt of n tokens: ``base + a·n + b·n²`` ms."""
+
+    base_ms: float
+    per_token_ms: float  # a
+    per_token2_ms: float  # b
+
+    def stall_ms(self, tokens: float) -> float:
+        return self.base_ms + tokens * (self.per_token_ms + self.per_token2_ms * tokens)
+
+    def tokens_for(self, stall_ms: float) -> float:
+        """The prompt length whose prefill takes ``stall_ms`` (0 if even the shortest
+        takes longer)."""
+        a, b, c = self.per_token2_ms, self.per_token_ms, self.base_ms - stall_ms
+        if c >= 0:
+            return 0.0
+        if a <= 0:
+            return -c / b if b > 0 else math.inf
+        return (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solves the 3x3 system m x = v (Cramer's rule); None when it is singular."""
+
+    def det(a: list[list[float]]) -> float:
+        return (
+            a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+            - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
+        )
+
+    d = det(m)
+    if abs(d) < 1e-300:
+        return None
+    result = []
+    for column in range(3):
+        replaced = [[v[r] if c == column else m[r][c] for c in range(3)] for r in range(3)]
+        result.append(det(replaced) / d)
+    return result
+
+
+def learn_prefill(samples: Iterable[StoredSample]) -> PrefillModel | None:
+    """The prefill model from reported TTFTs (see the module's docstring): each
+    band's fastest tenth, fitted by least squares (weighted by 1/TTFT², so that
+    short and long prompts count alike); None with too little evidence."""
+    bands: dict[int, list[tuple[int, float]]] = {}
+    for s in samples:
+        if s.ttft_ms is None or s.status == Outcome.ERROR or s.input_tokens < MIN_PROMPT_TOKENS:
+            continue
+        bands.setdefault(int(math.log2(s.input_tokens)), []).append((s.input_tokens, s.ttft_ms))
+    if sum(len(points) for points in bands.values()) < MIN_SAMPLES:
+        return None
+    # Per band: its mean prompt, and the TTFT at its fastest tenth's time per token.
+    points: list[tuple[float, float]] = []
+    for band in bands.values():
+        if len(band) >= 3:
+            mean = sum(n for n, _ in band) / len(band)
+            points.append((mean, mean * _quantile([t / n for n, t in band], QUANTILE)))
+    if not points:
+        return None
+    if len(points) < 3:  # too few lengths for a curve: a straight line through them
+        n_mean = sum(n for n, _ in points) / len(points)
+        t_mean = sum(t for _, t in points) / len(points)
+        return PrefillModel(0.0, t_mean / n_mean, 0.0)
+    # Weighted least squares of t = c + a n + b n^2, each point weighted by 1 / t^2:
+    # relative errors count, not the long prompts' milliseconds alone. In thousands
+    # of tokens, so that the normal equations stay well scaled.
+    m = [[0.0] * 3 for _ in range(3)]
+    v = [0.0] * 3
+    for n, t in points:
+        w = 1 / (t * t)
+        k = n / 1000
+        powers = (1.0, k, k * k)
+        for r in range(3):
+            v[r] += w * powers[r] * t
+            for c in range(3):
+                m[r][c] += w * powers[r] * powers[c]
+    solved = _solve3(m, v)
+    if solved is None or solved[1] < 0 or solved[2] < 0:
+        # A curve bending down is noise: a straight line from the origin instead.
+        ratio = sorted(t / n for n, t in points)[len(points) // 2]
+        return PrefillModel(0.0, ratio, 0.0)
+    return PrefillModel(max(0.0, solved[0]), solved[1] / 1e3, solved[2] / 1e6)
+
+
+def stall_tolerance_ms(samples: Iterable[StoredSample], slo: SloConfig) -> float | None:
+    """The stall the class's recent requests could have absorbed (see the module's
+    docstring); None without objectives or with too little evidence."""
+    slack: list[float] = []
+    for s in samples:
+        if s.status not in (Outcome.OK, Outcome.UNSPECIFIED):
+            continue
+        objectives = sample_objectives(s, slo)
+        parts = []
+        if objectives.ttft_ms is not None and s.ttft_ms is not None:
+            parts.append(objectives.ttft_ms - s.ttft_ms)
+        if objectives.tpot_ms is not None and s.tpot_ms is not None and s.output_tokens > 1:
+            parts.append((objectives.tpot_ms - s.tpot_ms) * (s.output_tokens - 1))
+        if parts:
+            slack.append(min(parts))
+    if len(slack) < MIN_SAMPLES:
+        return None
+    return max(0.0, _quantile(slack, TOLERANCE_QUANTILE))
+
+
+def long_prefill_threshold(
+    windows: dict[str, list[StoredSample]], top: str, slo: SloConfig, *, newest: int = 200
+) -> float:
+    """Prompt tokens above which a prefill would stall the top class ``top`` beyond
+    what it can absorb; 0 when it cannot be told (no rule then). ``windows`` are the
+    pool's, newest first; the tolerance reads the newest ``newest`` of the top's."""
+    everything = [s for window in windows.values() for s in window]
+    model = learn_prefill(everything)
+    tolerance = stall_tolerance_ms(windows.get(top, [])[:newest], slo)
+    if model is None or tolerance is None:
+        return 0.0
+    usual = _quantile([s.input_tokens for s in everything], USUAL_QUANTILE)
+    return max(float(usual), model.tokens_for(tolerance))

@@ -1,0 +1,202 @@
+"""Long prompts that cannot stall P0: the learned threshold, and the gap rule.
+
+The SLO loop learns from reports how long a prompt's prefill stalls an unchunked
+server and how long a stall P0's requests can absorb (``qosd.stall``); the stores
+hold a longer prompt while P0 has requests in flight or waiting, so it waits for a
+gap in P0's traffic, steps aside for the requests behind it, and is refused with
+REASON_LONG_PREFILL if no gap comes within its max wait. The store-level rules run on
+the embedded store, a standalone Redis and a 3-node cluster; the learning is checked
+directly against the simulated GPU's own prefill formula.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import pytest
+
+from qosd.config import SloConfig
+from qosd.model import Outcome, StoredSample
+from qosd.sim.gpu import GpuModel
+from qosd.stall import (
+    PrefillModel,
+    learn_prefill,
+    long_prefill_threshold,
+    stall_tolerance_ms,
+)
+from qosd_client import LatencySample, QosdClient, Reason
+from tests.conftest import DaemonFactory, RunningDaemon
+
+THRESHOLD = 10_000
+# Long prompts must be admissible at all: debt from a full bucket up to 40,000. The
+# store-level tests set the threshold themselves, so the SLO loop (which would learn
+# none from an empty window) is off.
+LONG_OK: dict[str, Any] = {
+    "classes": {name: {"max_cost_tokens": 40_000} for name in ("P0", "P1", "P2")},
+    "control": {"enabled": False},
+}
+
+
+async def _with_threshold(make_daemon: DaemonFactory, extra: dict[str, Any]) -> RunningDaemon:
+    running = await make_daemon(extra)
+    admission = running.daemon.admission
+    await admission.store.set_long_prefill(admission.pool("default"), THRESHOLD)
+    status = (await running.client.status("default")).pool("default")
+    assert status.long_prefill_tokens == THRESHOLD
+    return running
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["buckets", "gated"])
+async def test_a_long_prompt_waits_for_a_gap_in_p0(make_daemon: DaemonFactory, gated: bool) -> None:
+    extra = dict(LONG_OK)
+    if gated:
+        extra = {**extra, "pools": {"default": {"max_in_flight": 8}}}
+    qos = (await _with_threshold(make_daemon, extra)).client
+    p0 = await qos.acquire("P0", 100, max_wait_ms=0)
+    assert p0.admitted
+    # P0 is in flight: a long prompt is refused at once when it may not wait ...
+    refused = await qos.acquire("P1", 20_000, max_wait_ms=0)
+    assert not refused.admitted and refused.reason is Reason.LONG_PREFILL
+    assert "stall" in refused.message
+    # ... and waits for the gap when it may.
+    long = asyncio.create_task(qos.acquire("P1", 20_000, max_wait_ms=3_000))
+    await _until_waiting(qos, "P1", 1)
+    # Held, it steps aside: a short P1 request behind it goes at once.
+    short = await qos.acquire("P1", 100, max_wait_ms=0)
+    assert short.admitted
+    assert not long.done()
+    await qos.release(p0.lease_id)  # the gap
+    admitted = await long
+    assert admitted.admitted and admitted.waited_s > 0
+
+
+async def test_no_gap_means_a_clear_refusal(make_daemon: DaemonFactory) -> None:
+    qos = (await _with_threshold(make_daemon, LONG_OK)).client
+    assert (await qos.acquire("P0", 100, max_wait_ms=0)).admitted  # never released
+    result = await qos.acquire("P2", 12_000, max_wait_ms=300)
+    assert not result.admitted and result.reason is Reason.LONG_PREFILL
+    assert result.waited_s == pytest.approx(0.3, abs=0.2)
+    assert "no gap" in result.message
+
+
+async def test_prompts_within_the_threshold_and_quiet_pools_are_admitted(
+    make_daemon: DaemonFactory,
+) -> None:
+    qos = (await _with_threshold(make_daemon, LONG_OK)).client
+    long = await qos.acquire("P1", 20_000, max_wait_ms=0)  # no P0 anywhere: a gap
+    assert long.admitted
+    p0 = await qos.acquire("P0", 100, max_wait_ms=0)
+    assert p0.admitted
+    within = await qos.acquire("P2", THRESHOLD, max_wait_ms=0)  # not above it
+    assert within.admitted
+    # A long P0 prompt is held only by other P0 requests in flight. (The refund
+    # leaves P0's bucket full: a cost above its burst needs a full bucket.)
+    await qos.release(p0.lease_id, input_tokens=0)
+    assert (await qos.acquire("P0", 20_000, max_wait_ms=0)).admitted
+
+
+async def test_chunked_pools_learn_no_threshold(make_daemon: DaemonFactory) -> None:
+    """With chunked prefill the loop never sets a threshold, whatever it is told."""
+    config = {
+        "pools": {"default": {"chunked_prefill": True}},
+        "control": {"interval_s": 0.05, "leader_lease_s": 0.5, "min_samples": 5},
+    }
+    qos = (await make_daemon(config)).client
+    await _report_gpu_like(qos, 200)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # several turns of the loop
+        assert (await qos.status("default")).pool("default").long_prefill_tokens == 0
+        await asyncio.sleep(0.1)
+
+
+async def test_the_loop_learns_the_threshold_from_reports(make_daemon: DaemonFactory) -> None:
+    config = {
+        "control": {"interval_s": 0.05, "leader_lease_s": 0.5},
+        "classes": {"P0": {"slo": {"ttft_ms": 500, "tpot_ms": 50}}},
+    }
+    qos = (await make_daemon(config)).client
+    await _report_gpu_like(qos, 200)
+    deadline = time.monotonic() + 5.0
+    while not (threshold := (await qos.status("default")).pool("default").long_prefill_tokens):
+        assert time.monotonic() < deadline, "the loop never learned a threshold"
+        await asyncio.sleep(0.05)
+    # P0's samples could each have waited about 300 ms more (TTFT 200 ms against 500):
+    # the simulated GPU prefills about 10K tokens in that time.
+    assert 6_000 < threshold < 16_000
+
+
+async def _until_waiting(qos: QosdClient, qos_class: str, count: int) -> None:
+    deadline = time.monotonic() + 5.0
+    while (await qos.status("default")).pool("default").cls(qos_class).waiting != count:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def _report_gpu_like(qos: QosdClient, count: int) -> None:
+    """Samples as the simulated GPU would give them: P1 and P2 TTFT of their own
+    prefill plus some queueing; P0 with short prompts, TTFT 200 ms, TPOT 30 ms."""
+    gpu = GpuModel()
+    rng = random.Random(3)
+    samples = []
+    for n in range(count):
+        prompt = int(2 ** rng.uniform(9, 15))
+        ttft = gpu.prefill_s([prompt]) * 1000 * rng.uniform(1.0, 3.0)
+        other = ("P1", "P2")[n % 2]
+        samples.append(
+            LatencySample(other_pool := "default", other, ttft_ms=ttft, tpot_ms=30,
+                          e2e_ms=ttft + 3000, input_tokens=prompt, output_tokens=100)
+        )  # fmt: skip
+        samples.append(
+            LatencySample(other_pool, "P0", ttft_ms=200, tpot_ms=30, e2e_ms=3200,
+                          input_tokens=300, output_tokens=100)
+        )  # fmt: skip
+    await qos.report(samples)
+
+
+def _sample(prompt: int, ttft: float, tpot: float = 30.0, output: int = 100) -> StoredSample:
+    return StoredSample(0, ttft, tpot, ttft + tpot * output, prompt, output, Outcome.OK, "")
+
+
+def test_prefill_is_learned_from_the_fastest_ttfts() -> None:
+    gpu = GpuModel()
+    rng = random.Random(1)
+    samples = []
+    for _ in range(400):
+        prompt = int(2 ** rng.uniform(8, 17))
+        # Queueing and other prefills only add to a request's own prefill.
+        samples.append(_sample(prompt, gpu.prefill_s([prompt]) * 1000 * rng.uniform(1, 4)))
+    model = learn_prefill(samples)
+    assert model is not None
+    for prompt in (2_000, 32_768, 100_000):
+        truth = gpu.prefill_s([prompt]) * 1000
+        assert model.stall_ms(prompt) == pytest.approx(truth, rel=0.35)
+    assert learn_prefill(samples[:10]) is None  # too little evidence
+
+
+def test_the_tolerance_is_the_slack_p0_leaves() -> None:
+    slo = SloConfig(ttft_ms=500, tpot_ms=50)
+    # TTFT slack 300 ms; TPOT slack (50 - 30) x 99 = 1,980 ms: TTFT binds.
+    samples = [_sample(300, 200.0) for _ in range(30)]
+    assert stall_tolerance_ms(samples, slo) == pytest.approx(300)
+    # A few short outputs bind harder: (50 - 45) x 9 = 45 ms for one in ten.
+    samples += [_sample(300, 100.0, tpot=45.0, output=10) for _ in range(4)]
+    assert stall_tolerance_ms(samples, slo) == pytest.approx(45)
+    assert stall_tolerance_ms(samples[:5], slo) is None
+    assert stall_tolerance_ms(samples, SloConfig()) is None  # no objectives
+
+
+def test_the_threshold_never_holds_the_pools_usual_prompts() -> None:
+    model = PrefillModel(5.0, 0.025, 1.1e-6)
+    assert model.stall_ms(model.tokens_for(2_000)) == pytest.approx(2_000)
+    assert model.tokens_for(4.0) == 0  # even an empty prompt takes longer
+    slo = SloConfig(ttft_ms=500, tpot_ms=50)
+    rng = random.Random(2)
+    p0 = [_sample(300, 480.0) for _ in range(50)]  # P0 at its limit: 20 ms of slack
+    others = [_sample(p, GpuModel().prefill_s([p]) * 1000) for p in
+              (int(2 ** rng.uniform(9, 14)) for _ in range(200))]  # fmt: skip
+    threshold = long_prefill_threshold({"P0": p0, "P1": others}, "P0", slo)
+    prompts = sorted(s.input_tokens for s in [*p0, *others])
+    assert threshold == pytest.approx(prompts[int(0.9 * len(prompts))])
