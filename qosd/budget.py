@@ -29,8 +29,9 @@ A *GPU-gated* pool (``max_in_flight`` or ``max_in_flight_tokens`` set) admits by
 what its servers can take instead, and the buckets decide the order:
 
 1. ``cost > max_cost`` is never admitted, as above; nobody overtakes their class.
-2. A request needs *room*: the leases in flight plus this one within the bound
-   (``has_room``; a request alone in an idle pool always fits).
+2. A request needs *room*: the leases in flight plus this one within the bound,
+   in requests and in prompt plus expected output tokens (``has_room``; a request
+   alone in an idle pool always fits).
 3. Its *standing* is within its share when its own bucket covers it (or is full, for
    a cost above the burst), over its share otherwise; then its effective rank, then
    its arrival. It is admitted only when no waiter of another class stands better.
@@ -123,14 +124,16 @@ class InFlight:
     """Leases admitted and neither released nor expired, per class: what status
     reports in O(classes), and what admission that sees the GPU's state reads.
 
-    A lease counts from its admission until it is released, or until the second of
-    store time its expiry falls in has passed. ``expiring`` files the charges by
-    that second, so the sweep can end what expires without reading any lease.
+    ``tokens`` are each lease's prompt plus expected output tokens as estimated at
+    admission: the KV cache the request holds on its server, whatever its cost's
+    weights. A lease counts from its admission until it is released, or until the
+    second of store time its expiry falls in has passed. ``expiring`` files the
+    leases by that second, so the sweep can end what expires without reading any.
     """
 
     count: dict[str, int] = field(default_factory=dict)
-    charges: dict[str, float] = field(default_factory=dict)
-    expiring: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # [count, charges]
+    tokens: dict[str, float] = field(default_factory=dict)
+    expiring: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # [count, tokens]
     first_second: int | None = None  # the oldest second in ``expiring`` not swept yet
     last_second: int | None = None  # the newest
 
@@ -140,27 +143,27 @@ class InFlight:
     def copy(self) -> InFlight:
         return InFlight(
             dict(self.count),
-            dict(self.charges),
+            dict(self.tokens),
             {s: {c: list(v) for c, v in e.items()} for s, e in self.expiring.items()},
             self.first_second,
             self.last_second,
         )
 
 
-def lease_started(flight: InFlight, cls: str, charged: float, expiry_us: int) -> None:
+def lease_started(flight: InFlight, cls: str, tokens: float, expiry_us: int) -> None:
     flight.count[cls] = flight.count.get(cls, 0) + 1
-    flight.charges[cls] = flight.charges.get(cls, 0.0) + charged
+    flight.tokens[cls] = flight.tokens.get(cls, 0.0) + tokens
     second = expiry_us // 1_000_000
     counts = flight.expiring.setdefault(second, {}).setdefault(cls, [0, 0.0])
     counts[0] += 1
-    counts[1] += charged
+    counts[1] += tokens
     if flight.first_second is None or second < flight.first_second:
         flight.first_second = second
     if flight.last_second is None or second > flight.last_second:
         flight.last_second = second
 
 
-def lease_ended(flight: InFlight, cls: str, charged: float, expiry_us: int, now_us: int) -> None:
+def lease_ended(flight: InFlight, cls: str, tokens: float, expiry_us: int, now_us: int) -> None:
     """A release before the lease's expiry second has passed; later ones were swept.
     A lease its second's bucket does not hold (admitted before this accounting
     existed) changes nothing."""
@@ -171,13 +174,13 @@ def lease_ended(flight: InFlight, cls: str, charged: float, expiry_us: int, now_
     if counts is None or counts[0] <= 0:
         return
     counts[0] -= 1
-    counts[1] = max(0.0, counts[1] - charged)
+    counts[1] = max(0.0, counts[1] - tokens)
     if counts[0] == 0:
         del flight.expiring[second][cls]
         if not flight.expiring[second]:
             del flight.expiring[second]
     flight.count[cls] = max(0, flight.count.get(cls, 0) - 1)
-    flight.charges[cls] = max(0.0, flight.charges.get(cls, 0.0) - charged)
+    flight.tokens[cls] = max(0.0, flight.tokens.get(cls, 0.0) - tokens)
 
 
 def end_expired(flight: InFlight, now_us: int) -> None:
@@ -190,15 +193,15 @@ def end_expired(flight: InFlight, now_us: int) -> None:
     assert flight.last_second is not None
     if flight.last_second < now_s:
         flight.count = dict.fromkeys(flight.count, 0)
-        flight.charges = dict.fromkeys(flight.charges, 0.0)
+        flight.tokens = dict.fromkeys(flight.tokens, 0.0)
         flight.expiring.clear()
         flight.first_second = flight.last_second = None
         return
     last = min(now_s - 1, first + SWEEP_SECONDS - 1)
     for second in range(first, last + 1):
-        for cls, (count, charges) in flight.expiring.pop(second, {}).items():
+        for cls, (count, tokens) in flight.expiring.pop(second, {}).items():
             flight.count[cls] = max(0, flight.count.get(cls, 0) - int(count))
-            flight.charges[cls] = max(0.0, flight.charges.get(cls, 0.0) - charges)
+            flight.tokens[cls] = max(0.0, flight.tokens.get(cls, 0.0) - tokens)
     flight.first_second = last + 1
 
 
@@ -258,8 +261,9 @@ def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bo
     return 0
 
 
-def has_room(flight: InFlight, pool: PoolPolicy, cost: float) -> bool:
-    """Whether a GPU-gated pool's servers can take one more request of this cost."""
+def has_room(flight: InFlight, pool: PoolPolicy, tokens: float) -> bool:
+    """Whether a GPU-gated pool's servers can take one more request holding ``tokens``
+    (its prompt plus expected output: its KV cache)."""
     count = flight.total()
     if count == 0:
         return True  # alone in an idle pool: always, whatever its size
@@ -267,7 +271,7 @@ def has_room(flight: InFlight, pool: PoolPolicy, cost: float) -> bool:
         return False
     return not (
         pool.max_in_flight_tokens > 0
-        and sum(flight.charges.values()) + cost > pool.max_in_flight_tokens
+        and sum(flight.tokens.values()) + tokens > pool.max_in_flight_tokens
     )
 
 

@@ -123,15 +123,14 @@ class PoolConfig(_Strict):
     # How much unused capacity the shared tokens hold, in seconds of capacity.
     burst_s: Annotated[float, Field(gt=0, le=3600)] = 0.5
     # What the pool's servers can run at once, fleet-wide: leases in flight (admitted,
-    # not yet released) may not exceed this many requests, nor this many tokens of
-    # their charges (cost units: with cost.output_weight 1, the estimated prompt plus
-    # output tokens, i.e. KV cache). Typically the servers' batch slots (vLLM
-    # max_num_seqs) and KV cache, summed over the pool. Setting either makes the pool
-    # *GPU-gated*: within the bound admission is work-conserving, a class short of
-    # tokens is admitted over its share when nobody of better standing waits, and
-    # the token buckets decide who gets the next free slot (docs/design.md). The SLO
-    # loop's cuts of the admitted rate shrink the bound in proportion. None: no bound,
-    # the token buckets alone decide.
+    # not yet released) may not exceed this many requests, nor this many prompt plus
+    # expected output tokens (their KV cache, as estimated at Acquire). Typically the
+    # servers' batch slots (vLLM max_num_seqs) and KV cache, summed over the pool.
+    # Setting either makes the pool *GPU-gated*: within the bound admission is
+    # work-conserving, a class short of tokens is admitted over its share when nobody
+    # of better standing waits, and the token buckets decide who gets the next free
+    # slot (docs/design.md). The SLO loop's cuts of the admitted rate shrink the bound
+    # in proportion. None: no bound, the token buckets alone decide.
     max_in_flight: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_in_flight_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
     # The pool's servers chunk prefill (vLLM --enable-chunked-prefill, Sarathi): a long

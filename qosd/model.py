@@ -124,7 +124,7 @@ class ClassStatus:
     rate: float  # assured tokens per second at the pool's admitted rate now
     burst: float
     in_flight: int = 0  # leases admitted, neither released nor expired
-    in_flight_cost: float = 0.0  # their charges
+    in_flight_tokens: float = 0.0  # their prompt plus expected output tokens (KV)
 
 
 @dataclass(frozen=True, slots=True)

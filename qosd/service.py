@@ -320,7 +320,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                 configured_rate_tokens_s=cls.rate,
                 latency=_latency(window, slo),
                 in_flight=now.in_flight,
-                in_flight_tokens=now.in_flight_cost,
+                in_flight_tokens=now.in_flight_tokens,
             )
         return entry
 

@@ -2,8 +2,9 @@
 
 A lease counts from its admission (at once, or by the waiting room's pump) until it
 is released, or until the second of store time its expiry falls in has passed. The
-counts and their charges are kept per class in the pool's state, so GetStatus (and
-/metrics, and qosctl) reads them in O(classes), never O(leases).
+counts and their prompt plus expected output tokens (KV) are kept per class in the
+pool's state, so GetStatus (and /metrics, and qosctl) reads them in O(classes), never
+O(leases).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ async def test_admissions_count_until_released(make_daemon: DaemonFactory) -> No
     assert all(lease.admitted for lease in [*p0, p2])
     assert await _flight(qos) == {"P0": (3, 600.0), "P1": (0, 0.0), "P2": (1, 250.0)}
 
-    # A release ends the lease at its original charge, whatever it settles to.
+    # A release ends the lease at its estimate, whatever it settles to.
     await qos.release(p0[1].lease_id, input_tokens=5)
     assert await _flight(qos) == {"P0": (2, 400.0), "P1": (0, 0.0), "P2": (1, 250.0)}
     again = await qos.release(p0[1].lease_id, input_tokens=5)
@@ -85,7 +86,7 @@ async def test_in_flight_is_exact_across_four_daemons(
 ) -> None:
     """Four daemon processes on one store, 32 clients acquiring and releasing at
     random (some never release, some release twice): once quiet, every daemon reports
-    exactly the leases the clients hold, and their charges."""
+    exactly the leases the clients hold, and their tokens."""
     if topology == "redis":
         server: RedisServer = request.getfixturevalue("redis_standalone")
         redis: dict[str, Any] = {"url": server.url, "mode": "standalone"}

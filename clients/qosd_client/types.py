@@ -122,7 +122,7 @@ class ClassState:
     configured_rate_tokens_s: float
     latency: LatencyState
     in_flight: int = 0  # leases admitted, neither released nor expired (fleet-wide)
-    in_flight_tokens: float = 0.0  # their charges
+    in_flight_tokens: float = 0.0  # their prompt plus expected output tokens (KV)
 
 
 @dataclass(frozen=True, slots=True)

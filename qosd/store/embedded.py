@@ -77,6 +77,7 @@ class _Queued:
     cost: float
     blocked_until_us: int = 0
     input_tokens: int = 0
+    kv_tokens: int = 0  # prompt plus expected output: what it holds once admitted
 
 
 @dataclass(slots=True)
@@ -196,14 +197,20 @@ class EmbeddedStore:
         )
 
     def _gated_how(
-        self, record: _Pool, pool: PoolPolicy, cls: ClassPolicy, cost: float, now_us: int
+        self,
+        record: _Pool,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        cost: float,
+        kv_tokens: int,
+        now_us: int,
     ) -> int:
         """A GPU-gated pool's answer for a new request: how it pays, or 0 to wait
         (budget.py, rules for GPU-gated pools)."""
         state = record.state
         if self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             return 0
-        if not budget.has_room(state.in_flight, pool, cost):
+        if not budget.has_room(state.in_flight, pool, kv_tokens):
             return 0
         mine = _standing(state, cls, cost, cls.rank)
         for head in self._heads(record, pool, now_us):
@@ -227,7 +234,9 @@ class EmbeddedStore:
         self, pool: PoolPolicy, record: _Pool, cls: str, cost: float, lease: LeaseSpec, now_us: int
     ) -> int:
         expires_us = now_us + lease.ttl_ms * 1000
-        budget.lease_started(record.state.in_flight, cls, cost, expires_us)
+        budget.lease_started(
+            record.state.in_flight, cls, lease.input_tokens + lease.output_tokens, expires_us
+        )
         self._leases[lease.lease_id] = _Lease(
             weight=lease.weight,
             input_tokens=lease.input_tokens,
@@ -295,7 +304,8 @@ class EmbeddedStore:
         if held:
             pass  # waits for a gap in the top class's traffic
         elif pool.gated:
-            how = self._gated_how(record, pool, cls, cost, now_us)
+            kv_tokens = lease.input_tokens + lease.output_tokens
+            how = self._gated_how(record, pool, cls, cost, kv_tokens, now_us)
         elif not self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             shared_open = (
                 cls.can_borrow
@@ -339,6 +349,7 @@ class EmbeddedStore:
             cost=cost,
             blocked_until_us=now_us + tenant_wait_ms * 1000 if tenant_wait_ms else 0,
             input_tokens=lease.input_tokens,
+            kv_tokens=lease.input_tokens + lease.output_tokens,
         )
         self._daemons[daemon_id] = now_us
         return answer(Reason.NONE, queued=True)
@@ -431,7 +442,7 @@ class EmbeddedStore:
         for head in heads:
             cls, cost = head.cls, head.record.cost
             waiter = mine.get(head.id)
-            if not budget.has_room(state.in_flight, pool, cost) or waiter is None:
+            if waiter is None or not budget.has_room(state.in_flight, pool, head.record.kv_tokens):
                 return None
             tenant = None
             if cls.tenant_rate > 0:
@@ -494,7 +505,8 @@ class EmbeddedStore:
         if not exact:
             delta = max(-cls.burst, min(cls.burst, delta))
         budget.settle(state, pool, cls, delta)
-        budget.lease_ended(state.in_flight, cls.name, record.charged, record.expires_us, now_us)
+        estimate = record.input_tokens + record.output_tokens  # as counted at admission
+        budget.lease_ended(state.in_flight, cls.name, estimate, record.expires_us, now_us)
         record.released = True
         record.final = record.charged + delta
         record.adjustment = delta
@@ -533,7 +545,7 @@ class EmbeddedStore:
                 rate=cls.rate,
                 burst=cls.burst,
                 in_flight=state.in_flight.count.get(cls.name, 0),
-                in_flight_cost=state.in_flight.charges.get(cls.name, 0.0),
+                in_flight_tokens=state.in_flight.tokens.get(cls.name, 0.0),
             )
         return PoolStatus(
             shared_tokens=state.shared,

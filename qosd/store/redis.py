@@ -436,7 +436,7 @@ class RedisStore:
         now_us = int(reply[0])
         classes: dict[str, ClassStatus] = {}
         for index, cls in enumerate(pool.classes):
-            tokens, waiting, oldest, rate, burst, in_flight, in_flight_cost = reply[
+            tokens, waiting, oldest, rate, burst, in_flight, in_flight_tokens = reply[
                 5 + 7 * index : 12 + 7 * index
             ]
             classes[cls.name] = ClassStatus(
@@ -446,7 +446,7 @@ class RedisStore:
                 rate=float(rate),
                 burst=float(burst),
                 in_flight=int(in_flight),
-                in_flight_cost=float(in_flight_cost),
+                in_flight_tokens=float(in_flight_tokens),
             )
         return PoolStatus(
             shared_tokens=float(reply[1]),

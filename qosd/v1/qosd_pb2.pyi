@@ -666,7 +666,9 @@ class ClassStatus(_message.Message):
     ends in has passed. Kept as counters by the scripts, so reading them is O(1).
     """
     in_flight_tokens: _builtins.float
-    """Their charges, tokens: the class's admitted cost not yet settled."""
+    """Their prompt plus expected output tokens, as estimated at Acquire: the KV cache
+    they hold on the pool's servers (whatever the class's cost weights).
+    """
     @_builtins.property
     def latency(self) -> Global___LatencyStatus:
         """Latency over the class's window (its samples of the last `report.max_age_s`, or

@@ -7,16 +7,18 @@
 --                configured capacity R was written under), a (tokens admitted so
 --                far), t:<class> (class tokens), w:<class> (waiters queued),
 --                n:<class> and c:<class> (leases in flight: admitted, neither
---                released nor expired, and their charges), x:<second> (of those,
+--                released nor expired, and their estimated prompt plus output
+--                tokens, i.e. KV cache), x:<second> (of those,
 --                the ones whose lease expires in that second of Redis time:
---                "class|count|charges|class|count|charges..."), xo and xn (the
+--                "class|count|tokens|class|count|tokens..."), xo and xn (the
 --                oldest and newest such second; the sweep below ends them), P (the
 --                long-prefill threshold the SLO loop learned, prompt tokens: a longer
 --                prompt waits for a gap in the top class's traffic; absent: none)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
---                tenant_blocked_until|input_tokens" (times in us)
+--                tenant_blocked_until|input_tokens|kv_tokens" (times in us; kv:
+--                prompt plus expected output)
 -- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
 -- ARGV[1]        number of calls in the batch
 -- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
@@ -76,7 +78,7 @@ local DAEMONS = KEYS[class_count + 3]
 local free_rate = 0
 local shared_burst = 0
 local bound_count = 0   -- the in-flight bound at R (configured, shrunk by cuts)
-local bound_charges = 0
+local bound_tokens = 0
 local function allocate(rate_total)
   local assigned = 0
   for i = 1, class_count do
@@ -116,7 +118,7 @@ local function allocate(rate_total)
   shared_burst = pool_burst_s * rate_total
   local shrink = math.min(1, scale)  -- follows cuts, never above the servers'
   bound_count = max_in_flight * shrink
-  bound_charges = max_in_flight_tokens * shrink
+  bound_tokens = max_in_flight_tokens * shrink
 end
 
 -- The pool's state, refilled to now (qosd/budget.py: fresh_state, refill).
@@ -124,16 +126,16 @@ local now_s = math.floor(now / 1000000)
 local state = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 -- Expiry buckets of leases in flight, by second (qosd/budget.py: InFlight): read
 -- lazily, each at most once per call, and written back by save_state().
-local expiring = {}      -- second -> {class index -> {count, charges}}
+local expiring = {}      -- second -> {class index -> {count, tokens}}
 local expiring_dirty = {} -- second -> true when changed
 local expiring_gone = {}  -- 'x:<second>' fields to delete
 local function parse_expiring(value)
   local entry = {}
   if value then
-    for name, count, charges in string.gmatch(value, '([^|]+)|([^|]+)|([^|]+)') do
+    for name, count, tokens in string.gmatch(value, '([^|]+)|([^|]+)|([^|]+)') do
       local i = class_index[name]
       if i then
-        entry[i] = {tonumber(count), tonumber(charges)}
+        entry[i] = {tonumber(count), tonumber(tokens)}
       end
     end
   end
@@ -212,14 +214,14 @@ local function expiring_at(second)
   return entry
 end
 
-local function lease_started(i, charged, expiry_us)
+local function lease_started(i, tokens, expiry_us)
   state_changed = true
   state.in_n[i] = state.in_n[i] + 1
-  state.in_c[i] = state.in_c[i] + charged
+  state.in_c[i] = state.in_c[i] + tokens
   local second = math.floor(expiry_us / 1000000)
   local entry = expiring_at(second)
   local counts = entry[i] or {0, 0}
-  entry[i] = {counts[1] + 1, counts[2] + charged}
+  entry[i] = {counts[1] + 1, counts[2] + tokens}
   expiring_dirty[second] = true
   if state.expiry_from == nil or second < state.expiry_from then
     state.expiry_from = second
@@ -231,7 +233,7 @@ end
 
 -- A lease released before its expiry second has passed stops counting now; one
 -- released later was ended by the sweep already.
-local function lease_ended(i, charged, expiry_us)
+local function lease_ended(i, tokens, expiry_us)
   local second = math.floor(expiry_us / 1000000)
   if second < now_s then
     return
@@ -242,10 +244,10 @@ local function lease_ended(i, charged, expiry_us)
     return  -- not counted (admitted before this accounting existed)
   end
   state_changed = true
-  entry[i] = {counts[1] - 1, math.max(0, counts[2] - charged)}
+  entry[i] = {counts[1] - 1, math.max(0, counts[2] - tokens)}
   expiring_dirty[second] = true
   state.in_n[i] = math.max(0, state.in_n[i] - 1)
-  state.in_c[i] = math.max(0, state.in_c[i] - charged)
+  state.in_c[i] = math.max(0, state.in_c[i] - tokens)
 end
 
 -- End the leases whose expiry second has passed: at most 64 seconds of them per
@@ -366,11 +368,11 @@ local function how_to_take(i, cost, shared_open)
 end
 
 -- GPU-gated pools (qosd/budget.py: has_room, within_share, gated_how).
-local function has_room(cost)
-  local count, charges = 0, 0
+local function has_room(tokens)
+  local count, held = 0, 0
   for i = 1, class_count do
     count = count + state.in_n[i]
-    charges = charges + state.in_c[i]
+    held = held + state.in_c[i]
   end
   if count == 0 then
     return true  -- alone in an idle pool: always, whatever its size
@@ -378,7 +380,7 @@ local function has_room(cost)
   if bound_count > 0 and count + 1 > bound_count then
     return false
   end
-  return not (bound_charges > 0 and charges + cost > bound_charges)
+  return not (bound_tokens > 0 and held + tokens > bound_tokens)
 end
 
 local function within_share(i, cost)
@@ -504,21 +506,24 @@ local function save_tenants()
   end
 end
 
--- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until|input"
--- (us; input: prompt tokens, absent in records of older daemons).
+-- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until|input|kv"
+-- (us; input: prompt tokens, kv: prompt plus expected output; both absent in the
+-- records of older daemons).
 local function parse_waiter(value)
-  local enqueued, deadline, daemon, cost, blocked, input =
-    string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)$')
+  local enqueued, deadline, daemon, cost, blocked, rest =
+    string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)(.*)$')
+  local input, kv = string.match(rest, '^|([^|]*)|([^|]*)$')
   return {
     enqueued = tonumber(enqueued), deadline = tonumber(deadline), daemon = daemon,
     cost = tonumber(cost), blocked = tonumber(blocked), input = tonumber(input) or 0,
+    kv = tonumber(kv) or 0,
   }
 end
 
 local function waiter_value(w)
   return string.format('%.0f', w.enqueued) .. '|' .. string.format('%.0f', w.deadline) .. '|' ..
     w.daemon .. '|' .. num(w.cost) .. '|' .. string.format('%.0f', w.blocked) .. '|' ..
-    string.format('%.0f', w.input)
+    string.format('%.0f', w.input) .. '|' .. string.format('%.0f', w.kv)
 end
 
 -- A prompt longer than the learned threshold stalls an unchunked server for longer
@@ -630,8 +635,8 @@ end
 -- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
 -- It needs room, no waiter of its class (FIFO), and nobody of another class standing
 -- better than it, or as well and earlier (qosd/store/embedded.py: _gated_how).
-local function gated_how_for_new(i, cost)
-  if has_live_waiter(i) or not has_room(cost) then
+local function gated_how_for_new(i, cost, kv)
+  if has_live_waiter(i) or not has_room(kv) then
     return 0
   end
   local mine = within_share(i, cost) and 0 or 1
@@ -680,7 +685,7 @@ local function add_lease(i, lease_key, field, cost, ttl_ms, keep_ms, weight, inp
   writes[#writes + 1] = field
   writes[#writes + 1] = expiry .. '|' .. num(cost) .. '|' .. weight .. '|' .. input .. '|' .. output
   lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(keep_ms))
-  lease_started(i, cost, expiry_us)
+  lease_started(i, tonumber(input) + tonumber(output), expiry_us)
   return expiry
 end
 

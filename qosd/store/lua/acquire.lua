@@ -81,11 +81,12 @@ for _ = 1, count do
     else
       local how = 0
       local input = tonumber(ARGV[a + 7])
+      local kv = input + tonumber(ARGV[a + 8])
       local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic
       elseif pool_gated then
-        how = gated_how_for_new(i, cost)
+        how = gated_how_for_new(i, cost, kv)
       elseif not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
@@ -138,7 +139,7 @@ for _ = 1, count do
           redis.call('ZADD', c.queue, enqueued_at, field)
           redis.call('HSET', WAITERS, field, waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
-            cost = cost, blocked = blocked, input = input,
+            cost = cost, blocked = blocked, input = input, kv = kv,
           }))
           daemon_seen[daemon] = now
           enqueued_at = enqueued_at + 1

@@ -130,7 +130,7 @@ local function pump_gated()
   end)
   for _, w in ipairs(order_heads) do
     local m = mine[w.id]
-    if not m or not has_room(w.cost) then
+    if not m or not has_room(w.kv) then
       return false
     end
     local tenant = tenant_for(w, m)

@@ -62,6 +62,7 @@ for _ = 1, tonumber(ARGV[1]) do
     if now >= tonumber(expiry) then
       answer('expired', charged, '0', '0')
     else
+      lease_ended(i, tonumber(input) + tonumber(output), tonumber(expiry))  -- as estimated
       if ARGV[a + 2] ~= '' then input = ARGV[a + 2] end
       if ARGV[a + 3] ~= '' then output = ARGV[a + 3] end
       local actual = (tonumber(input) + tonumber(ARGV[a + 4]) * tonumber(output)) * tonumber(weight)
@@ -70,7 +71,6 @@ for _ = 1, tonumber(ARGV[1]) do
         delta = math.max(-burst, math.min(burst, delta))
       end
       settle(i, delta)
-      lease_ended(i, tonumber(charged), tonumber(expiry))
       local final = num(tonumber(charged) + delta)
       local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + 5]
       leases[lease_key][field] = settled

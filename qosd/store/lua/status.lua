@@ -1,7 +1,7 @@
 -- A pool's budget and queues now, read-only: an admin query. From _pool.lua.
 -- Returns Redis time (us), shared tokens, admitted rate (R), tokens admitted so far,
 -- the long-prefill threshold (0: none), then per class: tokens, waiters, the enqueue time (us) of the oldest waiter or ''
--- when none waits, rate and burst at R, leases in flight and their charges. Costs
+-- when none waits, rate and burst at R, leases in flight and their prompt plus expected output tokens. Costs
 -- O(classes), never O(leases): the counts are kept by the scripts that change them.
 local reply = {string.format('%.0f', now), num(state.shared), num(state.capacity),
   num(state.admitted), num(state.long_prefill)}
