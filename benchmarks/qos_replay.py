@@ -12,8 +12,15 @@ unchunked prefill into which a 32K-token prompt arrives every ``--inject-every``
 - ``static``: qosd's buckets at the seed's fixed 60/35/5, no SLO loop;
 - ``qosd``: buckets, waiting room and the SLO loop.
 
-Prints a table per class, and writes a JSON file, a markdown table and two PNG plots
-(latency over time, rates over time). Definitions: ``qosd/sim/results.py``.
+Any ``arrival_s,input_tokens,output_tokens`` trace replays: smooth, bursty, or
+long-context (prompts to 200K tokens), and ``--bursty`` makes any of them bursty. Classes
+come from a seeded hash (P0 20 %, P1 50 %, P2 30 %), the injected prompts are P1. The
+pool's capacity is the GPU's SLO capacity (``--capacity slo``, a figure reported, with a
+stated fallback when unreachable), its saturated throughput, or half the SLO capacity.
+
+Prints a table per policy and class and one per policy, and writes a JSON file, the
+markdown tables, the per-request records and two PNG plots (latency over time, rates
+over time). Every field: ``docs/simulator.md``; definitions: ``qosd/sim/results.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 from qosd.config import Config
 from qosd.sim.experiment import (
+    CapacityChoice,
     Policy,
     PolicyRun,
     RatePoint,
@@ -39,37 +47,65 @@ from qosd.sim.experiment import (
 from qosd.sim.gateway import RequestRecord
 from qosd.sim.gpu import GpuModel
 from qosd.sim.plots import plot_runs
-from qosd.sim.replay import ClassRule, Request, read_trace
-from qosd.sim.results import Objectives, policy_summary
+from qosd.sim.replay import (
+    Bursts,
+    ClassRule,
+    Request,
+    arrival_shape,
+    bursty_workload,
+    read_trace,
+)
+from qosd.sim.results import Objectives, policy_summary, timeline
 from qosd.testing import redis_server
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023_conv.csv"
 CLASSES = ("P0", "P1", "P2")
 
 
+def _pct(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}%}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def print_table(results: dict[str, Any]) -> str:
+    """Two markdown tables: per policy and class, then per policy."""
     header = (
-        "| policy | class | SLO attainment | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-        "goodput tok/s | admitted | rejected | timed out | unfinished | errors | "
-        "worst wait ms |"
+        "| policy | class | attained / offered | attained / admitted | TTFT p99 ms | "
+        "TPOT p99 ms | admitted / offered | rejected | timed out | unfinished | "
+        "worst wait ms | served token share |"
     )
-    lines = [header, "|" + "---|" * 12]
+    lines = [header, "|" + "---|" * 2 + "---:|" * 10]
     for policy, classes in results["policies"].items():
         for name in CLASSES:
             c = classes[name]
-            attain = "n/a" if c["slo_attainment"] is None else f"{c['slo_attainment']:.1%}"
             lines.append(
-                f"| {policy} | {name} | {attain} | {c['ttft_p50_ms']} / {c['ttft_p99_ms']} | "
-                f"{c['tpot_p50_ms']} / {c['tpot_p99_ms']} | {c['goodput_tokens_s']:,.0f} | "
-                f"{c['admitted']}/{c['offered']} | {c['rejected']} | {c['timed_out']} | "
-                f"{c['unfinished']} | {c['errors']} | {c['worst_wait_ms']:,.0f} |"
+                f"| {policy} | {name} | {_pct(c['attainment_of_offered'])} | "
+                f"{_pct(c['slo_attainment'])} | {_num(c['ttft_p99_ms'])} | "
+                f"{_num(c['tpot_p99_ms'])} | {c['admitted']}/{c['offered']} | "
+                f"{c['rejected']} | {c['timed_out']} | {c['unfinished']} | "
+                f"{c['worst_wait_ms']:,.0f} | {_pct(c['served_token_share'])} |"
             )
+    lines += [
+        "",
+        "| policy | attained / offered | goodput / saturated | busy fraction | "
+        "goodput tok/s (window) | admitted cost / R | long prompts admitted | "
+        "qosd unavailable | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for policy, classes in results["policies"].items():
         total = classes["all"]
+        errors = sum(classes[name]["errors"] for name in CLASSES)
+        unavailable = sum(classes[name].get("unavailable", 0) for name in CLASSES)
         lines.append(
-            f"| {policy} | all | | | | {total['goodput_tokens_s']:,.0f} "
-            f"({total['goodput_of_capacity']:.0%} of capacity) | "
-            f"32K prompts {total['long_prompts_admitted']}/{total['long_prompts_offered']} "
-            "| | | | | |"
+            f"| {policy} | {_pct(total['attainment_of_offered'])} | "
+            f"{_pct(total['goodput_of_saturated'])} | {_pct(total['busy_fraction'])} | "
+            f"{total['goodput_window_tokens_s']:,.0f} | "
+            f"{_pct(total.get('admitted_cost_of_pool_rate'), 0)} | "
+            f"{total['long_prompts_admitted']}/{total['long_prompts_offered']} | "
+            f"{unavailable} | {errors} |"
         )
     return "\n".join(lines)
 
@@ -79,13 +115,15 @@ RECORD_FIELDS = ("decision", "admitted", "waited_ms", "ttft_ms", "e2e_ms", "comp
 
 
 def save_runs(path: Path, runs: list[PolicyRun]) -> None:
-    """Every request's outcome and the rate samples, so that the summary, the tables and
-    the plots can be recomputed (``--from-records``) without replaying again."""
+    """Every request's outcome, the rate samples and the GPU's busy samples, so that
+    the summary, the tables and the plots can be recomputed (``--from-records``)
+    without replaying again."""
     data = {
         run.policy.value: {
             "duration_s": run.duration_s,
             "adjustments": run.adjustments,
             "rates": [[p.t_s, p.pool_rate] for p in run.rates],
+            "busy": [list(sample) for sample in run.busy],
             "records": [
                 [*dataclasses.astuple(r.request), *(getattr(r, f) for f in RECORD_FIELDS)]
                 for r in run.records
@@ -110,10 +148,43 @@ def load_runs(path: Path) -> list[PolicyRun]:
                 setattr(record, name, value)
             records.append(record)
         rates = [RatePoint(t, rate, {}, {}, {}) for t, rate in run["rates"]]
+        busy = [(t, b) for t, b in run.get("busy", [])]  # absent in older files
         runs.append(
-            PolicyRun(Policy(policy), records, rates, run["duration_s"], run["adjustments"])
+            PolicyRun(Policy(policy), records, rates, run["duration_s"], run["adjustments"], busy)
         )
     return runs
+
+
+def summarize(
+    run: PolicyRun,
+    objectives: dict[str, Objectives],
+    *,
+    window_s: float,
+    capacity: float,
+    output_weight: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The policy's summary, and its per-second timeline."""
+    rates = [(p.t_s, p.pool_rate) for p in run.rates]
+    summary = policy_summary(
+        run.records,
+        objectives,
+        window_s=window_s,
+        capacity_tokens_s=capacity,
+        busy=run.busy,
+        rates=rates,
+        output_weight=output_weight,
+    )
+    if run.adjustments:
+        summary["all"]["adjustments"] = run.adjustments
+    series = timeline(
+        run.records,
+        objectives,
+        output_weight=output_weight,
+        rates=rates,
+        busy=run.busy,
+        end_s=max(run.duration_s, window_s),
+    )
+    return summary, series
 
 
 def main() -> int:
@@ -138,11 +209,31 @@ def main() -> int:
     )
     parser.add_argument("--inject-tokens", type=int, default=32_768)
     parser.add_argument("--inject-output", type=int, default=128)
+    parser.add_argument(
+        "--inject-class",
+        default="P1",
+        help="class of the injected long prompts (default P1: an ordinary user's prompt)",
+    )
     parser.add_argument("--mix", default="P0=0.2,P1=0.5,P2=0.3", help="class mix by request hash")
     parser.add_argument(
-        "--long-prompt-tokens", type=int, default=16_384, help="prompts this long are P2"
+        "--long-prompt-tokens",
+        type=int,
+        default=0,
+        help="opt-in: trace prompts this long are P2 (0, the default: classes by the "
+        "hash mix whatever the length)",
     )
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--bursty",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DUTY:PEAK[:PERIOD_S]",
+        help="move the trace's arrivals into bursts, seeded by --seed: on-periods of "
+        "DUTY x each PERIOD_S-second cycle, whose first second arrives at PEAK x the "
+        f"mean rate; the load is unchanged (default {Bursts().duty:g}:{Bursts().peak:g}:"
+        f"{Bursts().period_s:g})",
+    )
+    parser.add_argument("--seed", type=int, default=7, help="seeds the class hash and --bursty")
     parser.add_argument(
         "--output-weight", type=float, default=4.0, help="qosd's cost.output_weight"
     )
@@ -157,16 +248,18 @@ def main() -> int:
         "--long-prompts",
         choices=["admit", "refuse"],
         default="admit",
-        help="qosd policies: admit long prompts at P2's rate (P2 may go into debt), or "
-        "refuse those costing more than P2's burst",
+        help="qosd policies: admit any request of the workload at its class's rate (a "
+        "class may go into debt for one request up to the workload's largest), or refuse "
+        "those costing more than 20,000",
     )
     parser.add_argument(
         "--capacity",
-        choices=["slo", "saturated"],
+        choices=[c.value for c in CapacityChoice],
         default="slo",
         help="the pool's configured capacity: what the GPU serves within P0's SLO (an "
-        "operator's load test), or its saturated throughput (an optimistic guess the SLO "
-        "loop must correct)",
+        "operator's load test; the knee when no load meets it), its saturated "
+        "throughput (an optimistic guess the SLO loop must cut), or half the SLO "
+        "capacity (too low: the loop must raise it)",
     )
     parser.add_argument("--policies", default="fifo,static,qosd")
     parser.add_argument(
@@ -181,9 +274,20 @@ def main() -> int:
     args = parser.parse_args()  # fmt: skip
 
     gpu = GpuModel(prefill_chunk_tokens=args.chunked or None)
-    rule = ClassRule.parse(args.mix, long_prompt_tokens=args.long_prompt_tokens, seed=args.seed)
+    rule = ClassRule.parse(
+        args.mix, long_prompt_tokens=args.long_prompt_tokens or None, seed=args.seed
+    )
+    bursts = None if args.bursty is None else Bursts.parse(args.bursty)
+    rows = read_trace(args.trace)
+    too_long = [r for r in rows if r.input_tokens + r.output_tokens > gpu.kv_capacity_tokens]
+    if too_long:
+        print(
+            f"{len(too_long)} trace requests exceed the GPU's KV cache "
+            f"({gpu.kv_capacity_tokens:,} tokens): the simulated server will refuse them",
+            file=sys.stderr,
+        )
     workload, capacity, speedup = calibrated_workload(
-        read_trace(args.trace),
+        rows,
         gpu,
         rule,
         load=args.load,
@@ -191,20 +295,45 @@ def main() -> int:
         inject_every_s=args.inject_every or None,
         inject_tokens=args.inject_tokens,
         inject_output_tokens=args.inject_output,
+        inject_class=args.inject_class,
     )
+    # The pool's capacity comes from a load test on the trace's own arrivals; the
+    # bursts are what admission control must then absorb.
+    pool = configured_capacity(
+        gpu,
+        workload,
+        args.output_weight,
+        Config(),
+        choice=CapacityChoice(args.capacity),
+        window_s=args.duration,
+    )
+    if bursts is not None:
+        workload = bursty_workload(workload, args.duration, bursts, args.seed)
     trace_requests = [r for r in workload if not r.injected]
-    pool_capacity, slo_fraction = configured_capacity(gpu, workload, args.output_weight, Config())
-    if args.capacity == "saturated":
-        pool_capacity /= slo_fraction
     objectives = Objectives.from_config(Config())
     offered = sum(r.tokens() for r in trace_requests) / args.duration
+    shape = arrival_shape([r.at_s for r in trace_requests], args.duration)
+    slo = pool.slo
+    slo_text = (
+        f"{slo.load:.0%} of it within P0's SLO"
+        if slo.load is not None
+        else f"no load within P0's SLO (at 0.1 of it, {slo.floor_attainment:.0%} of requests)"
+    )
     print(
         f"{len(workload)} requests in {args.duration:.0f}s (trace time / {speedup:.2f}); GPU "
-        f"capacity on the trace's mix {capacity:,.0f} tokens/s, of which {slo_fraction:.0%} "
-        f"within P0's SLO; the pool is configured at {pool_capacity:,.0f} cost units/s "
-        f"({args.capacity}). "
-        f"The trace offers {offered:,.0f} tokens/s = {offered / capacity:.2f}x capacity, "
-        f"plus a {args.inject_tokens:,}-token prompt every {args.inject_every:g}s",
+        f"saturated capacity on the trace's mix {capacity:,.0f} tokens/s, {slo_text}; the "
+        f"pool is configured at {pool.cost_s:,.0f} cost units/s ({args.capacity}: "
+        f"{pool.rule}). The trace offers {offered:,.0f} tokens/s = {offered / capacity:.2f}x "
+        f"capacity"
+        + (
+            f", plus a {args.inject_tokens:,}-token {args.inject_class} prompt every "
+            f"{args.inject_every:g}s"
+            if args.inject_every
+            else ""
+        )
+        + f". Arrivals{' (bursty)' if bursts else ''}: {shape.empty_bin_share:.0%} of 1-s "
+        f"bins empty, peak {shape.peak_to_mean:.1f}x the mean rate, inter-arrival CV "
+        + ("n/a" if shape.interarrival_cv is None else f"{shape.interarrival_cv:.1f}"),
         flush=True,
     )
 
@@ -212,12 +341,17 @@ def main() -> int:
     if args.from_records:
         loaded = load_runs(records_path)
         previous: dict[str, Any] = json.loads(Path(args.json).read_text())
+        previous.setdefault("timelines", {})
         for run in loaded:
-            previous["policies"][run.policy.value] = policy_summary(
-                run.records, objectives, window_s=args.duration, capacity_tokens_s=capacity
+            summary, series = summarize(
+                run,
+                objectives,
+                window_s=args.duration,
+                capacity=capacity,
+                output_weight=args.output_weight,
             )
-            if run.adjustments:
-                previous["policies"][run.policy.value]["all"]["adjustments"] = run.adjustments
+            previous["policies"][run.policy.value] = summary
+            previous["timelines"][run.policy.value] = series
         return write_outputs(args, previous, loaded, objectives)
 
     runs: list[PolicyRun] = []
@@ -227,18 +361,31 @@ def main() -> int:
         "load": args.load,
         "offered_load": round(offered / capacity, 3),
         "duration_s": args.duration,
+        "drain_s": args.drain,
         "requests": len(workload),
         "time_compression": round(speedup, 3),
+        "seed": args.seed,
+        "class_mix": args.mix,
+        "long_prompt_tokens": args.long_prompt_tokens or None,
+        "bursty": None if bursts is None else bursts.as_dict(),
+        "workload_shape": shape.as_dict(),
         "long_prompts": args.long_prompts,
         "inject_every_s": args.inject_every,
         "inject_tokens": args.inject_tokens,
+        "inject_class": args.inject_class,
         "output_weight": args.output_weight,
+        "saturated_capacity_tokens_s": round(capacity, 1),
         "capacity_tokens_s": round(capacity, 1),
-        "slo_load": round(slo_fraction, 3),
+        **slo.as_dict(),
+        "slo_load_measured_on": "the trace's own arrivals"
+        + (", before --bursty" if bursts else ""),
         "configured_capacity": args.capacity,
-        "pool_capacity_cost_s": round(pool_capacity, 1),
+        "pool_capacity_rule": pool.rule,
+        "saturated_capacity_cost_s": round(pool.saturated_cost_s, 1),
+        "pool_capacity_cost_s": round(pool.cost_s, 1),
         "gpu": {name: getattr(gpu, name) for name in gpu.__dataclass_fields__},
         "policies": {},
+        "timelines": {},
     }
     with redis_server() as redis:
         for name in args.policies.split(","):
@@ -248,18 +395,23 @@ def main() -> int:
                 policy,
                 workload,
                 gpu=gpu,
-                capacity_cost_s=pool_capacity,
+                capacity_cost_s=pool.cost_s,
                 output_weight=args.output_weight,
                 redis_url=redis.url,
                 drain_s=args.drain,
+                window_s=args.duration,
                 admit_long_prompts=args.long_prompts == "admit",
             )
             runs.append(run)
-            results["policies"][policy.value] = policy_summary(
-                run.records, objectives, window_s=args.duration, capacity_tokens_s=capacity
+            summary, series = summarize(
+                run,
+                objectives,
+                window_s=args.duration,
+                capacity=capacity,
+                output_weight=args.output_weight,
             )
-            if run.adjustments:
-                results["policies"][policy.value]["all"]["adjustments"] = run.adjustments
+            results["policies"][policy.value] = summary
+            results["timelines"][policy.value] = series
             print(f"{policy.value}: ran in {time.monotonic() - began:.0f}s", flush=True)
     save_runs(records_path, runs)
     return write_outputs(args, results, runs, objectives)

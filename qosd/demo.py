@@ -4,8 +4,9 @@ It starts a qosd daemon (embedded store unless a Redis URL is given) and a simul
 Triton server that reports latencies to it, then replays the bundled Azure
 conversation trace sample (CC BY 4.0, see ``examples/README.md``) at 1.5× the
 simulated GPU's capacity, with a 32K-token prompt every 10 s. Classes come from a
-seeded hash (P0 20 %, P1 50 %, P2 30 %); prompts of 16K tokens or more are P2. The
-gateway loop is the real one: Acquire, stream through ``tritonclient``, Release.
+seeded hash (P0 20 %, P1 50 %, P2 30 %), whatever a prompt's length; the 32K prompts
+are P1, an ordinary user's. The gateway loop is the real one: Acquire, stream through
+``tritonclient``, Release.
 
 Every two seconds it prints a table per class; at the end (or on Ctrl-C) a report and
 the plots. ``benchmarks/qos_replay.py`` runs the same experiment against no QoS and
@@ -56,7 +57,8 @@ def run_demo(
         duration_s=duration_s,
         inject_every_s=inject_every_s,
     )
-    cost_capacity, _ = configured_capacity(gpu, workload, output_weight, config)
+    pool = configured_capacity(gpu, workload, output_weight, config, window_s=duration_s)
+    cost_capacity = pool.cost_s
     objectives = Objectives.from_config(config)
     class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
     records: list[RequestRecord] = []
@@ -112,6 +114,7 @@ def run_demo(
             output_weight=output_weight,
             redis_url=config.redis.url,
             drain_s=10.0,
+            window_s=duration_s,
             base_config=config,
             on_record=records.append,
             on_tick=tick,
@@ -121,14 +124,24 @@ def run_demo(
         print("\ninterrupted: stopping the daemon and the simulated server ...", flush=True)
     window = min(duration_s, time.monotonic() - started)
     summary = policy_summary(
-        records, objectives, window_s=max(window, 1.0), capacity_tokens_s=capacity
+        records,
+        objectives,
+        window_s=max(window, 1.0),
+        capacity_tokens_s=capacity,
+        busy=run.busy if run is not None else (),
     )
     print(f"\nqosd demo report ({len(records)} requests finished or answered, {MODEL!r} pool)")
     for name in class_names:
         c = summary[name]
-        attainment = (
-            "no SLO" if c["slo_attainment"] is None else f"{c['slo_attainment']:.1%} met SLO"
-        )
+        if not c["offered"]:
+            attainment = "none offered"
+        elif c["slo_attainment"] is None:
+            attainment = f"{c['attainment_of_offered']:.1%} of offered served (no SLO)"
+        else:
+            attainment = (
+                f"{c['attainment_of_offered']:.1%} of offered ({c['slo_attainment']:.1%} of "
+                "admitted) met SLO"
+            )
         reasons = ", ".join(f"{k} {v}" for k, v in Counter(c["reasons"]).most_common()) or "none"
         print(
             f"  {name}: {c['admitted']}/{c['offered']} admitted, {attainment}; TTFT p99 "
@@ -136,9 +149,13 @@ def run_demo(
             f"{c['worst_wait_ms']:,.0f} ms (max {c['max_wait_ms']:,.0f}); not admitted: {reasons}"
         )
     total = summary["all"]
+    busy = "n/a" if total["busy_fraction"] is None else f"{total['busy_fraction']:.0%}"
     print(
-        f"  goodput {total['goodput_tokens_s']:,.0f} tokens/s = "
-        f"{total['goodput_of_capacity']:.0%} of the GPU's capacity; 32K prompts admitted "
+        f"  goodput {total['goodput_window_tokens_s']:,.0f} tokens/s over the arrival window "
+        f"= {total['goodput_of_saturated']:.0%} of the GPU's saturated capacity (work done "
+        f"in the drain included; {total['goodput_of_capacity']:.0%} over the "
+        f"{total['goodput_span_s']:.0f}s to the last completion); GPU busy {busy}; 32K "
+        "prompts admitted "
         f"{total['long_prompts_admitted']}/{total['long_prompts_offered']}"
     )
     if run is not None and run.adjustments:  # not known after Ctrl-C

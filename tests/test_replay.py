@@ -4,6 +4,7 @@ reporter; and ``qosd demo`` end to end."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -14,18 +15,40 @@ from pathlib import Path
 
 import pytest
 
+from qosd.config import Config
+from qosd.sim.experiment import (
+    CapacityChoice,
+    Policy,
+    configured_capacity,
+    daemon_config,
+    largest_cost,
+    slo_capacity,
+    slo_load,
+)
 from qosd.sim.gateway import RequestRecord
+from qosd.sim.gpu import GpuModel
 from qosd.sim.replay import (
+    Bursts,
     ClassRule,
     Request,
     TraceError,
     TraceRow,
+    arrival_shape,
     build_workload,
+    burst_times,
+    bursty_workload,
     read_trace,
     speedup_for_load,
     trace_token_rate,
 )
-from qosd.sim.results import Objectives, class_summary
+from qosd.sim.results import (
+    Objectives,
+    busy_at,
+    busy_fraction,
+    class_summary,
+    policy_summary,
+    timeline,
+)
 from qosd.testing import daemon_processes, free_port
 from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
@@ -60,8 +83,11 @@ def test_class_rule_is_deterministic_and_follows_the_mix() -> None:
     assert shares["P0"] / 20_000 == pytest.approx(0.2, abs=0.015)
     assert shares["P1"] / 20_000 == pytest.approx(0.5, abs=0.015)
     assert shares["P2"] / 20_000 == pytest.approx(0.3, abs=0.015)
-    assert rule.classify(5, 16_384) == "P2"  # long prompts are batch work
-    assert ClassRule(long_prompt_tokens=None).classify(5, 100_000) == rule.classify(5, 1)
+    # By default the hash alone decides, whatever the length (the brief's mix).
+    assert rule.classify(5, 191_000) == rule.classify(5, 1)
+    long_rule = ClassRule(long_prompt_tokens=16_384)  # opt-in: long prompts are batch work
+    assert all(long_rule.classify(i, 16_384) == "P2" for i in range(50))
+    assert long_rule.classify(5, 16_383) == rule.classify(5, 1)
     other_seed = ClassRule(seed=8)
     assert [other_seed.classify(i, 1) for i in range(20)] != classes[:20]
     parsed = ClassRule.parse("P0=0.5,P1=0.5")
@@ -87,7 +113,20 @@ def test_injection_and_looping() -> None:
     workload = build_workload(ROWS, speedup=1.0, duration_s=250.0, inject_every_s=50.0)
     injected = [r for r in workload if r.injected]
     assert [r.at_s for r in injected] == [25.0, 75.0, 125.0, 175.0, 225.0]
-    assert all(r.input_tokens == 32_768 and r.qos_class == "P2" for r in injected)
+    # The seed's long prompts are an ordinary user's: P1 by default.
+    assert all(r.input_tokens == 32_768 and r.qos_class == "P1" for r in injected)
+    as_p2 = build_workload(ROWS, speedup=1.0, duration_s=60.0, inject_every_s=50.0,
+                           inject_class="P2")  # fmt: skip
+    assert [r.qos_class for r in as_p2 if r.injected] == ["P2"]
+    by_rule = build_workload(
+        ROWS,
+        speedup=1.0,
+        duration_s=60.0,
+        inject_every_s=50.0,
+        inject_class=None,
+        rule=ClassRule(long_prompt_tokens=16_384),
+    )
+    assert [r.qos_class for r in by_rule if r.injected] == ["P2"]
     # The 101-row trace (one a second) is looped to fill 250 s, keeping its pace.
     assert [r.at_s for r in workload if not r.injected] == [float(t) for t in range(250)]
     assert [r.at_s for r in workload] == sorted(r.at_s for r in workload)
@@ -223,3 +262,249 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert "interrupted" in output
     assert "qosd demo report" in output
     assert _qosd_processes() == before
+
+
+# --- bursty workloads and arrival shapes ---------------------------------------------------
+
+
+def _steady(rate: float, window: float) -> list[float]:
+    return [i / rate for i in range(int(rate * window))]
+
+
+def test_bursts_keep_every_request_in_its_cycle_and_are_seeded() -> None:
+    bursts = Bursts(duty=0.25, peak=20.0, period_s=30.0)
+    times = _steady(10.0, 120.0)
+    moved = burst_times(times, 120.0, bursts, seed=3)
+    assert moved == burst_times(times, 120.0, bursts, seed=3)  # pure, deterministic
+    assert moved != burst_times(times, 120.0, bursts, seed=4)
+    assert len(moved) == len(times) and moved == sorted(moved)
+    assert all(0 <= t < 120.0 for t in moved)
+    # Each cycle keeps its own requests, so the rate over every cycle is unchanged.
+    for k in range(4):
+        assert sum(1 for t in moved if 30 * k <= t < 30 * (k + 1)) == 300
+        inside = [t for t in moved if 30 * k <= t < 30 * (k + 1)]
+        # ... packed into one on-period of duty x period ...
+        assert inside[-1] - inside[0] <= 0.25 * 30 + 1e-9
+        # ... whose first second holds peak x the mean rate (10/s).
+        assert sum(1 for t in inside if t < inside[0] + 1.0) == pytest.approx(200, abs=1)
+
+
+def test_bursts_edge_cases_and_parsing() -> None:
+    times = _steady(10.0, 60.0)
+    # A peak no denser than the on-period's even rate (1 / duty) leaves it even.
+    even = burst_times(times, 60.0, Bursts(duty=0.5, peak=1.5, period_s=20.0), seed=1)
+    first = [t for t in even if t < 20.0]
+    gaps = [b - a for a, b in itertools.pairwise(first)]
+    assert max(gaps) == pytest.approx(min(gaps))
+    assert max(gaps) == pytest.approx(0.05)  # 200 requests over 10 s
+    # A front denser than the cycle holds: the whole cycle arrives in its front.
+    spike = burst_times(times, 60.0, Bursts(duty=0.5, peak=50.0, period_s=20.0), seed=1)
+    first = [t for t in spike if t < 20.0]
+    assert first[-1] - first[0] <= 1.0
+    # Duty 1 with an even peak changes nothing.
+    assert burst_times(times, 60.0, Bursts(duty=1.0, peak=1.0, period_s=20.0), 1) == (
+        pytest.approx(times)
+    )
+    assert burst_times([], 10.0, Bursts(), 1) == []
+    with pytest.raises(ValueError, match="sorted"):
+        burst_times([2.0, 1.0], 10.0, Bursts(), 1)
+    with pytest.raises(ValueError, match=r"\[0, 10"):
+        burst_times([1.0, 10.0], 10.0, Bursts(), 1)
+    assert Bursts.parse("") == Bursts()
+    assert Bursts.parse("0.3:20") == Bursts(duty=0.3, peak=20.0)
+    assert Bursts.parse("0.3:20:40") == Bursts(duty=0.3, peak=20.0, period_s=40.0)
+    for bad in ("0.3", "0:20", "1.5:20", "0.3:0.5", "0.3:20:0", "a:b"):
+        with pytest.raises(ValueError):
+            Bursts.parse(bad)
+
+
+def test_default_bursts_give_the_bursty_shape_and_keep_the_load() -> None:
+    rows = [TraceRow(t, 1_000, 100) for t in _steady(17.0, 200.0)]
+    workload = build_workload(rows, speedup=1.0, duration_s=120.0, inject_every_s=10.0)
+    smooth = arrival_shape([r.at_s for r in workload if not r.injected], 120.0)
+    assert smooth.empty_bin_share == 0 and smooth.peak_to_mean < 1.1
+    bursty = bursty_workload(workload, 120.0, Bursts(), seed=7)
+    assert bursty == bursty_workload(workload, 120.0, Bursts(), seed=7)
+    assert sorted(r.index for r in bursty) == sorted(r.index for r in workload)
+    assert sum(r.tokens() for r in bursty) == sum(r.tokens() for r in workload)
+    assert [r.at_s for r in bursty] == sorted(r.at_s for r in bursty)
+    assert [r for r in bursty if r.injected] == [r for r in workload if r.injected]
+    shape = arrival_shape([r.at_s for r in bursty if not r.injected], 120.0)
+    # Most 1-s bins empty, peaks tens of times the mean rate, gaps very uneven.
+    assert 0.65 <= shape.empty_bin_share <= 0.8
+    assert 18 <= shape.peak_to_mean <= 27
+    assert shape.interarrival_cv is not None and shape.interarrival_cv > 10
+
+
+def test_arrival_shape() -> None:
+    shape = arrival_shape([0.1, 0.2, 5.5], 10.0)
+    assert shape.requests == 3
+    assert shape.empty_bin_share == pytest.approx(0.8)
+    assert shape.peak_to_mean == pytest.approx(2 / 0.3)
+    assert shape.interarrival_cv == pytest.approx(2.6 / 2.7)
+    assert arrival_shape([1.0], 10.0).interarrival_cv is None
+    assert arrival_shape([], 10.0).as_dict()["peak_to_mean_1s"] == 0
+
+
+# --- outcomes over offered requests, goodput, busy time, admitted cost --------------------
+
+
+def _record(
+    qos_class: str,
+    *,
+    ttft: float | None = 100.0,
+    admitted: bool = True,
+    decision: str = "NONE",
+    at_s: float = 0.0,
+    waited_ms: float = 0.0,
+    injected: bool = False,
+) -> RequestRecord:
+    request = Request(0, at_s, 100, 11, qos_class, "t", injected=injected)
+    return RequestRecord(
+        request,
+        decision=decision,
+        admitted=admitted,
+        waited_ms=waited_ms,
+        ttft_ms=ttft if admitted else None,
+        e2e_ms=None if ttft is None or not admitted else ttft + 10 * 40,
+        completed=admitted and ttft is not None,
+    )
+
+
+def test_attainment_of_offered_counts_refusals_as_misses() -> None:
+    objectives = Objectives.from_config(Config())
+    records = [
+        _record("P0"),  # attained
+        _record("P0", ttft=900.0),  # too slow
+        _record("P0", admitted=False, decision="RATE_LIMITED"),
+        _record("P0", admitted=False, decision="QUEUE_TIMEOUT", waited_ms=200.0),
+        _record("P1"),
+        _record("P1", ttft=None),  # unfinished
+        _record("P2", ttft=60_000.0),  # no SLO: served is attained
+        _record("P2", admitted=False, decision="QUEUE_TIMEOUT", waited_ms=30_000.0),
+        _record("P1", ttft=3_000.0, injected=True),
+    ]
+    summary = policy_summary(records, objectives, window_s=10.0, capacity_tokens_s=100.0)
+    p0, p1, p2, total = summary["P0"], summary["P1"], summary["P2"], summary["all"]
+    assert (p0["offered"], p0["attained"], p0["rejected"], p0["timed_out"]) == (4, 1, 1, 1)
+    assert p0["attainment_of_offered"] == 0.25
+    assert p0["slo_attainment"] == 0.5  # over the two admitted
+    assert p1["attainment_of_offered"] == pytest.approx(1 / 3, abs=1e-4)
+    assert p1["long_prompts_offered"] == 1 and p1["long_prompts_attained"] == 0
+    assert p2["attainment_of_offered"] == 0.5 and p2["slo_attainment"] is None
+    assert total["attainment_of_offered"] == pytest.approx(3 / 9, abs=1e-4)
+    # Goodput: trace requests that attained (P0, P1, P2: 111 tokens each) over the
+    # 10 s arrival window, against a capacity of 100 tokens/s.
+    assert total["goodput_window_tokens_s"] == pytest.approx(33.3)
+    assert total["goodput_of_saturated"] == pytest.approx(0.333)
+    # The older goodput spans until the last attained request completed (P2 at 60.4 s).
+    assert total["goodput_span_s"] == pytest.approx(60.4)
+    # Served shares: completed tokens, the injected prompt's included.
+    served = {name: summary[name]["served_tokens"] for name in ("P0", "P1", "P2")}
+    assert served == {"P0": 222, "P1": 222, "P2": 111}
+    assert p1["served_token_share"] == pytest.approx(222 / 555, abs=1e-4)
+    assert p1["floor_share"] == Config().classes["P1"].floor_share
+
+
+def test_objectives_scale_with_the_prompt_as_qosd_judges_them() -> None:
+    p0 = Objectives.from_config(Config())["P0"]
+    slo = Config().classes["P0"].slo
+    long = RequestRecord(Request(0, 0.0, 40_000, 11, "P0", "t"), admitted=True,
+                         ttft_ms=5_000.0, e2e_ms=5_400.0, completed=True)  # fmt: skip
+    assert slo.ttft_ms is not None
+    allowed = slo.ttft_ms + slo.ttft_ms_per_1k_tokens * (40_000 - slo.ttft_free_tokens) / 1000
+    assert p0.for_prompt(40_000)[0] == pytest.approx(allowed)
+    assert p0.for_prompt(1_000)[0] == slo.ttft_ms
+    assert p0.met(long) == (allowed >= 5_000.0)
+    fixed = Objectives(ttft_ms=500, tpot_ms=50, e2e_ms=None, max_wait_ms=200)
+    assert not fixed.met(long)
+
+
+def test_busy_fraction_and_timeline() -> None:
+    samples = [(0.01, 0.0), (1.0, 0.5), (2.0, 1.5), (4.0, 3.0), (9.0, 3.0)]
+    assert busy_at(samples, 1.5) == pytest.approx(1.0)
+    assert busy_fraction(samples, 4.0) == pytest.approx(0.75)
+    assert busy_fraction(samples, 8.0) == pytest.approx(3.0 / 8.0)
+    assert busy_fraction(samples, 20.0) is None  # not sampled that far
+    assert busy_fraction([(2.0, 1.0), (3.0, 2.0)], 2.0) == pytest.approx(0.5)  # fresh at 0
+    objectives = Objectives.from_config(Config())
+    records = [
+        _record("P0", at_s=0.2),
+        _record("P1", at_s=0.5, waited_ms=800.0),  # admitted at 1.3 s
+        _record("P1", at_s=0.6, admitted=False, decision="RATE_LIMITED"),
+    ]
+    series = timeline(
+        records,
+        objectives,
+        output_weight=4.0,
+        rates=[(0.5, 1_000.0), (1.5, 900.0)],
+        busy=samples,
+        end_s=3.0,
+    )
+    cost = 100 + 4.0 * 256  # the admission estimate: input + weight x 256
+    assert series["t_s"] == [0, 1, 2]
+    assert series["admitted_cost_s"]["P0"] == [cost, 0.0, 0.0]
+    assert series["admitted_cost_s"]["P1"] == [0.0, cost, 0.0]
+    assert series["pool_rate_cost_s"] == [1_000.0, 900.0, 900.0]
+    assert series["busy_fraction"] == [0.5, 1.0, 0.75]
+    summary = policy_summary(
+        records,
+        objectives,
+        window_s=2.0,
+        capacity_tokens_s=100.0,
+        busy=samples,
+        rates=[(0.5, 1_000.0), (1.5, 900.0)],
+        output_weight=4.0,
+    )
+    assert summary["all"]["busy_fraction"] == 0.75
+    assert summary["all"]["admitted_cost_s"] == pytest.approx(cost)
+    assert summary["all"]["admitted_cost_of_pool_rate"] == pytest.approx(cost / 950, abs=1e-4)
+
+
+# --- the SLO capacity is a figure, never a precondition -----------------------------------
+
+
+def test_slo_capacity_is_reported_not_required() -> None:
+    gpu = GpuModel()
+    short = [Request(i, i * 0.1, 500, 50, "P1", "t") for i in range(200)]
+    found = slo_capacity(gpu, short, ttft_ms=500, tpot_ms=50, window_s=20.0)
+    assert found.load is not None and 0.1 < found.load <= 1.0
+    assert found.floor_attainment == 1.0 and found.pool_load == found.load
+    # A 191K-token prompt prefills for longer than any TTFT objective: unreachable,
+    # reported as None, and the pool's slo capacity falls back to saturation.
+    huge = [Request(i, i * 2.0, 191_000 if i % 2 else 500, 20, "P1", "t") for i in range(10)]
+    unreachable = slo_capacity(gpu, huge, ttft_ms=500, tpot_ms=50)
+    assert unreachable.load is None and unreachable.floor_attainment <= 0.5
+    assert unreachable.pool_load == 1.0
+    assert "unreachable" in unreachable.rule
+    assert unreachable.as_dict()["slo_load"] is None
+    assert slo_load(gpu, huge, ttft_ms=500, tpot_ms=50) is None
+    slo = configured_capacity(gpu, short, 4.0, Config(), window_s=20.0)
+    half = configured_capacity(gpu, short, 4.0, Config(), choice=CapacityChoice.HALF,
+                               window_s=20.0)  # fmt: skip
+    saturated = configured_capacity(gpu, short, 4.0, Config(),
+                                    choice=CapacityChoice.SATURATED, window_s=20.0)  # fmt: skip
+    assert saturated.cost_s == pytest.approx(saturated.saturated_cost_s)
+    assert half.cost_s == pytest.approx(slo.cost_s / 2)
+    assert slo.cost_s == pytest.approx(saturated.cost_s * found.load, rel=0.05)
+    fallback = configured_capacity(gpu, huge, 4.0, Config())
+    assert fallback.cost_s == pytest.approx(fallback.saturated_cost_s)
+
+
+def test_daemon_config_admits_the_workloads_largest_request() -> None:
+    workload = [Request(0, 0.0, 191_000, 10, "P0", "t"), Request(1, 0.1, 500, 10, "P1", "t")]
+    largest = largest_cost(workload, 4.0, 256)
+    assert largest == 191_000 + 4 * 256
+    admit = daemon_config(Policy.QOSD, capacity_cost_s=20_000, output_weight=4.0,
+                          redis_url=None, largest_request_cost=largest)  # fmt: skip
+    assert {n: c["max_cost_tokens"] for n, c in admit["classes"].items()} == dict.fromkeys(
+        ("P0", "P1", "P2"), largest
+    )
+    small = daemon_config(Policy.STATIC, capacity_cost_s=20_000, output_weight=4.0,
+                          redis_url=None, largest_request_cost=5_000)  # fmt: skip
+    assert [c["max_cost_tokens"] for c in small["classes"].values()] == [20_000, 20_000, 40_000]
+    assert not small["control"]["enabled"]
+    refuse = daemon_config(Policy.QOSD, capacity_cost_s=20_000, output_weight=4.0,
+                           redis_url=None, admit_long_prompts=False,
+                           largest_request_cost=largest)  # fmt: skip
+    assert [c["max_cost_tokens"] for c in refuse["classes"].values()] == [20_000] * 3

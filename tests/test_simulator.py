@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc.aio as triton
 from tritonclient.utils import InferenceServerException
 
-from qosd.sim.experiment import simulator_process
+from qosd.sim.experiment import read_busy_seconds, simulator_process
 from qosd.sim.gateway import token_inputs
 from qosd.sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
 from qosd.testing import daemon_processes
@@ -114,6 +114,28 @@ def test_batch_and_kv_limits_hold() -> None:
         engine.submit(Sequence("huge", 5_000, 100, submitted_at=0.0))
 
 
+def test_a_prompt_beyond_the_prefill_budget_runs_alone() -> None:
+    """Unchunked, an iteration takes its first prompt whatever its size (up to the KV
+    cache): a 191K-token prompt, 23 × max_prefill_tokens, prefills in one iteration
+    of its own, and the prompts behind it wait for the next."""
+    model = GpuModel()
+    engine = Engine(model)
+    huge = Sequence("huge", 191_378, 6, submitted_at=0.0)
+    short = Sequence("short", 1_000, 5, submitted_at=0.0)
+    engine.submit(huge)
+    engine.submit(short)
+    iteration = engine.plan(0.0)
+    assert iteration is not None and [s for s, _ in iteration.prefill] == [huge]
+    assert iteration.duration_s == pytest.approx(model.prefill_s([191_378]))
+    engine.complete(iteration.duration_s)
+    assert huge.first_token_at == pytest.approx(iteration.duration_s)
+    # Whole 200K prompts, unchunked and chunked, in virtual time.
+    for gpu in (GpuModel(), GpuModel(prefill_chunk_tokens=8_192)):
+        finished = run_virtual(gpu, [(0.0, 200_000, 100), (0.0, 500, 50), (1.0, 199_000, 1)])
+        assert all(s.done for s in finished)
+        assert finished[0].kv_tokens + finished[2].kv_tokens <= gpu.kv_capacity_tokens
+
+
 def test_capacity_is_configurable() -> None:
     requests = [(1_000, 200)] * 300
     base = saturated_throughput(GpuModel(), requests)
@@ -145,9 +167,13 @@ def _inputs(input_tokens: int, output_tokens: int) -> list[triton.InferInput]:
 
 
 async def _stream_times(
-    client: triton.InferenceServerClient, input_tokens: int, output_tokens: int
+    client: triton.InferenceServerClient,
+    input_tokens: int,
+    output_tokens: int,
+    streaming: asyncio.Event | None = None,
 ) -> list[tuple[float, int]]:
-    """(arrival time, tokens) of each streamed response, until the final one."""
+    """(arrival time, tokens) of each streamed response, until the final one; sets
+    ``streaming`` at the first."""
 
     async def one() -> AsyncIterator[dict[str, object]]:
         yield {"model_name": "llm", "inputs": _inputs(input_tokens, output_tokens)}
@@ -157,6 +183,8 @@ async def _stream_times(
     async for result, error in responses:
         assert error is None, error
         seen.append((time.monotonic(), int(result.as_numpy("token_count")[0])))
+        if streaming is not None:
+            streaming.set()
         if result.get_response().parameters["triton_final_response"].bool_param:
             break
     return seen
@@ -260,8 +288,9 @@ async def test_a_32k_prefill_delays_other_streams_next_token() -> None:
     with simulator_process(FAST, stream_every=1) as per_token_server:
         per_token = per_token_server.grpc
         async with triton.InferenceServerClient(per_token) as client:
-            short = asyncio.create_task(_stream_times(client, 300, 120))
-            await asyncio.sleep(0.3)
+            decoding = asyncio.Event()
+            short = asyncio.create_task(_stream_times(client, 300, 120, decoding))
+            await asyncio.wait_for(decoding.wait(), 10)  # its first token: it decodes now
             await _stream_times(client, 32_768, 2)
             times = [at for at, _ in await short]
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -271,6 +300,26 @@ async def test_a_32k_prefill_delays_other_streams_next_token() -> None:
     assert max(gaps) == pytest.approx(expected + FAST.decode_s(2), abs=0.15)
     typical = sorted(gaps)[len(gaps) // 2]
     assert typical < 0.05
+
+
+async def test_a_200k_prompt_end_to_end_and_the_busy_counter() -> None:
+    """A 200K-token prompt through tritonclient (the input checks allow it, the GPU
+    prefills it in one iteration), and the simulator's own busy-seconds counter."""
+    fast = GpuModel(speed=400.0)  # a 200K prefill (~49 s at speed 1) takes ~0.12 s
+    with simulator_process(fast) as server:
+        began = time.monotonic()
+        clock, busy = read_busy_seconds(server.metrics_url)
+        assert busy == 0.0 and began <= clock <= time.monotonic()  # the same clock
+        async with triton.InferenceServerClient(server.grpc) as client:
+            result = await client.infer("llm", _inputs(200_000, 20))
+            assert int(result.as_numpy("token_count")[0]) == 20
+            with pytest.raises(InferenceServerException, match="KV cache"):
+                await client.infer("llm", _inputs(400_000, 1))
+        _, busy = read_busy_seconds(server.metrics_url)
+        expected = fast.prefill_s([200_000]) + 19 * fast.decode_s(1)
+        assert busy == pytest.approx(expected, rel=0.01)
+        text = await asyncio.to_thread(_fetch, server.metrics_url)
+        assert "# TYPE qosd_sim_gpu_busy_seconds counter" in text
 
 
 async def test_metrics_use_tritons_names(simulator: tuple[str, str]) -> None:

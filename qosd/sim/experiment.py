@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,7 +28,7 @@ import tritonclient.grpc.aio as triton
 import uvloop
 
 from qosd.config import Config
-from qosd.sim.gateway import Gateway, RequestRecord
+from qosd.sim.gateway import EXPECTED_OUTPUT_TOKENS, Gateway, RequestRecord
 from qosd.sim.gpu import GpuModel, run_virtual, saturated_throughput
 from qosd.sim.replay import (
     SEED_LONG_PROMPT_TOKENS,
@@ -105,29 +107,108 @@ def workload_capacity(gpu: GpuModel, workload: Sequence[Request], output_weight:
     )
 
 
-def slo_load(
+@dataclass(frozen=True, slots=True)
+class SloCapacity:
+    """What an operator's load test finds: the share of the GPU's saturated capacity
+    that a first-come-first-served server can be loaded to within the strictest
+    objectives. A figure the benchmark reports, never a precondition.
+
+    - ``load``: the highest load (a fraction of saturation, to 1/256) at which
+      ``attainment`` of the requests meet the objectives; None when even a tenth of
+      capacity fails (unreachable): some prompts of the trace cannot meet them on an
+      idle GPU, or one long prefill stalls everyone at any load;
+    - ``floor_attainment``: the share of requests meeting them at a tenth of capacity.
+
+    The pool's ``slo`` capacity is the saturated throughput times ``load``; when that
+    is unreachable, the saturated throughput itself (``pool_load`` 1.0): a load test
+    that no load passes gives no lower figure to configure, and the SLO loop is left
+    to find the rate. Below the floor there is no figure to find either.
+    """
+
+    load: float | None
+    floor_attainment: float
+    attainment: float
+    ttft_ms: float
+    tpot_ms: float
+    # Beyond ttft_free_tokens, the TTFT objective grows by this per 1,000 prompt tokens.
+    ttft_ms_per_1k_tokens: float = 0.0
+    ttft_free_tokens: int = 0
+
+    @property
+    def objectives_text(self) -> str:
+        ttft = f"TTFT {self.ttft_ms:g} ms"
+        if self.ttft_ms_per_1k_tokens:
+            ttft += (
+                f" (+{self.ttft_ms_per_1k_tokens:g} ms per 1K prompt tokens beyond "
+                f"{self.ttft_free_tokens:,})"
+            )
+        return f"{ttft} and TPOT {self.tpot_ms:g} ms"
+
+    @property
+    def reachable(self) -> bool:
+        return self.load is not None
+
+    @property
+    def pool_load(self) -> float:
+        """The fraction of saturation the pool's ``slo`` capacity is configured at."""
+        return 1.0 if self.load is None else self.load
+
+    @property
+    def rule(self) -> str:
+        if self.load is not None:
+            return (
+                f"saturated x slo_load {self.load:.3f}, the highest load at which FIFO keeps "
+                f"{self.attainment:.0%} of requests within {self.objectives_text}"
+            )
+        return (
+            f"saturated, because slo_load is unreachable: even at 0.1 of capacity FIFO keeps "
+            f"only {self.floor_attainment:.1%} of requests within {self.objectives_text}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "slo_load": None if self.load is None else round(self.load, 4),
+            "slo_load_status": "found" if self.load is not None else "unreachable",
+            "slo_floor_attainment": round(self.floor_attainment, 4),
+            "slo_attainment_target": self.attainment,
+            "slo_ttft_ms": self.ttft_ms,
+            "slo_tpot_ms": self.tpot_ms,
+            "slo_ttft_ms_per_1k_tokens": self.ttft_ms_per_1k_tokens,
+            "slo_ttft_free_tokens": self.ttft_free_tokens,
+        }
+
+
+def slo_capacity(
     gpu: GpuModel,
     workload: Sequence[Request],
     *,
     ttft_ms: float,
     tpot_ms: float,
     attainment: float = 0.99,
-) -> float:
+    window_s: float | None = None,
+    floor: float = 0.1,
+    ttft_ms_per_1k_tokens: float = 0.0,
+    ttft_free_tokens: int = 0,
+) -> SloCapacity:
     """The highest fraction of saturated capacity at which the GPU, serving this
     workload's requests first come first served, keeps ``attainment`` of them within
-    ``ttft_ms`` and ``tpot_ms``: what an operator's load test at the strictest SLO
-    would find, and so what they would configure as the pool's capacity.
+    ``ttft_ms`` and ``tpot_ms`` (``SloCapacity``): what an operator's load test at the
+    strictest SLO would find, and so what they would configure as the pool's capacity.
+    A request's TTFT objective grows by ``ttft_ms_per_1k_tokens`` per 1,000 prompt
+    tokens beyond ``ttft_free_tokens``, as ``qosd.slo.request_objectives`` has it.
 
-    Found by bisection over time compressions of the workload, in virtual time.
+    Found by bisection over time compressions of the workload's trace requests (their
+    offered rate over ``window_s``, by default the span of their arrivals), in virtual
+    time, between ``floor`` and 1.
     """
     trace = sorted((r for r in workload if not r.injected), key=lambda r: r.at_s)
-    if len(trace) < 20:
-        raise ValueError("too few requests to find the SLO load")
-    span = trace[-1].at_s - trace[0].at_s
+    if not trace:
+        raise ValueError("no trace requests to find the SLO load with")
+    span = window_s if window_s is not None else trace[-1].at_s - trace[0].at_s
     capacity = workload_capacity(gpu, trace, 1.0)
-    offered = sum(r.tokens() for r in trace) / span
+    offered = sum(r.tokens() for r in trace) / max(span, 1e-3)
 
-    def holds(load: float) -> bool:
+    def share(load: float) -> float:
         stretch = offered / (load * capacity)  # > 1 slows the arrivals down
         finished = run_virtual(
             gpu, [(r.at_s * stretch, r.input_tokens, r.output_tokens) for r in trace]
@@ -141,38 +222,93 @@ def slo_load(
                 if s.output_tokens > 1
                 else 0.0
             )
-            good += ttft <= ttft_ms and tpot <= tpot_ms
-        return good >= attainment * len(finished)
+            beyond = max(0, s.input_tokens - ttft_free_tokens)
+            objective = ttft_ms + ttft_ms_per_1k_tokens * beyond / 1000
+            good += ttft <= objective and tpot <= tpot_ms
+        return good / len(finished)
 
-    low, high = 0.1, 1.0
-    if not holds(low):
-        raise ValueError(
-            f"this GPU cannot serve the workload within TTFT {ttft_ms} ms and TPOT "
-            f"{tpot_ms} ms even at a tenth of its capacity"
-        )
+    scaling = (ttft_ms_per_1k_tokens, ttft_free_tokens)
+    at_floor = share(floor)
+    if at_floor < attainment:
+        return SloCapacity(None, at_floor, attainment, ttft_ms, tpot_ms, *scaling)
+    low, high = floor, 1.0
     for _ in range(8):
         middle = (low + high) / 2
-        low, high = (middle, high) if holds(middle) else (low, middle)
-    return low
+        low, high = (middle, high) if share(middle) >= attainment else (low, middle)
+    return SloCapacity(low, at_floor, attainment, ttft_ms, tpot_ms, *scaling)
+
+
+def slo_load(
+    gpu: GpuModel,
+    workload: Sequence[Request],
+    *,
+    ttft_ms: float,
+    tpot_ms: float,
+    attainment: float = 0.99,
+) -> float | None:
+    """``slo_capacity``'s load: None when even a tenth of capacity misses."""
+    found = slo_capacity(gpu, workload, ttft_ms=ttft_ms, tpot_ms=tpot_ms, attainment=attainment)
+    return found.load
+
+
+class CapacityChoice(Enum):
+    SLO = "slo"  # what the GPU serves within the strictest SLO (an operator's load test)
+    SATURATED = "saturated"  # its saturated throughput: optimistic, the loop must cut it
+    HALF = "half"  # half the SLO capacity: too low, the loop must raise it
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCapacity:
+    cost_s: float  # the pool's configured capacity, in qosd's cost units per second
+    saturated_cost_s: float  # the GPU's saturated throughput, in cost units
+    choice: CapacityChoice
+    slo: SloCapacity
+
+    @property
+    def rule(self) -> str:
+        if self.choice is CapacityChoice.SATURATED:
+            return "saturated: the GPU's saturated throughput on the trace's mix"
+        if self.choice is CapacityChoice.HALF:
+            return f"half of the slo capacity, which is {self.slo.rule}"
+        return self.slo.rule
 
 
 def configured_capacity(
-    gpu: GpuModel, workload: Sequence[Request], output_weight: float, config: Config
-) -> tuple[float, float]:
+    gpu: GpuModel,
+    workload: Sequence[Request],
+    output_weight: float,
+    config: Config,
+    *,
+    choice: CapacityChoice = CapacityChoice.SLO,
+    window_s: float | None = None,
+) -> PoolCapacity:
     """The pool capacity, in qosd's cost units, that an operator would configure for
-    this GPU and workload: the saturated throughput times the load at which the
-    strictest class objectives still hold for 99 % of requests. Returns (capacity,
-    that load)."""
-    ttft = [c.slo.ttft_ms for c in config.classes.values() if c.slo.ttft_ms is not None]
-    tpot = [c.slo.tpot_ms for c in config.classes.values() if c.slo.tpot_ms is not None]
-    load = slo_load(
+    this GPU and workload: the saturated throughput times the SLO capacity's load
+    (``SloCapacity.pool_load``: the load at which the strictest class objectives
+    still hold for 99 % of requests; 1.0 when no load does), or the saturated
+    throughput itself, or half the SLO capacity, by ``choice``. Measure it on the
+    trace's own arrivals, as a load test would, not on a bursty variant of them."""
+    # The strictest objectives: the class with the tightest TTFT (P0), each request's
+    # scaled with its prompt as qosd judges it.
+    judged = [c.slo for c in config.classes.values() if c.slo.ttft_ms is not None]
+    strictest = min(judged, key=lambda slo: slo.ttft_ms or math.inf, default=None)
+    slo = slo_capacity(
         gpu,
         workload,
-        ttft_ms=min(ttft, default=math.inf),
-        tpot_ms=min(tpot, default=math.inf),
+        ttft_ms=(strictest.ttft_ms or math.inf) if strictest else math.inf,
+        tpot_ms=(strictest.tpot_ms or math.inf) if strictest else math.inf,
+        window_s=window_s,
+        ttft_ms_per_1k_tokens=strictest.ttft_ms_per_1k_tokens if strictest else 0.0,
+        ttft_free_tokens=strictest.ttft_free_tokens if strictest else 0,
     )
     trace = [r for r in workload if not r.injected]
-    return load * workload_capacity(gpu, trace, output_weight), load
+    saturated = workload_capacity(gpu, trace, output_weight)
+    factor = {
+        CapacityChoice.SLO: slo.pool_load,
+        CapacityChoice.SATURATED: 1.0,
+        CapacityChoice.HALF: slo.pool_load / 2,
+    }[choice]
+    return PoolCapacity(saturated * factor, saturated, choice, slo)
 
 
 def calibrated_workload(
@@ -185,13 +321,16 @@ def calibrated_workload(
     inject_every_s: float | None = None,
     inject_tokens: int = SEED_LONG_PROMPT_TOKENS,
     inject_output_tokens: int = 128,
+    inject_class: str | None = "P1",
 ) -> tuple[list[Request], float, float]:
     """The trace at ``load`` × the GPU's capacity for that trace, plus the long prompts.
 
     Load is stated for the trace alone, and the injected prompts come on top: they are
     the disturbance, not the workload. Capacity depends on the mix of prompt and output
     lengths in the replayed window, and the window depends on the time scale, so a few
-    rounds settle both. Returns (workload, capacity in tokens/s, time compression).
+    rounds settle both. ``bursty_workload`` may then move the trace's arrivals into
+    bursts: it keeps every request of the window, and so the load. Returns (workload,
+    capacity in tokens/s, time compression).
     """
     capacity = workload_capacity(gpu, build_workload(rows, speedup=1.0, duration_s=600), 1.0)
     speedup = load * capacity / trace_token_rate(rows)
@@ -211,8 +350,15 @@ def calibrated_workload(
         inject_every_s=inject_every_s,
         inject_tokens=inject_tokens,
         inject_output_tokens=inject_output_tokens,
+        inject_class=inject_class,
     )
     return workload, capacity, speedup
+
+
+def largest_cost(workload: Sequence[Request], output_weight: float, expected_output: int) -> float:
+    """The largest cost (input + output_weight × the gateway's output estimate) of a
+    request of the workload, before class weights."""
+    return max((r.input_tokens + output_weight * expected_output for r in workload), default=0.0)
 
 
 def daemon_config(
@@ -223,6 +369,7 @@ def daemon_config(
     output_weight: float,
     redis_url: str | None,
     admit_long_prompts: bool = True,
+    largest_request_cost: float = 0.0,
     overrides: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The daemon's config for a policy: ``base``'s classes and settings (by default
@@ -230,12 +377,15 @@ def daemon_config(
     model sized at ``capacity_cost_s`` in qosd's cost units.
 
     Bursts of half a second of a class's rate are smaller than some prompts' cost, so
-    classes may go into debt for one request from a full bucket: P0 and P1 up to
-    20,000 (prompts below the 16K that makes a request P2, plus its output estimate),
-    P2 up to 40,000, so that the long prompts are admitted at P2's rate. With
-    ``admit_long_prompts`` False, P2's limit is 20,000 too: a 32K prompt is refused at
-    once with COST_EXCEEDS_BURST, as an operator would configure a pool whose servers
-    cannot prefill one without stalling everyone else."""
+    classes may go into debt for one request from a full bucket (``max_cost_tokens``,
+    where the base config leaves it unset): with ``admit_long_prompts``, every class up
+    to the largest of 20,000 (40,000 for P2) and ``largest_request_cost`` (the
+    workload's largest request, times the class's weight), so that any request of the
+    workload, a 32K or a 191K prompt in any class, is admitted at its class's rate.
+    With ``admit_long_prompts`` False, every class's limit is 20,000: a request costing
+    more (a 32K prompt) is refused at once with COST_EXCEEDS_BURST, as an operator
+    would configure a pool whose servers cannot prefill one without stalling everyone
+    else. A limit is never below the class's burst (config validation requires it)."""
     tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
     # Runs may share a Redis; they must not share state.
@@ -243,10 +393,14 @@ def daemon_config(
     tree["pools"] = {MODEL: {"capacity_tokens_s": capacity_cost_s, "models": [MODEL]}}
     tree["default_pool"] = MODEL
     tree["cost"]["output_weight"] = output_weight
-    debts = {"P0": 20_000, "P1": 20_000, "P2": 40_000 if admit_long_prompts else 20_000}
-    for name, debt in debts.items():
-        if name in tree["classes"] and tree["classes"][name]["max_cost_tokens"] is None:
-            tree["classes"][name]["max_cost_tokens"] = debt
+    for name, cls in tree["classes"].items():
+        if cls["max_cost_tokens"] is not None:
+            continue
+        debt = 20_000.0
+        if admit_long_prompts:
+            debt = max(40_000.0 if name == "P2" else debt, largest_request_cost * cls["weight"])
+        burst = cls["burst_tokens"] or cls["burst_s"] * cls["share"] * capacity_cost_s
+        cls["max_cost_tokens"] = float(math.ceil(max(debt, burst)))
     tree["control"]["enabled"] = policy is Policy.QOSD
     # A run lasts about a minute: decide on 20 samples rather than 50.
     tree["control"]["min_samples"] = 20
@@ -273,6 +427,29 @@ class PolicyRun:
     rates: list[RatePoint] = field(default_factory=list)
     duration_s: float = 0.0
     adjustments: list[str] = field(default_factory=list)
+    # (seconds since the replay began, the simulated GPU's cumulative busy seconds),
+    # read from its /metrics every second and at the end of the arrival window.
+    busy: list[tuple[float, float]] = field(default_factory=list)
+
+
+BUSY_METRIC = "qosd_sim_gpu_busy_seconds"
+
+
+def read_busy_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float]:
+    """The simulated GPU's cumulative busy seconds, from its /metrics, and the
+    server's ``time.monotonic()`` at that reading (the same clock as this host's)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    busy = clock = None
+    prefix = f'{BUSY_METRIC}{{model="{model}"'
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            busy = float(line.rpartition(" ")[2])
+        elif line.startswith("qosd_sim_monotonic_seconds "):
+            clock = float(line.rpartition(" ")[2])
+    if busy is None or clock is None:
+        raise RuntimeError(f"{metrics_url} has no {BUSY_METRIC} for {model!r}")
+    return clock, busy
 
 
 def _rate_point(t_s: float, status: Status) -> RatePoint:
@@ -293,13 +470,38 @@ async def _sample_rates(qos: QosdClient, into: list[RatePoint], started: float) 
         await asyncio.sleep(1.0)
 
 
+async def _busy_sample(metrics_url: str, started: float) -> tuple[float, float]:
+    """(seconds since ``started``, busy seconds), timed by the server's own clock."""
+    clock, busy = await asyncio.to_thread(read_busy_seconds, metrics_url)
+    return (clock - started, busy)
+
+
+async def _sample_busy(
+    metrics_url: str, into: list[tuple[float, float]], started: float, window_s: float | None
+) -> None:
+    """Every whole second from the start, and at the end of the arrival window."""
+    window_pending = window_s is not None
+    for tick in itertools.count():
+        marks = [float(tick)]
+        if window_pending and window_s is not None and window_s <= tick:
+            window_pending = False
+            if window_s < tick:
+                marks.insert(0, window_s)
+        for at in marks:
+            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+            with contextlib.suppress(Exception):
+                into.append(await _busy_sample(metrics_url, started))
+
+
 async def _replay(
     policy: Policy,
     workload: Sequence[Request],
     *,
     triton_address: str,
+    metrics_url: str,
     qosd_address: str | None,
     drain_s: float,
+    window_s: float | None,
     on_record: Callable[[RequestRecord], None] | None,
     on_tick: Callable[[float, RatePoint | None], None] | None,
     acquire_timeout_s: float = 5.0,
@@ -313,6 +515,9 @@ async def _replay(
     background: list[asyncio.Task[None]] = []
     try:
         gateway = Gateway(client, model=MODEL, qos=qos, on_record=on_record)
+        background.append(
+            asyncio.create_task(_sample_busy(metrics_url, run.busy, started, window_s))
+        )
         if qos is not None:
             background.append(asyncio.create_task(_sample_rates(qos, run.rates, started)))
         if on_tick is not None:
@@ -326,6 +531,8 @@ async def _replay(
         await gateway.replay(workload, drain_s=drain_s)
         run.records = gateway.records
         run.duration_s = time.monotonic() - started
+        with contextlib.suppress(Exception):
+            run.busy.append(await _busy_sample(metrics_url, started))
         if qos is not None:
             status = await qos.status(MODEL, history=100)
             run.adjustments = [
@@ -351,13 +558,16 @@ def run_policy(
     output_weight: float,
     redis_url: str | None,
     drain_s: float = 20.0,
+    window_s: float | None = None,
     admit_long_prompts: bool = True,
     base_config: Config | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
     on_tick: Callable[[float, RatePoint | None], None] | None = None,
     config_overrides: Callable[[dict[str, Any]], None] | None = None,
 ) -> PolicyRun:
-    """Starts the parts a policy needs, replays the workload, stops everything."""
+    """Starts the parts a policy needs, replays the workload, stops everything.
+
+    ``window_s``: the arrival window, at whose end the GPU's busy time is read too."""
     if policy is Policy.FIFO:
         with simulator_process(gpu) as simulator:
             return uvloop.run(
@@ -365,8 +575,10 @@ def run_policy(
                     policy,
                     workload,
                     triton_address=simulator.grpc,
+                    metrics_url=simulator.metrics_url,
                     qosd_address=None,
                     drain_s=drain_s,
+                    window_s=window_s,
                     on_record=on_record,
                     on_tick=on_tick,
                 )
@@ -378,6 +590,7 @@ def run_policy(
         output_weight=output_weight,
         redis_url=redis_url,
         admit_long_prompts=admit_long_prompts,
+        largest_request_cost=largest_cost(workload, output_weight, EXPECTED_OUTPUT_TOKENS),
         overrides=config_overrides,
     )
     with (
@@ -389,8 +602,10 @@ def run_policy(
                 policy,
                 workload,
                 triton_address=simulator.grpc,
+                metrics_url=simulator.metrics_url,
                 qosd_address=daemon.address,
                 drain_s=drain_s,
+                window_s=window_s,
                 on_record=on_record,
                 on_tick=on_tick,
                 acquire_timeout_s=max(c["max_wait_ms"] for c in tree["classes"].values()) / 1000

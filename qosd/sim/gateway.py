@@ -23,6 +23,9 @@ import tritonclient.grpc.aio as triton
 from qosd.sim.replay import Request
 from qosd_client import Outcome, QosdClient, QosdError
 
+#: The output length a gateway asks qosd to budget for, before it knows the real one.
+EXPECTED_OUTPUT_TOKENS = 256
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -71,7 +74,7 @@ class Gateway:
         *,
         model: str,
         qos: QosdClient | None,
-        expected_output_tokens: int = 256,
+        expected_output_tokens: int = EXPECTED_OUTPUT_TOKENS,
         on_record: Callable[[RequestRecord], None] | None = None,
     ) -> None:
         self._triton = triton_client

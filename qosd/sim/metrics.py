@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,6 +36,7 @@ class _ModelCounters:
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(dict(_COUNTERS), 0.0))
     failures: dict[str, int] = field(default_factory=dict)  # by reason
     pending: Callable[[], int] = lambda: 0
+    busy: Callable[[float], float] | None = None  # busy seconds at a monotonic time
     first_response_counts: list[int] = field(default_factory=list)
     first_response_sum_ms: float = 0.0
     first_response_count: int = 0
@@ -62,6 +64,16 @@ class TritonMetrics:
         Triton's do when a model loads."""
         with self._lock:
             self._model(model).pending = count
+
+    def watch_busy(self, model: str, seconds: Callable[[float], float]) -> None:
+        """Where the simulator's own ``qosd_sim_gpu_busy_seconds`` comes from: the
+        seconds its GPU has spent iterating, up to a given ``time.monotonic()``. It is
+        rendered with ``qosd_sim_monotonic_seconds``, the server's monotonic clock at
+        that reading, so that a reader on the same host knows exactly when it held.
+        Neither is a Triton metric (Triton has no exact busy counter); they are named
+        apart so that no dashboard mistakes them for one."""
+        with self._lock:
+            self._model(model).busy = seconds
 
     def first_response(self, model: str, ms: float) -> None:
         with self._lock:
@@ -136,6 +148,23 @@ class TritonMetrics:
                     f'{name}_sum{{model="{m}",version="1"}} {_number(c.first_response_sum_ms)}'
                 )
                 lines.append(f'{name}_count{{model="{m}",version="1"}} {c.first_response_count}')
+            busy = [(m, c.busy) for m, c in models if c.busy is not None]
+            if busy:
+                now = time.monotonic()
+                name = "qosd_sim_gpu_busy_seconds"
+                lines += [
+                    f"# HELP {name} Seconds the simulated GPU spent running iterations "
+                    "(simulator only, not a Triton metric)",
+                    f"# TYPE {name} counter",
+                ]
+                lines += [f'{name}{{model="{m}"}} {seconds(now):.6f}' for m, seconds in busy]
+                name = "qosd_sim_monotonic_seconds"
+                lines += [
+                    f"# HELP {name} The simulator's monotonic clock when it read "
+                    "qosd_sim_gpu_busy_seconds",
+                    f"# TYPE {name} gauge",
+                    f"{name} {now:.6f}",
+                ]
         return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qosd.sim.experiment import PolicyRun
-from qosd.sim.results import Objectives
+from qosd.sim.results import Objectives, admitted_cost_series
 
 CLASSES = ("P0", "P1", "P2")
 COLORS = {"P0": "tab:red", "P1": "tab:blue", "P2": "tab:gray"}
@@ -45,7 +45,7 @@ def plot_runs(
                 ax.axvline(at, color="black", alpha=0.15, linewidth=2)
             ax.set_yscale("log")
             ax.set_title(
-                f"{run.policy.value}: {label} by arrival (dashed: SLO; bars: 32K admitted)"
+                f"{run.policy.value}: {label} by arrival (dashed: SLO; bars: long prompts admitted)"
             )
             ax.set_xlabel("arrival, s")
             ax.set_ylabel(f"{label}, ms")
@@ -59,18 +59,10 @@ def plot_runs(
     for col, run in enumerate(runs):
         ax = axes[0][col]
         bin_s = 4.0
-        end = max((r.request.at_s + r.waited_ms / 1000 for r in run.records), default=0.0)
-        bins = int(end // bin_s) + 1
+        series = admitted_cost_series(run.records, objectives, output_weight, bin_s=bin_s)
+        bins = len(next(iter(series.values()), [0.0]))
         starts = [i * bin_s for i in range(bins)]
-        stacked: list[list[float]] = []
-        for name in CLASSES:
-            served = [0.0] * bins
-            for r in run.records:
-                if r.request.qos_class == name and r.admitted:
-                    cost = r.request.input_tokens + output_weight * r.request.output_tokens
-                    admitted_at = r.request.at_s + r.waited_ms / 1000
-                    served[min(bins - 1, int(admitted_at // bin_s))] += cost / bin_s
-            stacked.append(served)
+        stacked = [series.get(name, [0.0] * bins) for name in CLASSES]
         ax.stackplot(
             starts,
             stacked,

@@ -60,9 +60,21 @@ class RealTimeGpu:
         self._stream_every: dict[Sequence, int] = {}
         self._task: asyncio.Task[None] | None = None
         self.iterations = 0
+        # (busy seconds of completed iterations, the running one's start and duration),
+        # replaced whole, so that the metrics thread reads a consistent state.
+        self._busy: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="simulated-gpu")
+
+    def busy_seconds(self, now: float | None = None) -> float:
+        """Seconds the simulated GPU has spent iterating since it started, to ``now``
+        (the monotonic clock): completed iterations, and the elapsed part of the
+        running one. The busy fraction over an interval is the difference of two
+        readings over its length."""
+        done, start, duration = self._busy
+        elapsed = (time.monotonic() if now is None else now) - start
+        return done + min(duration, max(0.0, elapsed))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -84,7 +96,9 @@ class RealTimeGpu:
                 await self._wake.wait()
                 continue
             busy_until = start + iteration.duration_s
+            self._busy = (self._busy[0], start, iteration.duration_s)
             await asyncio.sleep(max(0.0, busy_until - time.monotonic()))
+            self._busy = (self._busy[0] + iteration.duration_s, 0.0, 0.0)
             self.iterations += 1
             for event in self.engine.complete(busy_until):
                 self._deliver(event)
@@ -186,6 +200,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         self.model_name = model_name
         self.metrics = metrics or TritonMetrics()
         self.metrics.watch_pending(model_name, lambda: gpu.engine.queued)
+        self.metrics.watch_busy(model_name, gpu.busy_seconds)
         self.reporter = reporter
         self.stream_every = stream_every
 
