@@ -155,3 +155,12 @@ async def test_work_conservation_under_waiters(make_daemon: DaemonFactory) -> No
     elapsed = time.monotonic() - started
     await asyncio.gather(*releases)
     assert admitted >= 0.95 * rate * elapsed
+
+
+async def test_a_long_prompt_leaves_at_most_one_burst_of_debt(make_daemon: DaemonFactory) -> None:
+    """The servers' bound protects the GPU; debt only orders. A request above the
+    burst, from a full bucket, leaves its class at minus one burst, not deeper."""
+    extra = {**GATED, "classes": {"P1": {"max_cost_tokens": 6_000}}}
+    qos = (await make_daemon(extra)).client
+    long = await qos.acquire("P1", 5_000, max_wait_ms=0)
+    assert long.admitted and long.remaining_tokens == pytest.approx(-1_500, abs=1)

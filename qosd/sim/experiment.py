@@ -370,6 +370,7 @@ def daemon_config(
     redis_url: str | None,
     admit_long_prompts: bool = True,
     largest_request_cost: float = 0.0,
+    gpu: GpuModel | None = None,
     overrides: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The daemon's config for a policy: ``base``'s classes and settings (by default
@@ -385,7 +386,12 @@ def daemon_config(
     With ``admit_long_prompts`` False, every class's limit is 20,000: a request costing
     more (a 32K prompt) is refused at once with COST_EXCEEDS_BURST, as an operator
     would configure a pool whose servers cannot prefill one without stalling everyone
-    else. A limit is never below the class's burst (config validation requires it)."""
+    else. A limit is never below the class's burst (config validation requires it).
+
+    The ``qosd`` policy's pool is GPU-gated by ``gpu``'s own limits, as an operator
+    would set them from the server's: ``max_in_flight`` its batch slots,
+    ``max_in_flight_tokens`` its KV cache, and ``chunked_prefill`` as the server runs.
+    ``static`` keeps the seed's design: token buckets alone."""
     tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
     # Runs may share a Redis; they must not share state.
@@ -401,6 +407,12 @@ def daemon_config(
             debt = max(40_000.0 if name == "P2" else debt, largest_request_cost * cls["weight"])
         burst = cls["burst_tokens"] or cls["burst_s"] * cls["share"] * capacity_cost_s
         cls["max_cost_tokens"] = float(math.ceil(max(debt, burst)))
+    if policy is Policy.QOSD and gpu is not None:
+        tree["pools"][MODEL].update(
+            max_in_flight=gpu.max_batch,
+            max_in_flight_tokens=float(gpu.kv_capacity_tokens),
+            chunked_prefill=gpu.prefill_chunk_tokens is not None,
+        )
     tree["control"]["enabled"] = policy is Policy.QOSD
     # A run lasts about a minute: decide on 20 samples rather than 50.
     tree["control"]["min_samples"] = 20
@@ -591,6 +603,7 @@ def run_policy(
         redis_url=redis_url,
         admit_long_prompts=admit_long_prompts,
         largest_request_cost=largest_cost(workload, output_weight, EXPECTED_OUTPUT_TOKENS),
+        gpu=gpu,
         overrides=config_overrides,
     )
     with (
