@@ -33,7 +33,8 @@ what its servers can take instead, and the buckets decide the order:
    in requests and in prompt plus expected output tokens (``has_room``; a request
    alone in an idle pool always fits).
 3. Its *standing* is within its share when its own bucket covers it (or is full, for
-   a cost above the burst), over its share otherwise; then its effective rank, then
+   a cost above the burst), over its share otherwise; then its effective rank (aging
+   promotes a waiter at most to the rank below the top class: ``gated_rank``), then
    its arrival. It is admitted only when no waiter of another class stands better.
 4. It pays from its own bucket when it covers the cost, else with shared tokens,
    else into debt on its own bucket (OVER), never below minus one burst, whatever
@@ -279,15 +280,24 @@ def has_room(flight: InFlight, pool: PoolPolicy, tokens: float) -> bool:
 def held_for_gap(
     state: PoolState, pool: PoolPolicy, cls: ClassPolicy, input_tokens: int, top_waiting: int
 ) -> bool:
-    """Whether a prompt must wait for a gap in the top class's traffic: it is longer
-    than the learned threshold, so its prefill would stall an unchunked server for
-    longer than that class's requests can absorb, and that class has requests in
-    flight or (for another class's prompt) waiting."""
+    """Whether a prompt must wait for a gap in the top class's traffic: it is of
+    another class, longer than the learned threshold, so its prefill would stall an
+    unchunked server for longer than the top class's requests can absorb, and that
+    class has requests in flight or waiting."""
     limit = state.long_prefill_tokens
-    if limit <= 0 or input_tokens <= limit:
-        return False
     top = pool.classes[0].name
-    return state.in_flight.count.get(top, 0) > 0 or (cls.name != top and top_waiting > 0)
+    if limit <= 0 or input_tokens <= limit or cls.name == top:
+        return False  # the top class's own long prompts only trade one of its requests
+    return state.in_flight.count.get(top, 0) > 0 or top_waiting > 0
+
+
+def gated_rank(cls: ClassPolicy, effective: int) -> int:
+    """A waiter's rank in a GPU-gated pool's order: its effective rank (aging), but a
+    waiter of any class but the top one never reaches the top class's rank. There the
+    servers' room is the one thing contested, so a waiter promoted to rank 0 would
+    take every slot before the top class's own requests (whose max wait is short);
+    promoted to rank 1 it still catches up with the classes between, FIFO."""
+    return effective if cls.rank == 0 else max(effective, 1)
 
 
 def within_share(state: PoolState, cls: ClassPolicy, cost: float) -> bool:

@@ -18,9 +18,10 @@ Every turn, the SLO loop's leader learns from the pool's latency windows:
   stall the class can take (TOLERANCE_QUANTILE).
 
 The threshold is the prompt length whose predicted stall equals the tolerance, but
-never below the 90th percentile of recent prompt lengths: the rule is for prompts
+never below the 99th percentile of recent prompt lengths: the rule is for prompts
 unusual in their pool, and must not hold back the pool's ordinary traffic while the
-top class runs at its limit (no slack). The stores (``budget.held_for_gap``) hold a
+top class runs at its limit (no slack). The top class's own prompts are never held:
+that would only trade one of its requests for others. The stores (``budget.held_for_gap``) hold a
 longer prompt while the top class has requests in flight or waiting, so it waits for
 a gap in that traffic (bursty traffic has them), within its max wait, and is refused
 with REASON_LONG_PREFILL otherwise.
@@ -42,7 +43,7 @@ MIN_SAMPLES = 20  # evidence needed for either estimate
 MIN_PROMPT_TOKENS = 256  # shorter prompts' TTFT is mostly fixed overhead
 QUANTILE = 0.05  # the fastest: queueing and others' prefills only add
 TOLERANCE_QUANTILE = 0.1  # a stall nine in ten of the top class's requests absorb
-USUAL_QUANTILE = 0.9  # prompts up to this quantile of the pool's are never held
+USUAL_QUANTILE = 0.99  # prompts up to this quantile of the pool's are never held
 
 
 @dataclass(frozen=True, slots=True)

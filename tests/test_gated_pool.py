@@ -164,3 +164,35 @@ async def test_a_long_prompt_leaves_at_most_one_burst_of_debt(make_daemon: Daemo
     qos = (await make_daemon(extra)).client
     long = await qos.acquire("P1", 5_000, max_wait_ms=0)
     assert long.admitted and long.remaining_tokens == pytest.approx(-1_500, abs=1)
+
+
+async def test_aging_never_outranks_the_top_class(make_daemon: DaemonFactory) -> None:
+    """An aged P2 waiter catches up with P1 (FIFO at P1's rank), but a fresh P0
+    waiter still goes first: the servers' room is the one thing contested. Rates are
+    near zero (6, 3 and 1 tokens/s), so every waiter stays over its share."""
+    bursts = {"P0": 30, "P1": 15, "P2": 5}
+    extra = {
+        "pools": {"default": {"capacity_tokens_s": 10, "max_in_flight": 3}},
+        "classes": {
+            name: {"burst_tokens": burst, **({"aging_ms": 50} if name == "P2" else {})}
+            for name, burst in bursts.items()
+        },
+    }
+    qos = (await make_daemon(extra)).client
+    held = [await qos.acquire(name, burst, max_wait_ms=0) for name, burst in bursts.items()]
+    assert all(lease.admitted for lease in held)  # every bucket drained, no room left
+    aged = asyncio.create_task(qos.acquire("P2", 5, max_wait_ms=4_000))
+    await _until_waiting(qos, "P2", 1)
+    await asyncio.sleep(0.2)  # aging: four ranks' worth, so it would pass P0
+    p1 = asyncio.create_task(qos.acquire("P1", 15, max_wait_ms=4_000))
+    await _until_waiting(qos, "P1", 1)
+    p0 = asyncio.create_task(qos.acquire("P0", 30, max_wait_ms=4_000))
+    await _until_waiting(qos, "P0", 1)
+    await qos.release(held[0].lease_id)
+    assert (await p0).admitted
+    assert not aged.done() and not p1.done()
+    await qos.release(held[1].lease_id)
+    assert (await aged).admitted  # older than the P1 waiter, at the same rank
+    assert not p1.done()
+    await qos.release(held[2].lease_id)
+    assert (await p1).admitted

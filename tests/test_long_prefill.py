@@ -92,9 +92,16 @@ async def test_prompts_within_the_threshold_and_quiet_pools_are_admitted(
     assert p0.admitted
     within = await qos.acquire("P2", THRESHOLD, max_wait_ms=0)  # not above it
     assert within.admitted
-    # A long P0 prompt is held only by other P0 requests in flight. (The refund
+    # The top class's own long prompts are never held, even with P0 in flight: that
+    # would only trade one P0 request for another. (The refund of another lease
     # leaves P0's bucket full: a cost above its burst needs a full bucket.)
+    other = await qos.acquire("P0", 1, max_wait_ms=0)
     await qos.release(p0.lease_id, input_tokens=0)
+    assert other.admitted
+    deadline = time.monotonic() + 2.0
+    while (await qos.status("default")).pool("default").cls("P0").tokens < 3_000:
+        assert time.monotonic() < deadline  # 1 token at 6,000/s
+        await asyncio.sleep(0.01)
     assert (await qos.acquire("P0", 20_000, max_wait_ms=0)).admitted
 
 
@@ -142,7 +149,7 @@ async def _report_gpu_like(qos: QosdClient, count: int) -> None:
     rng = random.Random(3)
     samples = []
     for n in range(count):
-        prompt = int(2 ** rng.uniform(9, 15))
+        prompt = int(2 ** rng.uniform(9, 13))  # up to 8K: the tolerance decides
         ttft = gpu.prefill_s([prompt]) * 1000 * rng.uniform(1.0, 3.0)
         other = ("P1", "P2")[n % 2]
         samples.append(
@@ -199,4 +206,4 @@ def test_the_threshold_never_holds_the_pools_usual_prompts() -> None:
               (int(2 ** rng.uniform(9, 14)) for _ in range(200))]  # fmt: skip
     threshold = long_prefill_threshold({"P0": p0, "P1": others}, "P0", slo)
     prompts = sorted(s.input_tokens for s in [*p0, *others])
-    assert threshold == pytest.approx(prompts[int(0.9 * len(prompts))])
+    assert threshold == pytest.approx(prompts[int(0.99 * len(prompts))])

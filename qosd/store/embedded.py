@@ -53,8 +53,9 @@ def monotonic_us() -> int:
 
 
 def _standing(state: budget.PoolState, cls: ClassPolicy, cost: float, rank: int) -> tuple[int, int]:
-    """A GPU-gated pool's order: within its share first, then by effective rank."""
-    return (0 if budget.within_share(state, cls, cost) else 1, rank)
+    """A GPU-gated pool's order: within its share first, then by rank (budget.gated_rank
+    of its effective rank)."""
+    return (0 if budget.within_share(state, cls, cost) else 1, budget.gated_rank(cls, rank))
 
 
 @dataclass(slots=True)

@@ -527,12 +527,11 @@ local function waiter_value(w)
 end
 
 -- A prompt longer than the learned threshold stalls an unchunked server for longer
--- than the top class's requests can absorb: one of class i waits while that class
--- has anything in flight, or (i not the top class) waiting (qosd/budget.py:
--- held_for_gap).
+-- than the top class's requests can absorb: one of another class i waits while the
+-- top class has anything in flight or waiting (qosd/budget.py: held_for_gap).
 local function held_for_gap(i, input)
-  return state.long_prefill > 0 and input > state.long_prefill
-    and (state.in_n[1] > 0 or (i ~= 1 and state.waiting[1] > 0))
+  return i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
+    and (state.in_n[1] > 0 or state.waiting[1] > 0)
 end
 
 local daemon_seen = {}
@@ -632,6 +631,15 @@ local function standing(w)
   return within_share(w.class, w.cost) and 0 or 1
 end
 
+-- Aging promotes a waiter of another class at most to the rank below the top class
+-- (qosd/budget.py: gated_rank).
+local function gated_rank(i, rank)
+  if i == 1 then
+    return rank
+  end
+  return math.max(rank, 1)
+end
+
 -- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
 -- It needs room, no waiter of its class (FIFO), and nobody of another class standing
 -- better than it, or as well and earlier (qosd/store/embedded.py: _gated_how).
@@ -641,7 +649,8 @@ local function gated_how_for_new(i, cost, kv)
   end
   local mine = within_share(i, cost) and 0 or 1
   for _, w in ipairs(heads()) do
-    if w.class ~= i and stands_before(standing(w), w.rank, mine, classes[i].rank) then
+    if w.class ~= i and stands_before(standing(w), gated_rank(w.class, w.rank), mine,
+        gated_rank(i, classes[i].rank)) then
       return 0
     end
   end

@@ -118,13 +118,14 @@ local function pump_gated()
   local order_heads = heads()
   for _, w in ipairs(order_heads) do
     w.within = standing(w)
+    w.gated = gated_rank(w.class, w.rank)
   end
   table.sort(order_heads, function(x, y)
     if x.within ~= y.within then
       return x.within < y.within
     end
-    if x.rank ~= y.rank then
-      return x.rank < y.rank
+    if x.gated ~= y.gated then
+      return x.gated < y.gated
     end
     return x.enqueued < y.enqueued
   end)
