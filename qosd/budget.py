@@ -36,9 +36,9 @@ what its servers can take instead, and the buckets decide the order:
    a cost above the burst), over its share otherwise; then its effective rank (aging
    promotes a waiter at most to the rank below the top class: ``gated_rank``), then
    its arrival. It is admitted only when no waiter of another class stands better.
-4. It pays from its own bucket when it covers the cost, else with shared tokens,
-   else into debt on its own bucket (OVER), never below minus one burst, whatever
-   the cost. So while the servers have room and
+4. Within its share it pays from its own bucket (into debt, for a cost above the
+   burst); over it, with shared tokens, else into debt on its own bucket (OVER),
+   never below minus one burst. So while the servers have room and
    anyone waits, the pool admits: nobody times out for lack of budget, and a class
    that used more than its share recently goes after those that did not.
 """
@@ -307,12 +307,13 @@ def within_share(state: PoolState, cls: ClassPolicy, cost: float) -> bool:
 
 
 def gated_how(state: PoolState, cls: ClassPolicy, cost: float) -> int:
-    """How a GPU-gated pool's admission pays: own tokens, shared ones, else debt of at
-    most one burst. The servers' bound, not debt, protects the GPU there, so a cost
-    above the burst (a long prompt) never leaves its class deeper in debt than that:
-    a deeper debt would only rank the class last for seconds after one request."""
+    """How a GPU-gated pool's admission pays: within its share, from its own bucket
+    (a cost above the burst, from a full bucket, carries its whole debt, so the
+    class's share is counted right however large its requests); over its share, with
+    shared tokens, else into debt of at most one burst (room nobody of better
+    standing wanted is not held against the class for long)."""
     own = state.tokens[cls.name]
-    if own >= cost:
+    if own >= min(cost, cls.burst):
         return OWN
     if cls.can_borrow and max(own, 0.0) + state.shared >= cost:
         return BORROW

@@ -389,7 +389,7 @@ end
 
 local function gated_how(i, cost)
   local own = state.tokens[i]
-  if own >= cost then
+  if own >= math.min(cost, classes[i].burst) then
     return OWN
   end
   if classes[i].can_borrow and math.max(own, 0) + state.shared >= cost then
