@@ -30,12 +30,15 @@ what its servers can take instead, and the buckets decide the order:
 
 1. ``cost > max_cost`` is never admitted, as above; nobody overtakes their class.
 2. A request needs *room*: the leases in flight plus this one within the bound,
-   in requests and in prompt plus expected output tokens (``has_room``; a request
-   alone in an idle pool always fits).
+   in requests and in prompt plus expected output tokens, less ``top_reserve`` of it
+   for classes below the top one (``has_room``; a request alone in an idle pool
+   always fits).
 3. Its *standing* is within its share when its own bucket covers it (or is full, for
    a cost above the burst), over its share otherwise; then its effective rank (aging
    promotes a waiter at most to the rank below the top class: ``gated_rank``), then
-   its arrival. It is admitted only when no waiter of another class stands better.
+   the higher class, then its arrival. It is admitted only when no waiter of another
+   class stands better. (So across classes aging only lifts a waiter over classes
+   below its own; a class's progress under contention comes from its floor.)
 4. Within its share it pays from its own bucket (into debt, for a cost above the
    burst); over it, with shared tokens, else into debt on its own bucket (OVER),
    never below minus one burst. So while the servers have room and
@@ -263,17 +266,19 @@ def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bo
     return 0
 
 
-def has_room(flight: InFlight, pool: PoolPolicy, tokens: float) -> bool:
-    """Whether a GPU-gated pool's servers can take one more request holding ``tokens``
-    (its prompt plus expected output: its KV cache)."""
+def has_room(flight: InFlight, pool: PoolPolicy, cls: ClassPolicy, tokens: float) -> bool:
+    """Whether a GPU-gated pool's servers can take one more request of ``cls``
+    holding ``tokens`` (its prompt plus expected output: its KV cache). Classes below
+    the top one leave ``top_reserve`` of the bound to it."""
     count = flight.total()
     if count == 0:
         return True  # alone in an idle pool: always, whatever its size
-    if pool.max_in_flight > 0 and count + 1 > pool.max_in_flight:
+    share = 1.0 if cls.rank == 0 else 1.0 - pool.top_reserve
+    if pool.max_in_flight > 0 and count + 1 > pool.max_in_flight * share:
         return False
     return not (
         pool.max_in_flight_tokens > 0
-        and sum(flight.tokens.values()) + tokens > pool.max_in_flight_tokens
+        and sum(flight.tokens.values()) + tokens > pool.max_in_flight_tokens * share
     )
 
 

@@ -133,6 +133,10 @@ class PoolConfig(_Strict):
     # in proportion. None: no bound, the token buckets alone decide.
     max_in_flight: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_in_flight_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
+    # The part of that bound only the top class (P0) may use: its requests wait at
+    # most a fraction of a second, and a full pool frees a slot only as a request
+    # ends, so P0 arrivals must find room at once.
+    top_reserve: Annotated[float, Field(ge=0, lt=1)] = 0.05
     # The pool's servers chunk prefill (vLLM --enable-chunked-prefill, Sarathi): a long
     # prompt slows every step a little instead of stalling them all, so it needs no
     # gap in the top class's traffic (qosd/stall.py). False: the SLO loop learns which
@@ -516,6 +520,7 @@ class PoolPolicy:
     # cuts); 0: none. Either set makes the pool GPU-gated (PoolConfig).
     max_in_flight: float = 0.0
     max_in_flight_tokens: float = 0.0
+    top_reserve: float = 0.0  # of the bound, for the top class alone
 
     @property
     def gated(self) -> bool:
@@ -567,6 +572,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_capacity=control.max_capacity * pool.capacity_tokens_s,
             max_in_flight=float(pool.max_in_flight or 0),
             max_in_flight_tokens=pool.max_in_flight_tokens or 0.0,
+            top_reserve=pool.top_reserve,
         )
     return pools
 

@@ -22,7 +22,8 @@ import pytest
 from qosd_client import QosdClient, Reason
 from tests.conftest import DaemonFactory
 
-GATED: dict[str, Any] = {"pools": {"default": {"max_in_flight": 3}}}
+# No reserve for the top class here, so that counts are exact: tested on its own.
+GATED: dict[str, Any] = {"pools": {"default": {"max_in_flight": 3, "top_reserve": 0}}}
 
 
 async def _in_flight(qos: QosdClient) -> int:
@@ -90,7 +91,7 @@ async def test_the_token_bound_lets_a_lone_request_through(make_daemon: DaemonFa
     qos = (
         await make_daemon(
             {
-                "pools": {"default": {"max_in_flight_tokens": 2_000}},
+                "pools": {"default": {"max_in_flight_tokens": 2_000, "top_reserve": 0}},
                 "classes": {"P1": {"max_cost_tokens": 6_000}},
             }
         )
@@ -106,7 +107,8 @@ async def test_the_token_bound_lets_a_lone_request_through(make_daemon: DaemonFa
 
 
 async def test_cuts_shrink_the_bound(make_daemon: DaemonFactory) -> None:
-    qos = (await make_daemon({"pools": {"default": {"max_in_flight": 4}}})).client
+    gated = {"pools": {"default": {"max_in_flight": 4, "top_reserve": 0}}}
+    qos = (await make_daemon(gated)).client
     await qos.pin_rate("default", 5_000)  # half the configured rate: half the bound
     two = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
     assert all(lease.admitted for lease in two)
@@ -171,13 +173,15 @@ async def test_debt_counts_the_share_but_room_is_forgiven(make_daemon: DaemonFac
     assert again.remaining_tokens == pytest.approx(-400, abs=50)
 
 
-async def test_aging_never_outranks_the_top_class(make_daemon: DaemonFactory) -> None:
-    """An aged P2 waiter catches up with P1 (FIFO at P1's rank), but a fresh P0
-    waiter still goes first: the servers' room is the one thing contested. Rates are
-    near zero (6, 3 and 1 tokens/s), so every waiter stays over its share."""
+async def test_aging_never_outranks_a_higher_class(make_daemon: DaemonFactory) -> None:
+    """Where the servers' room is the one thing contested, a P2 waiter aged past P0's
+    rank still goes after the P0 and P1 waiters over their shares: aging promotes it
+    to P1's rank at most, and between equal ranks the higher class goes first (its
+    progress comes from its floor). Rates are near zero (6, 3 and 1 tokens/s), so
+    every waiter stays over its share."""
     bursts = {"P0": 30, "P1": 15, "P2": 5}
     extra = {
-        "pools": {"default": {"capacity_tokens_s": 10, "max_in_flight": 3}},
+        "pools": {"default": {"capacity_tokens_s": 10, "max_in_flight": 3, "top_reserve": 0}},
         "classes": {
             name: {"burst_tokens": burst, **({"aging_ms": 50} if name == "P2" else {})}
             for name, burst in bursts.items()
@@ -197,7 +201,20 @@ async def test_aging_never_outranks_the_top_class(make_daemon: DaemonFactory) ->
     assert (await p0).admitted
     assert not aged.done() and not p1.done()
     await qos.release(held[1].lease_id)
-    assert (await aged).admitted  # older than the P1 waiter, at the same rank
-    assert not p1.done()
-    await qos.release(held[2].lease_id)
     assert (await p1).admitted
+    assert not aged.done()
+    await qos.release(held[2].lease_id)
+    assert (await aged).admitted
+
+
+async def test_the_top_class_keeps_a_reserve(make_daemon: DaemonFactory) -> None:
+    """Classes below the top one leave ``top_reserve`` of the bound to it: a P0
+    request finds room at once where a P1 request would wait."""
+    extra = {"pools": {"default": {"max_in_flight": 10, "top_reserve": 0.2}}}
+    qos = (await make_daemon(extra)).client
+    lower = [await qos.acquire("P1", 10, max_wait_ms=0) for _ in range(8)]
+    assert all(lease.admitted for lease in lower)
+    assert not (await qos.acquire("P2", 10, max_wait_ms=0)).admitted  # 9 > 10 x 0.8
+    top = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
+    assert all(lease.admitted for lease in top)
+    assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted  # the bound itself

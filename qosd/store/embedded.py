@@ -52,10 +52,13 @@ def monotonic_us() -> int:
     return time.monotonic_ns() // 1000
 
 
-def _standing(state: budget.PoolState, cls: ClassPolicy, cost: float, rank: int) -> tuple[int, int]:
+def _standing(
+    state: budget.PoolState, cls: ClassPolicy, cost: float, rank: int
+) -> tuple[int, int, int]:
     """A GPU-gated pool's order: within its share first, then by rank (budget.gated_rank
-    of its effective rank)."""
-    return (0 if budget.within_share(state, cls, cost) else 1, budget.gated_rank(cls, rank))
+    of its effective rank), then the higher class."""
+    within = 0 if budget.within_share(state, cls, cost) else 1
+    return (within, budget.gated_rank(cls, rank), cls.rank)
 
 
 @dataclass(slots=True)
@@ -211,7 +214,7 @@ class EmbeddedStore:
         state = record.state
         if self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             return 0
-        if not budget.has_room(state.in_flight, pool, kv_tokens):
+        if not budget.has_room(state.in_flight, pool, cls, kv_tokens):
             return 0
         mine = _standing(state, cls, cost, cls.rank)
         for head in self._heads(record, pool, now_us):
@@ -443,7 +446,9 @@ class EmbeddedStore:
         for head in heads:
             cls, cost = head.cls, head.record.cost
             waiter = mine.get(head.id)
-            if waiter is None or not budget.has_room(state.in_flight, pool, head.record.kv_tokens):
+            if waiter is None or not budget.has_room(
+                state.in_flight, pool, cls, head.record.kv_tokens
+            ):
                 return None
             tenant = None
             if cls.tenant_rate > 0:

@@ -158,6 +158,7 @@ class RedisStore:
                 self._lease_ttl_ms,
                 repr(pool.max_in_flight),
                 repr(pool.max_in_flight_tokens),
+                repr(pool.top_reserve),
             ]
             for cls in pool.classes:
                 policy += [

@@ -24,8 +24,8 @@
 -- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
 --                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
 --                second is read with the state), max_in_flight and max_in_flight_tokens
---                (0: none; either makes the pool GPU-gated), then per class in
---                priority order: name,
+--                (0: none; either makes the pool GPU-gated), top_reserve, then per
+--                class in priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
 --                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
@@ -46,11 +46,12 @@ local class_count = tonumber(ARGV[5])
 local default_ttl_us = tonumber(ARGV[6]) * 1000
 local max_in_flight = tonumber(ARGV[7])
 local max_in_flight_tokens = tonumber(ARGV[8])
+local top_reserve = tonumber(ARGV[9])
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 9
+  local a = 10
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -67,7 +68,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 9 + 12 * class_count
+local NEXT_ARG = 10 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -368,19 +369,23 @@ local function how_to_take(i, cost, shared_open)
 end
 
 -- GPU-gated pools (qosd/budget.py: has_room, within_share, gated_how).
-local function has_room(tokens)
+local function has_room(i, tokens)
   local count, held = 0, 0
-  for i = 1, class_count do
-    count = count + state.in_n[i]
-    held = held + state.in_c[i]
+  for j = 1, class_count do
+    count = count + state.in_n[j]
+    held = held + state.in_c[j]
   end
   if count == 0 then
     return true  -- alone in an idle pool: always, whatever its size
   end
-  if bound_count > 0 and count + 1 > bound_count then
+  local share = 1
+  if i ~= 1 then
+    share = 1 - top_reserve  -- the rest is the top class's alone
+  end
+  if bound_count > 0 and count + 1 > bound_count * share then
     return false
   end
-  return not (bound_tokens > 0 and held + tokens > bound_tokens)
+  return not (bound_tokens > 0 and held + tokens > bound_tokens * share)
 end
 
 local function within_share(i, cost)
@@ -622,9 +627,16 @@ local function has_live_waiter(i)
   return false
 end
 
--- A GPU-gated pool's order: within its share first (0), then by effective rank.
-local function stands_before(x_within, x_rank, y_within, y_rank)
-  return x_within < y_within or (x_within == y_within and x_rank <= y_rank)
+-- A GPU-gated pool's order: within its share first (0), then by rank (gated_rank of
+-- the effective rank), then the higher class; a head standing as well is earlier.
+local function stands_before(x_within, x_rank, x_class, y_within, y_rank, y_class)
+  if x_within ~= y_within then
+    return x_within < y_within
+  end
+  if x_rank ~= y_rank then
+    return x_rank < y_rank
+  end
+  return x_class <= y_class
 end
 
 local function standing(w)
@@ -644,13 +656,13 @@ end
 -- It needs room, no waiter of its class (FIFO), and nobody of another class standing
 -- better than it, or as well and earlier (qosd/store/embedded.py: _gated_how).
 local function gated_how_for_new(i, cost, kv)
-  if has_live_waiter(i) or not has_room(kv) then
+  if has_live_waiter(i) or not has_room(i, kv) then
     return 0
   end
   local mine = within_share(i, cost) and 0 or 1
   for _, w in ipairs(heads()) do
-    if w.class ~= i and stands_before(standing(w), gated_rank(w.class, w.rank), mine,
-        gated_rank(i, classes[i].rank)) then
+    if w.class ~= i and stands_before(standing(w), gated_rank(w.class, w.rank), w.class,
+        mine, gated_rank(i, classes[i].rank), i) then
       return 0
     end
   end

@@ -127,11 +127,14 @@ local function pump_gated()
     if x.gated ~= y.gated then
       return x.gated < y.gated
     end
+    if x.class ~= y.class then
+      return x.class < y.class
+    end
     return x.enqueued < y.enqueued
   end)
   for _, w in ipairs(order_heads) do
     local m = mine[w.id]
-    if not m or not has_room(w.kv) then
+    if not m or not has_room(w.class, w.kv) then
       return false
     end
     local tenant = tenant_for(w, m)
