@@ -142,6 +142,11 @@ class PoolConfig(_Strict):
     # gap in the top class's traffic (qosd/stall.py). False: the SLO loop learns which
     # prompts would stall the top class too long, and they wait for a gap.
     chunked_prefill: bool = False
+    # Until the SLO loop has learned a long-prefill threshold from reports (and
+    # whenever it cannot), prompts longer than this wait for a gap in the top class's
+    # traffic; e.g. the prompt whose prefill alone takes the top class's TTFT
+    # objective on these servers. None: no rule before one is learned.
+    long_prefill_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
 
 
 class WaitingConfig(_Strict):

@@ -467,12 +467,14 @@ class Controller:
     ) -> None:
         """Learns which prompts would stall the top class too long (qosd.stall) and
         tells the store when the threshold moves by a tenth or more."""
-        if self._config.pools[pool.name].chunked_prefill:
+        configured = self._config.pools[pool.name]
+        if configured.chunked_prefill:
             return
         top = pool.classes[0].name
         threshold = await asyncio.to_thread(
             long_prefill_threshold, windows, top, self._config.classes[top].slo
         )
+        threshold = threshold or configured.long_prefill_tokens or 0.0  # learned first
         known = memory.long_prefill
         if known is not None and (
             threshold == known or (threshold and known and abs(threshold / known - 1) < 0.1)

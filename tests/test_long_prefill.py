@@ -207,3 +207,22 @@ def test_the_threshold_never_holds_the_pools_usual_prompts() -> None:
     threshold = long_prefill_threshold({"P0": p0, "P1": others}, "P0", slo)
     prompts = sorted(s.input_tokens for s in [*p0, *others])
     assert threshold == pytest.approx(prompts[int(0.99 * len(prompts))])
+
+
+async def test_a_configured_threshold_holds_until_one_is_learned(
+    make_daemon: DaemonFactory,
+) -> None:
+    config = {
+        "pools": {"default": {"long_prefill_tokens": 5_000}},
+        "control": {"interval_s": 0.05, "leader_lease_s": 0.5},
+        "classes": {"P0": {"slo": {"ttft_ms": 500, "tpot_ms": 50}}},
+    }
+    qos = (await make_daemon(config)).client
+    deadline = time.monotonic() + 5.0
+    while (await qos.status("default")).pool("default").long_prefill_tokens != 5_000:
+        assert time.monotonic() < deadline, "the configured threshold never took effect"
+        await asyncio.sleep(0.05)
+    await _report_gpu_like(qos, 200)  # evidence: the learned threshold replaces it
+    while (await qos.status("default")).pool("default").long_prefill_tokens == 5_000:
+        assert time.monotonic() < deadline + 5.0, "the learned threshold never replaced it"
+        await asyncio.sleep(0.05)

@@ -361,6 +361,15 @@ def largest_cost(workload: Sequence[Request], output_weight: float, expected_out
     return max((r.input_tokens + output_weight * expected_output for r in workload), default=0.0)
 
 
+def prompt_for_prefill(gpu: GpuModel, ms: float) -> int:
+    """The longest prompt ``gpu`` prefills, unloaded and unchunked, within ``ms``."""
+    low, high = 1, gpu.kv_capacity_tokens
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if gpu.prefill_s([middle]) * 1000 <= ms else (low, middle - 1)
+    return low
+
+
 def daemon_config(
     policy: Policy,
     *,
@@ -390,7 +399,9 @@ def daemon_config(
 
     The ``qosd`` policy's pool is GPU-gated by ``gpu``'s own limits, as an operator
     would set them from the server's: ``max_in_flight`` its batch slots,
-    ``max_in_flight_tokens`` its KV cache, and ``chunked_prefill`` as the server runs.
+    ``max_in_flight_tokens`` its KV cache, ``chunked_prefill`` as the server runs, and
+    until the SLO loop has learned one, ``long_prefill_tokens``, the prompt whose
+    prefill alone takes P0's TTFT objective.
     ``static`` keeps the seed's design: token buckets alone."""
     tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
@@ -413,6 +424,12 @@ def daemon_config(
             max_in_flight_tokens=float(gpu.kv_capacity_tokens),
             chunked_prefill=gpu.prefill_chunk_tokens is not None,
         )
+        top = min(tree["classes"].values(), key=lambda c: c["priority"])
+        if gpu.prefill_chunk_tokens is None and top["slo"]["ttft_ms"]:
+            # Until learned: the prompt whose prefill alone takes P0's TTFT objective.
+            tree["pools"][MODEL]["long_prefill_tokens"] = float(
+                prompt_for_prefill(gpu, top["slo"]["ttft_ms"])
+            )
     tree["control"]["enabled"] = policy is Policy.QOSD
     # A run lasts about a minute: decide on 20 samples rather than 50.
     tree["control"]["min_samples"] = 20
