@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from qosd import budget
 from qosd.config import ClassPolicy, PoolPolicy
@@ -387,30 +388,10 @@ class EmbeddedStore:
                 how = budget.how_to_take(state, cls, head.record.cost, shared_open)
                 waiter = mine.get(head.id)
                 if how and waiter is not None:
-                    tenant = None
-                    if cls.tenant_rate > 0:
-                        tenant = self._tenant(pool, cls, waiter.lease.tenant, now_us)
-                        if not budget.tenant_allows(tenant, head.record.cost, cls.tenant_burst):
-                            wait_ms = budget.tenant_wait_ms(
-                                tenant, head.record.cost, cls.tenant_rate, cls.tenant_burst
-                            )
-                            head.record.blocked_until_us = now_us + wait_ms * 1000
-                            how = 0
-                    if how:
-                        cost = head.record.cost
-                        budget.take(state, cls, cost, how)
-                        if tenant is not None:
-                            tenant.tokens -= cost
-                        self._add_lease(pool, record, cls.name, cost, waiter.lease, now_us)
-                        del record.queues[cls.name][head.id]
-                        admitted[head.id] = BucketDecision(
-                            admitted=True,
-                            reason=Reason.NONE,
-                            lease_id=waiter.lease.lease_id,
-                            charged=cost,
-                            remaining=state.tokens[cls.name],
-                            retry_after_ms=0,
-                            lease_ttl_ms=waiter.lease.ttl_ms,
+                    tenant = self._tenant_for(pool, head, waiter, now_us)
+                    if tenant is not False:
+                        admitted[head.id] = self._admit(
+                            record, pool, head, waiter, how, tenant, now_us
                         )
                         progress = True
                         break  # the heads changed: walk again
@@ -450,28 +431,53 @@ class EmbeddedStore:
                 state.in_flight, pool, cls, head.record.kv_tokens
             ):
                 return None
-            tenant = None
-            if cls.tenant_rate > 0:
-                tenant = self._tenant(pool, cls, waiter.lease.tenant, now_us)
-                if not budget.tenant_allows(tenant, cost, cls.tenant_burst):
-                    wait_ms = budget.tenant_wait_ms(tenant, cost, cls.tenant_rate, cls.tenant_burst)
-                    head.record.blocked_until_us = now_us + wait_ms * 1000
-                    continue
-            budget.take(state, cls, cost, budget.gated_how(state, cls, cost))
-            if tenant is not None:
-                tenant.tokens -= cost
-            self._add_lease(pool, record, cls.name, cost, waiter.lease, now_us)
-            del record.queues[cls.name][head.id]
-            return head.id, BucketDecision(
-                admitted=True,
-                reason=Reason.NONE,
-                lease_id=waiter.lease.lease_id,
-                charged=cost,
-                remaining=state.tokens[cls.name],
-                retry_after_ms=0,
-                lease_ttl_ms=waiter.lease.ttl_ms,
-            )
+            tenant = self._tenant_for(pool, head, waiter, now_us)
+            if tenant is not False:
+                how = budget.gated_how(state, cls, cost)
+                return head.id, self._admit(record, pool, head, waiter, how, tenant, now_us)
         return None
+
+    def _tenant_for(
+        self, pool: PoolPolicy, head: _Head, waiter: Waiter, now_us: int
+    ) -> budget.TenantBucket | Literal[False] | None:
+        """The head's tenant bucket to charge (None: no ceiling), or False when the
+        head is over its tenant's ceiling: then it steps aside until it has refilled."""
+        cls, cost = head.cls, head.record.cost
+        if cls.tenant_rate <= 0:
+            return None
+        tenant = self._tenant(pool, cls, waiter.lease.tenant, now_us)
+        if budget.tenant_allows(tenant, cost, cls.tenant_burst):
+            return tenant
+        wait_ms = budget.tenant_wait_ms(tenant, cost, cls.tenant_rate, cls.tenant_burst)
+        head.record.blocked_until_us = now_us + wait_ms * 1000
+        return False
+
+    def _admit(
+        self,
+        record: _Pool,
+        pool: PoolPolicy,
+        head: _Head,
+        waiter: Waiter,
+        how: int,
+        tenant: budget.TenantBucket | None,
+        now_us: int,
+    ) -> BucketDecision:
+        """Admits a waiter at the head of its queue: takes its cost, writes its lease."""
+        cls, cost, state = head.cls, head.record.cost, record.state
+        budget.take(state, cls, cost, how)
+        if tenant is not None:
+            tenant.tokens -= cost
+        self._add_lease(pool, record, cls.name, cost, waiter.lease, now_us)
+        del record.queues[cls.name][head.id]
+        return BucketDecision(
+            admitted=True,
+            reason=Reason.NONE,
+            lease_id=waiter.lease.lease_id,
+            charged=cost,
+            remaining=state.tokens[cls.name],
+            retry_after_ms=0,
+            lease_ttl_ms=waiter.lease.ttl_ms,
+        )
 
     # -- cancel.lua -----------------------------------------------------------------
 
