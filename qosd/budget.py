@@ -31,7 +31,8 @@ what its servers can take instead, and the buckets decide the order:
 1. ``cost > max_cost`` is never admitted, as above; nobody overtakes their class.
 2. A request needs *room*: the leases in flight plus this one within the bound,
    in requests and in prompt plus expected output tokens, less ``top_reserve`` of it
-   for classes below the top one (``has_room``; a request alone in an idle pool
+   for classes below the top one, and the prompts admitted predicted to be prefilled
+   within ``prefill_backlog_us`` (``has_room``; a request alone in an idle pool
    always fits).
 3. Its *standing* is within its share when its own bucket covers it (or is full, for
    a cost above the burst), over its share otherwise; then its effective rank (aging
@@ -221,6 +222,11 @@ class PoolState:
     # Prompts longer than this (tokens) wait for a gap in the top class's traffic; the
     # SLO loop learns it from reports (qosd.stall). 0: no such rule.
     long_prefill_tokens: float = 0.0
+    # The SLO loop's prefill model (c, a, b: c + a n + b n^2 ms for n prompt tokens;
+    # qosd.stall), and when, by it, the servers will have prefilled every prompt
+    # admitted so far (store time, us): a GPU-gated pool's prefill backlog.
+    prefill_model: tuple[float, float, float] | None = None
+    prefill_until_us: int = 0
 
 
 def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
@@ -266,13 +272,39 @@ def how_to_take(state: PoolState, cls: ClassPolicy, cost: float, shared_open: bo
     return 0
 
 
-def has_room(flight: InFlight, pool: PoolPolicy, cls: ClassPolicy, tokens: float) -> bool:
+def prefill_us(model: tuple[float, float, float], input_tokens: int) -> float:
+    c, a, b = model
+    return (c + input_tokens * (a + b * input_tokens)) * 1000
+
+
+def prefill_started(state: PoolState, input_tokens: int, now_us: int) -> None:
+    """A GPU-gated pool admitted a prompt: its servers prefill it after those before
+    (unchunked, a prefill runs before any decode step), so the backlog grows by it."""
+    if state.prefill_model is not None:
+        start = max(now_us, state.prefill_until_us)
+        state.prefill_until_us = int(start + prefill_us(state.prefill_model, input_tokens))
+
+
+def has_room(
+    state: PoolState, pool: PoolPolicy, cls: ClassPolicy, tokens: float, now_us: int
+) -> bool:
     """Whether a GPU-gated pool's servers can take one more request of ``cls``
-    holding ``tokens`` (its prompt plus expected output: its KV cache). Classes below
-    the top one leave ``top_reserve`` of the bound to it."""
+    holding ``tokens`` (its prompt plus expected output: its KV cache), now. Classes
+    below the top one leave ``top_reserve`` of the bound to it. With a prefill model
+    learned, the prompts admitted must also be prefilled within the pool's
+    ``prefill_backlog_us``: on a prefill-bound server the KV cache holds tens of
+    seconds of prefill, and a request admitted behind them waits at the server, in
+    its first-come order, instead of in qosd's, in priority order."""
+    flight = state.in_flight
     count = flight.total()
     if count == 0:
         return True  # alone in an idle pool: always, whatever its size
+    if (
+        state.prefill_model is not None
+        and pool.prefill_backlog_us > 0
+        and state.prefill_until_us - now_us > pool.prefill_backlog_us
+    ):
+        return False
     share = 1.0 if cls.rank == 0 else 1.0 - pool.top_reserve
     if pool.max_in_flight > 0 and count + 1 > pool.max_in_flight * share:
         return False

@@ -147,6 +147,12 @@ class PoolConfig(_Strict):
     # traffic; e.g. the prompt whose prefill alone takes the top class's TTFT
     # objective on these servers. None: no rule before one is learned.
     long_prefill_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
+    # A GPU-gated pool on servers that do not chunk prefill: admit while the prompts
+    # already admitted would be prefilled within this long, by the prefill time the
+    # SLO loop learns from reports (qosd/stall.py), so that requests queue in qosd, in
+    # priority order, rather than at the servers, first come first served. None: the
+    # top class's base TTFT objective (no such bound if it has none).
+    max_prefill_backlog_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
 
 
 class WaitingConfig(_Strict):
@@ -526,10 +532,21 @@ class PoolPolicy:
     max_in_flight: float = 0.0
     max_in_flight_tokens: float = 0.0
     top_reserve: float = 0.0  # of the bound, for the top class alone
+    prefill_backlog_us: float = 0.0  # most predicted prefill ahead of an admission
 
     @property
     def gated(self) -> bool:
         return self.max_in_flight > 0 or self.max_in_flight_tokens > 0
+
+
+def _prefill_backlog_ms(config: Config, pool: PoolConfig) -> float:
+    """The pool's prefill-backlog bound (PoolConfig.max_prefill_backlog_ms); 0: none."""
+    if pool.chunked_prefill:
+        return 0.0
+    if pool.max_prefill_backlog_ms is not None:
+        return pool.max_prefill_backlog_ms
+    top = min(config.classes.values(), key=lambda c: c.priority)
+    return top.slo.ttft_ms or 0.0
 
 
 def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
@@ -578,6 +595,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_in_flight=float(pool.max_in_flight or 0),
             max_in_flight_tokens=pool.max_in_flight_tokens or 0.0,
             top_reserve=pool.top_reserve,
+            prefill_backlog_us=_prefill_backlog_ms(config, pool) * 1000,
         )
     return pools
 

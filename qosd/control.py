@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from qosd.config import Config, ControlConfig, PoolPolicy, SloConfig
 from qosd.model import ControlRecord, StoredSample, StoreUnavailable
 from qosd.slo import WindowStats, improving, trend, window_stats
-from qosd.stall import long_prefill_threshold
+from qosd.stall import PrefillModel, learn
 from qosd.store.base import BucketStore
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,14 @@ def step(
     )
 
 
+REFERENCE_PROMPT = 8_192  # prefill models are compared at this prompt length
+
+
+def _near(a: float, b: float) -> bool:
+    """Within a tenth of each other (both 0 counts as near)."""
+    return a == b or (a > 0 and b > 0 and abs(a / b - 1) < 0.1)
+
+
 @dataclass
 class _PoolMemory:
     """What the leader remembers between evaluations (lost on failover: harmless)."""
@@ -225,6 +233,7 @@ class _PoolMemory:
     admitted: float | None = None
     at_ms: int = 0
     long_prefill: float | None = None  # the threshold last told to the store
+    prefill_model: PrefillModel | None = None  # and the prefill model
 
 
 def gather_evidence(
@@ -471,17 +480,26 @@ class Controller:
         if configured.chunked_prefill:
             return
         top = pool.classes[0].name
-        threshold = await asyncio.to_thread(
-            long_prefill_threshold, windows, top, self._config.classes[top].slo
-        )
-        threshold = threshold or configured.long_prefill_tokens or 0.0  # learned first
-        known = memory.long_prefill
-        if known is not None and (
-            threshold == known or (threshold and known and abs(threshold / known - 1) < 0.1)
+        learned = await asyncio.to_thread(learn, windows, top, self._config.classes[top].slo)
+        threshold = learned.threshold or configured.long_prefill_tokens or 0.0  # learned first
+        model = learned.model
+        known, known_model = memory.long_prefill, memory.prefill_model
+        if (
+            known is not None
+            and _near(threshold, known)
+            and (model is None) == (known_model is None)
+            and (
+                model is None
+                or known_model is None
+                or _near(model.stall_ms(REFERENCE_PROMPT), known_model.stall_ms(REFERENCE_PROMPT))
+            )
         ):
             return
-        await self._store.set_long_prefill(pool, threshold)
-        memory.long_prefill = threshold
+        encoded = (
+            None if model is None else (model.base_ms, model.per_token_ms, model.per_token2_ms)
+        )
+        await self._store.set_prefill(pool, threshold, encoded)
+        memory.long_prefill, memory.prefill_model = threshold, model
         if threshold:
             log.info("pool %s: prompts over %.0f tokens wait for a gap in %s traffic",
                      pool.name, threshold, top)  # fmt: skip

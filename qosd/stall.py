@@ -27,6 +27,10 @@ a gap in that traffic (bursty traffic has them), within its max wait, and is ref
 with REASON_LONG_PREFILL otherwise.
 A pool whose servers chunk prefill (``pools.<pool>.chunked_prefill``) has no
 threshold: its long prompts slow every step a little instead of stopping them.
+
+The same prefill model bounds a GPU-gated pool's prefill backlog (``budget.has_room``):
+the stores keep, by the model, when the prompts admitted so far will have been
+prefilled, and admit while that is within ``max_prefill_backlog_ms``.
 """
 
 from __future__ import annotations
@@ -157,16 +161,31 @@ def stall_tolerance_ms(samples: Iterable[StoredSample], slo: SloConfig) -> float
     return max(0.0, _quantile(slack, TOLERANCE_QUANTILE))
 
 
-def long_prefill_threshold(
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """What the SLO loop learns of a pool's prefill each turn."""
+
+    threshold: float  # prompt tokens above which a prompt waits for a gap; 0: none
+    model: PrefillModel | None  # None: too little evidence
+
+
+def learn(
     windows: dict[str, list[StoredSample]], top: str, slo: SloConfig, *, newest: int = 200
-) -> float:
-    """Prompt tokens above which a prefill would stall the top class ``top`` beyond
-    what it can absorb; 0 when it cannot be told (no rule then). ``windows`` are the
-    pool's, newest first; the tolerance reads the newest ``newest`` of the top's."""
+) -> Learned:
+    """The prefill model of the pool's windows (newest first), and the prompt length
+    above which a prefill would stall the top class ``top`` beyond what it can absorb
+    (the tolerance reads the newest ``newest`` of the top's samples)."""
     everything = [s for window in windows.values() for s in window]
     model = learn_prefill(everything)
     tolerance = stall_tolerance_ms(windows.get(top, [])[:newest], slo)
     if model is None or tolerance is None:
-        return 0.0
+        return Learned(0.0, model)
     usual = _quantile([s.input_tokens for s in everything], USUAL_QUANTILE)
-    return max(float(usual), model.tokens_for(tolerance))
+    return Learned(max(float(usual), model.tokens_for(tolerance)), model)
+
+
+def long_prefill_threshold(
+    windows: dict[str, list[StoredSample]], top: str, slo: SloConfig, *, newest: int = 200
+) -> float:
+    """``learn``'s threshold: 0 when it cannot be told (no rule then)."""
+    return learn(windows, top, slo, newest=newest).threshold

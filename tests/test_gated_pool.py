@@ -218,3 +218,26 @@ async def test_the_top_class_keeps_a_reserve(make_daemon: DaemonFactory) -> None
     top = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
     assert all(lease.admitted for lease in top)
     assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted  # the bound itself
+
+
+async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) -> None:
+    """With a prefill model (here 1 ms per prompt token), a GPU-gated pool admits while
+    the prompts admitted would be prefilled within max_prefill_backlog_ms (100 ms), so
+    later requests wait in qosd, in priority order, rather than at the servers."""
+    extra = {
+        "pools": {"default": {"max_in_flight": 100, "max_prefill_backlog_ms": 100}},
+        "control": {"enabled": False},  # the test states the model itself
+    }
+    running = await make_daemon(extra)
+    qos, admission = running.client, running.daemon.admission
+    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
+    first = await qos.acquire("P1", 80, max_wait_ms=0)  # 80 ms of prefill
+    second = await qos.acquire("P1", 80, max_wait_ms=0)  # 80 ms ahead: within 100
+    assert first.admitted and second.admitted
+    third = await qos.acquire("P1", 80, max_wait_ms=0)  # 160 ms ahead: full
+    assert not third.admitted and third.reason is Reason.RATE_LIMITED
+    # A waiter is admitted once the backlog has drained below the bound.
+    started = time.monotonic()
+    waiter = await qos.acquire("P0", 10, max_wait_ms=2_000)
+    assert waiter.admitted
+    assert time.monotonic() - started >= 0.04  # 160 - 100 ms, less the calls' own time

@@ -43,7 +43,7 @@ LONG_OK: dict[str, Any] = {
 async def _with_threshold(make_daemon: DaemonFactory, extra: dict[str, Any]) -> RunningDaemon:
     running = await make_daemon(extra)
     admission = running.daemon.admission
-    await admission.store.set_long_prefill(admission.pool("default"), THRESHOLD)
+    await admission.store.set_prefill(admission.pool("default"), THRESHOLD, None)
     status = (await running.client.status("default")).pool("default")
     assert status.long_prefill_tokens == THRESHOLD
     return running

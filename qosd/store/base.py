@@ -94,9 +94,13 @@ class BucketStore(Protocol):
         change a pool within one cooldown. Logged in the pool's history."""
         ...
 
-    async def set_long_prefill(self, pool: PoolPolicy, tokens: float) -> None:
-        """Sets the prompt length above which a request waits for a gap in the top
-        class's traffic (the SLO loop learns it, ``qosd.stall``); 0: no such rule."""
+    async def set_prefill(
+        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
+    ) -> None:
+        """Sets what the SLO loop learned of the pool's prefill (``qosd.stall``): the
+        prompt length above which a request waits for a gap in the top class's traffic
+        (0: no such rule), and the prefill model ``(c, a, b)`` (c + a n + b n^2 ms),
+        with which a GPU-gated pool bounds its prefill backlog (None: no bound)."""
         ...
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:

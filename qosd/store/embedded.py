@@ -215,7 +215,7 @@ class EmbeddedStore:
         state = record.state
         if self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             return 0
-        if not budget.has_room(state.in_flight, pool, cls, kv_tokens):
+        if not budget.has_room(state, pool, cls, kv_tokens, now_us):
             return 0
         mine = _standing(state, cls, cost, cls.rank)
         for head in self._heads(record, pool, now_us):
@@ -242,6 +242,8 @@ class EmbeddedStore:
         budget.lease_started(
             record.state.in_flight, cls, lease.input_tokens + lease.output_tokens, expires_us
         )
+        if pool.gated:
+            budget.prefill_started(record.state, lease.input_tokens, now_us)
         self._leases[lease.lease_id] = _Lease(
             weight=lease.weight,
             input_tokens=lease.input_tokens,
@@ -428,7 +430,7 @@ class EmbeddedStore:
             cls, cost = head.cls, head.record.cost
             waiter = mine.get(head.id)
             if waiter is None or not budget.has_room(
-                state.in_flight, pool, cls, head.record.kv_tokens
+                state, pool, cls, head.record.kv_tokens, now_us
             ):
                 return None
             tenant = self._tenant_for(pool, head, waiter, now_us)
@@ -603,9 +605,12 @@ class EmbeddedStore:
         )
         return True
 
-    async def set_long_prefill(self, pool: PoolPolicy, tokens: float) -> None:
+    async def set_prefill(
+        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
+    ) -> None:
         record, _ = self._pool(pool, self._clock())
         record.state.long_prefill_tokens = tokens
+        record.state.prefill_model = model
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         return list(self._history.get(pool.name, ()))[:limit]

@@ -159,6 +159,7 @@ class RedisStore:
                 repr(pool.max_in_flight),
                 repr(pool.max_in_flight_tokens),
                 repr(pool.top_reserve),
+                repr(pool.prefill_backlog_us),
             ]
             for cls in pool.classes:
                 policy += [
@@ -516,12 +517,19 @@ class RedisStore:
         )
         return bool(applied == 1)
 
-    async def set_long_prefill(self, pool: PoolPolicy, tokens: float) -> None:
+    async def set_prefill(
+        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
+    ) -> None:
         state_key = self._args_for(pool).keys[0]
         if tokens > 0:
             await self._client.execute(state_key, "HSET", state_key, "P", repr(float(tokens)))
         else:
             await self._client.execute(state_key, "HDEL", state_key, "P")
+        if model is not None:
+            encoded = "|".join(repr(float(x)) for x in model)
+            await self._client.execute(state_key, "HSET", state_key, "M", encoded)
+        else:
+            await self._client.execute(state_key, "HDEL", state_key, "M")
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         if limit <= 0:

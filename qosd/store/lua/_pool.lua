@@ -13,7 +13,9 @@
 --                "class|count|tokens|class|count|tokens..."), xo and xn (the
 --                oldest and newest such second; the sweep below ends them), P (the
 --                long-prefill threshold the SLO loop learned, prompt tokens: a longer
---                prompt waits for a gap in the top class's traffic; absent: none)
+--                prompt waits for a gap in the top class's traffic; absent: none), M
+--                (its prefill model "c|a|b": c + a n + b n^2 ms), B (when, by M, the
+--                prompts admitted so far are prefilled, us)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
@@ -24,8 +26,8 @@
 -- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
 --                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
 --                second is read with the state), max_in_flight and max_in_flight_tokens
---                (0: none; either makes the pool GPU-gated), top_reserve, then per
---                class in priority order: name,
+--                (0: none; either makes the pool GPU-gated), top_reserve,
+--                prefill_backlog_us (0: none), then per class in priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
 --                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
@@ -47,11 +49,12 @@ local default_ttl_us = tonumber(ARGV[6]) * 1000
 local max_in_flight = tonumber(ARGV[7])
 local max_in_flight_tokens = tonumber(ARGV[8])
 local top_reserve = tonumber(ARGV[9])
+local prefill_backlog_us = tonumber(ARGV[10])
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 10
+  local a = 11
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -68,7 +71,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 10 + 12 * class_count
+local NEXT_ARG = 11 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -142,10 +145,10 @@ local function parse_expiring(value)
   end
   return entry
 end
-local HEADER = 9  -- fields read before the per-class ones
+local HEADER = 11  -- fields read before the per-class ones
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
-  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P'}
+  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B'}
   for i = 1, class_count do
     local name = classes[i].name
     fields[#fields + 1] = 't:' .. name
@@ -166,6 +169,11 @@ do
   state.expiry_to = tonumber(values[7])
   expiring[default_second] = parse_expiring(values[8])
   state.long_prefill = tonumber(values[9]) or 0
+  if values[10] then
+    local c, a, b = string.match(values[10], '^([^|]*)|([^|]*)|([^|]*)$')
+    state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}
+  end
+  state.prefill_until = tonumber(values[11]) or 0
   allocate(state.capacity)
   if values[1] then
     state.updated = tonumber(values[1])
@@ -331,6 +339,10 @@ local function save_state()
       gone[#gone + 1] = 'x:' .. second  -- every lease of that second has ended
     end
   end
+  if state.prefill_model then
+    fields[#fields + 1] = 'B'
+    fields[#fields + 1] = string.format('%.0f', state.prefill_until)
+  end
   if state.expiry_from then
     fields[#fields + 1] = 'xo'
     fields[#fields + 1] = string.format('%.0f', state.expiry_from)
@@ -369,6 +381,17 @@ local function how_to_take(i, cost, shared_open)
 end
 
 -- GPU-gated pools (qosd/budget.py: has_room, within_share, gated_how).
+-- The prefill backlog (qosd/budget.py: prefill_started): an admitted prompt is
+-- prefilled after those admitted before it.
+local function prefill_started(input)
+  local m = state.prefill_model
+  if m then
+    local n = tonumber(input)
+    state.prefill_until = math.max(now, state.prefill_until) + (m[1] + n * (m[2] + m[3] * n)) * 1000
+    state_changed = true
+  end
+end
+
 local function has_room(i, tokens)
   local count, held = 0, 0
   for j = 1, class_count do
@@ -377,6 +400,10 @@ local function has_room(i, tokens)
   end
   if count == 0 then
     return true  -- alone in an idle pool: always, whatever its size
+  end
+  if state.prefill_model and prefill_backlog_us > 0
+    and state.prefill_until - now > prefill_backlog_us then
+    return false  -- the servers' prefill backlog is full: wait here, in priority order
   end
   local share = 1
   if i ~= 1 then
@@ -707,6 +734,9 @@ local function add_lease(i, lease_key, field, cost, ttl_ms, keep_ms, weight, inp
   writes[#writes + 1] = expiry .. '|' .. num(cost) .. '|' .. weight .. '|' .. input .. '|' .. output
   lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(keep_ms))
   lease_started(i, tonumber(input) + tonumber(output), expiry_us)
+  if pool_gated then
+    prefill_started(input)
+  end
   return expiry
 end
 
