@@ -343,17 +343,22 @@ def within_share(state: PoolState, cls: ClassPolicy, cost: float) -> bool:
     return state.tokens[cls.name] >= min(cost, cls.burst)
 
 
-def gated_how(state: PoolState, cls: ClassPolicy, cost: float) -> int:
+def gated_how(state: PoolState, pool: PoolPolicy, cls: ClassPolicy, cost: float) -> int:
     """How a GPU-gated pool's admission pays: within its share, from its own bucket
     (a cost above the burst, from a full bucket, carries its whole debt, so the
     class's share is counted right however large its requests); over its share, with
     shared tokens, else into debt of at most one burst (room nobody of better
-    standing wanted is not held against the class for long)."""
+    standing wanted is not held against the class for long). 0: it may not go over
+    its share yet: on servers that do not chunk prefill, room is known only once
+    the prefill backlog can be predicted, so until a prefill model is learned the
+    buckets' rates alone bound what goes over them (shared tokens included)."""
     own = state.tokens[cls.name]
     if own >= min(cost, cls.burst):
         return OWN
     if cls.can_borrow and max(own, 0.0) + state.shared >= cost:
         return BORROW
+    if pool.prefill_backlog_us > 0 and state.prefill_model is None:
+        return 0
     return OVER
 
 

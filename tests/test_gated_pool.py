@@ -241,3 +241,22 @@ async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) 
     waiter = await qos.acquire("P0", 10, max_wait_ms=2_000)
     assert waiter.admitted
     assert time.monotonic() - started >= 0.04  # 160 - 100 ms, less the calls' own time
+
+
+async def test_no_work_conservation_before_the_backlog_can_be_predicted(
+    make_daemon: DaemonFactory,
+) -> None:
+    """On servers that do not chunk prefill (a backlog bound from P0's objective),
+    room is known only once the prefill model is: until then a class goes over its
+    share no more than the buckets' rates allow."""
+    extra = {
+        **GATED,
+        "classes": {"P0": {"slo": {"ttft_ms": 500}}},
+        "control": {"enabled": False},  # the test states the model itself
+    }
+    running = await make_daemon(extra)
+    qos, admission = running.client, running.daemon.admission
+    assert (await qos.acquire("P2", 500, max_wait_ms=0)).admitted  # P2's whole burst
+    assert not (await qos.acquire("P2", 400, max_wait_ms=0)).admitted  # no model yet
+    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 0.001, 0.0))
+    assert (await qos.acquire("P2", 400, max_wait_ms=0)).admitted  # room is known now

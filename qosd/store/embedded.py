@@ -223,7 +223,7 @@ class EmbeddedStore:
                 _standing(state, head.cls, head.record.cost, head.rank) <= mine
             ):
                 return 0  # someone stands better, or as well and came first
-        return budget.gated_how(state, cls, cost)
+        return budget.gated_how(state, pool, cls, cost)
 
     def _tenant(
         self, pool: PoolPolicy, cls: ClassPolicy, tenant: str, now_us: int
@@ -433,9 +433,11 @@ class EmbeddedStore:
                 state, pool, cls, head.record.kv_tokens, now_us
             ):
                 return None
+            how = budget.gated_how(state, pool, cls, cost)
+            if how == 0:
+                continue  # may not go over its share yet: the next may be within its own
             tenant = self._tenant_for(pool, head, waiter, now_us)
             if tenant is not False:
-                how = budget.gated_how(state, cls, cost)
                 return head.id, self._admit(record, pool, head, waiter, how, tenant, now_us)
         return None
 

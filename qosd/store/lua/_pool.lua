@@ -427,6 +427,9 @@ local function gated_how(i, cost)
   if classes[i].can_borrow and math.max(own, 0) + state.shared >= cost then
     return BORROW
   end
+  if prefill_backlog_us > 0 and not state.prefill_model then
+    return 0  -- room is known only once the prefill backlog can be predicted
+  end
   return OVER
 end
 

@@ -137,10 +137,13 @@ local function pump_gated()
     if not m or not has_room(w.class, w.kv) then
       return false
     end
-    local tenant = tenant_for(w, m)
-    if tenant ~= false then
-      admit(w, m, gated_how(w.class, w.cost), tenant)
-      return true
+    local how = gated_how(w.class, w.cost)
+    if how ~= 0 then  -- 0: may not go over its share yet; the next may be within its own
+      local tenant = tenant_for(w, m)
+      if tenant ~= false then
+        admit(w, m, how, tenant)
+        return true
+      end
     end
   end
   return false
