@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qosd.config import Config
+from qosd.sim.ceiling import class_ceiling
 from qosd.sim.experiment import (
     CapacityChoice,
     Policy,
@@ -202,7 +203,7 @@ def main() -> int:
         "--duration", type=float, default=40.0, help="seconds of arrivals per policy"
     )
     parser.add_argument(
-        "--drain", type=float, default=15.0, help="seconds to let admitted work finish"
+        "--drain", type=float, default=30.0, help="seconds to let admitted work finish"
     )
     parser.add_argument(
         "--inject-every", type=float, default=10.0, help="a long prompt every N s (0: none)"
@@ -337,11 +338,29 @@ def main() -> int:
         flush=True,
     )
 
+    # What any policy could serve of each class with objectives, given the GPU to it
+    # alone (qosd/sim/ceiling.py): the bar the goals are measured against.
+    ceilings = {
+        name: class_ceiling(
+            gpu, [r for r in workload if r.qos_class == name], objectives[name]
+        ).as_dict()
+        for name in CLASSES
+        if objectives[name].has_slo
+    }
+    for name, ceiling in ceilings.items():
+        print(
+            f"{name} given the GPU alone: {ceiling['alone_attainment']:.1%} on time served "
+            f"in arrival order, {ceiling['shed_attainment']:.1%} with perfect-foresight "
+            "shedding",
+            flush=True,
+        )
+
     records_path = Path(args.json).with_suffix(".records.json.gz")
     if args.from_records:
         loaded = load_runs(records_path)
         previous: dict[str, Any] = json.loads(Path(args.json).read_text())
         previous.setdefault("timelines", {})
+        previous["class_ceilings"] = ceilings
         for run in loaded:
             summary, series = summarize(
                 run,
@@ -384,6 +403,7 @@ def main() -> int:
         "saturated_capacity_cost_s": round(pool.saturated_cost_s, 1),
         "pool_capacity_cost_s": round(pool.cost_s, 1),
         "gpu": {name: getattr(gpu, name) for name in gpu.__dataclass_fields__},
+        "class_ceilings": ceilings,
         "policies": {},
         "timelines": {},
     }

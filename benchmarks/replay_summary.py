@@ -8,7 +8,9 @@ Per run and policy it prints what the goals are judged on (definitions in
 docs/simulator.md):
 
 - P0 on time: ``attainment_of_offered`` of P0 (refused and timed-out requests count as
-  misses); goal 99 %;
+  misses); goal 99 %; beside it, P0's ceiling on the workload: the share on time that
+  P0 could get with the GPU to itself, served in arrival order or with
+  perfect-foresight shedding, whichever is higher (``class_ceilings``);
 - P1: ``slo_attainment`` (of admitted; goal 95 %) and its served token share against
   its floor share;
 - P2: ``attainment_of_offered`` (served) and ``waits_past_max`` (goal 0);
@@ -25,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 HEADER = (
-    "| workload | load | capacity | policy | P0 on time | P1 met (admitted) | P1 share / floor "
-    "| P2 served | P2 past max wait | goodput / saturated | long prompts admitted |"
+    "| workload | load | capacity | policy | P0 on time | P0 ceiling | P1 met (admitted) "
+    "| P1 share / floor | P2 served | P2 past max wait | goodput / saturated "
+    "| long prompts admitted |"
 )
 
 
@@ -41,6 +44,7 @@ def _percent(value: float | None) -> str:
 
 def rows(path: Path) -> list[dict[str, Any]]:
     results = json.loads(path.read_text())
+    ceiling = results.get("class_ceilings", {}).get("P0", {}).get("ceiling")
     out = []
     for policy, classes in results["policies"].items():
         p0, p1, p2, every = classes["P0"], classes["P1"], classes["P2"], classes["all"]
@@ -52,6 +56,7 @@ def rows(path: Path) -> list[dict[str, Any]]:
                 "capacity": results.get("configured_capacity", "slo"),
                 "policy": policy,
                 "p0_on_time": p0["attainment_of_offered"],
+                "p0_ceiling": ceiling,
                 "p1_met_admitted": p1["slo_attainment"],
                 "p1_share": p1["served_token_share"],
                 "p1_floor_share": p1["floor_share"],
@@ -65,11 +70,12 @@ def rows(path: Path) -> list[dict[str, Any]]:
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
-    lines = [HEADER, "|" + "---|" * 11]
+    lines = [HEADER, "|" + "---|" * 12]
     for r in table:
         lines.append(
             f"| {r['workload']} | {r['load']:g}x | {r['capacity']} | {r['policy']} "
-            f"| {_percent(r['p0_on_time'])} | {_percent(r['p1_met_admitted'])} "
+            f"| {_percent(r['p0_on_time'])} | {_percent(r['p0_ceiling'])} "
+            f"| {_percent(r['p1_met_admitted'])} "
             f"| {_percent(r['p1_share'])} / {_percent(r['p1_floor_share'])} "
             f"| {_percent(r['p2_served'])} | {r['p2_past_max_wait']} "
             f"| {r['goodput_of_saturated']:.2f} | {r['long_prompts']} |"
