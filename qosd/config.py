@@ -252,6 +252,17 @@ class ControlConfig(_Strict):
     min_samples: Annotated[int, Field(ge=1, le=1_000_000)] = 50
     # Grow only while the pool uses this much of its current rate (no windup at idle).
     min_utilization: Annotated[float, Field(ge=0, le=1)] = 0.8
+    # Grow only while 95 % of each class's requests ran within this fraction of their
+    # objectives (WindowStats.tail_pressure): room for the next step's load before
+    # anyone misses. Compliance alone sees nothing until requests miss, and then a
+    # failed probe has cost the top class its misses. 1.0: compliance alone.
+    grow_headroom: Annotated[float, Field(gt=0, le=1)] = 0.85
+    # Cut, as on low compliance, once 95 % of a class's requests no longer run within
+    # this fraction of their objectives: at a saturated server latencies bunch up
+    # (every stream shares one decode step), so the tail reaches the objective
+    # together, and waiting for misses is waiting too long. Between grow_headroom
+    # and cut_pressure the rate holds. Above 1: compliance alone.
+    cut_pressure: Annotated[float, Field(gt=0, le=10)] = 0.95
     # Bounds of the admitted rate, as fractions of the configured capacity.
     min_capacity: Annotated[float, Field(gt=0, le=100)] = 0.2
     max_capacity: Annotated[float, Field(gt=0, le=100)] = 2.0
@@ -264,6 +275,8 @@ class ControlConfig(_Strict):
             raise ValueError("needs tolerance < target and target + margin < 1")
         if self.min_capacity > 1 or self.max_capacity < 1:
             raise ValueError("needs min_capacity <= 1 <= max_capacity")
+        if self.grow_headroom >= self.cut_pressure:
+            raise ValueError("grow_headroom must be below cut_pressure (a band to hold in)")
         if self.min_step > self.step_up:
             raise ValueError("min_step must not exceed step_up")
         if self.leader_lease_s < 2 * self.interval_s:

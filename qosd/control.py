@@ -26,11 +26,19 @@ The law:
   not be cut into the ground; one still overloaded gets a cut per cooldown. After
   an undo, wait two cooldowns before judging again: the probe's load takes about as
   long to clear as it lasted.
+- **Cut** also, by the same rules, when a class's recent tail runs hot: 95 % of its
+  requests no longer within ``cut_pressure`` (95 %) of their objectives. At a
+  saturated server every stream shares one decode step, so latencies bunch up and
+  reach the objective together: compliance falls from 1 to below tolerance within
+  one window, too late for a class that must keep 99 %.
 - **Grow** when every class's growth evidence complies at ``target + margin``
-  (99.5 %) or better and the pool uses its rate (``min_utilization``: no windup
-  while idle): by ``step_up`` (5 %) while below the ceiling by more than a step,
-  up to that point; near the ceiling, by the adaptive probe step, once the evidence
-  has been good for ``probe_wait`` cooldowns.
+  (99.5 %) or better, with headroom (95 % of its requests within ``grow_headroom``,
+  85 %, of their objectives: compliance alone cannot tell a server with room from
+  one at the edge, and a probe over the edge costs the top class its misses), and
+  the pool uses its rate (``min_utilization``: no windup while idle): by
+  ``step_up`` (5 %) while below the ceiling by more than a step, up to that point;
+  near the ceiling, by the adaptive probe step, once the evidence has been good for
+  ``probe_wait`` cooldowns.
 - **Hold** otherwise: within the band, or without enough samples.
 
 Probing adapts, so R settles just under the server's capacity instead of cycling,
@@ -137,6 +145,22 @@ def judge(
                     "later ones faring no better",
                 )
             return Verdict(HOLD, f"{detail}; recovering under the last cut")
+    pressed = _pressed(evidence.recent, config)
+    if pressed is not None:
+        name, tail = pressed
+        detail = f"{name}'s 95th percentile at {tail:.2f} of its objectives > {config.cut_pressure}"
+        if last_direction not in (DOWN, UNDO):
+            return Verdict(DOWN, detail)
+        if (
+            last_direction == UNDO
+            and since_change_ms is not None
+            and since_change_ms < 2 * config.cooldown_s * 1000
+        ):
+            return Verdict(HOLD, f"{detail}; judging the undone probe's rate later")
+        since = _pressed({name: evidence.started[name]} if name in evidence.started else {}, config)
+        if since is not None and not evidence.improving.get(name):
+            return Verdict(DOWN, f"{detail}, and as high for requests started since the cut")
+        return Verdict(HOLD, f"{detail}; recovering under the last cut")
     good = config.target + config.margin
     if not growth:
         return Verdict(
@@ -152,6 +176,15 @@ def judge(
             judged[cls_name] = stats.compliance
     name, worst = min(judged.items(), key=lambda item: item[1])
     if worst >= good:
+        for cls_name in judged:
+            judged_on = evidence.growth if cls_name in growth else evidence.recent
+            class_tail = judged_on[cls_name].tail_pressure
+            if class_tail is not None and class_tail > config.grow_headroom:
+                return Verdict(
+                    HOLD,
+                    f"compliance >= {good} but no headroom: {cls_name}'s 95th percentile "
+                    f"at {class_tail:.2f} of its objectives > {config.grow_headroom}",
+                )
         evidence_text = ", ".join(
             f"{n} {value:.3f} ({evidence.growth[n].samples if n in growth else 'recent'})"
             for n, value in judged.items()
@@ -161,6 +194,20 @@ def judge(
             return Verdict(HOLD, f"compliance >= {good} but utilization {used}")
         return Verdict(UP, f"compliance >= {good}: {evidence_text}; utilization {utilization:.2f}")
     return Verdict(HOLD, f"{name} compliance {worst:.3f} within [{config.tolerance}, {good})")
+
+
+def _pressed(stats: dict[str, WindowStats], config: ControlConfig) -> tuple[str, float] | None:
+    """The class whose tail runs highest above ``cut_pressure``, with enough samples
+    to say so (a fifth of ``min_samples``), and its tail pressure; None if none."""
+    enough = max(1, config.min_samples // 5)
+    over = [
+        (name, s.tail_pressure)
+        for name, s in stats.items()
+        if s.tail_pressure is not None
+        and s.samples >= enough
+        and s.tail_pressure > config.cut_pressure
+    ]
+    return max(over, key=lambda item: item[1]) if over else None
 
 
 def near_ceiling(record: ControlRecord, config: ControlConfig) -> bool:

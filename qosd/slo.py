@@ -96,6 +96,10 @@ class WindowStats:
     # The largest, over TTFT, TPOT and end to end, of the median latency relative to
     # each sample's own objective; None: nothing measured against an objective.
     pressure: float | None = None
+    # The 95th percentile, over samples, of each sample's worst latency relative to
+    # its own objective: how close the slow requests run to their limits (0.8: 95 %
+    # of requests within 80 % of every objective). None: nothing measured.
+    tail_pressure: float | None = None
 
     @property
     def compliance(self) -> float | None:
@@ -144,10 +148,12 @@ def _stats(samples: Sequence[StoredSample], slo: SloConfig) -> WindowStats:
     compliant = 0
     has_slo = has_objectives(slo)
     ratios: tuple[list[float], list[float], list[float]] = ([], [], [])
+    worst: list[float] = []  # per sample, its largest latency / objective
     for sample in samples:
         objectives = sample_objectives(sample, slo)
         has_slo = has_slo or objectives.any
         compliant += complies(sample, objectives)
+        sample_worst: float | None = None
         for ratio, objective, measured in zip(
             ratios,
             (objectives.ttft_ms, objectives.tpot_ms, objectives.e2e_ms),
@@ -156,7 +162,11 @@ def _stats(samples: Sequence[StoredSample], slo: SloConfig) -> WindowStats:
         ):
             if objective is not None and measured is not None:
                 ratio.append(measured / objective)
+                sample_worst = max(sample_worst or 0.0, measured / objective)
+        if sample_worst is not None:
+            worst.append(sample_worst)
     medians = [p.p50 for p in map(percentiles, ratios) if p is not None]
+    tail = percentiles(worst)
     return WindowStats(
         samples=len(samples),
         compliant=compliant,
@@ -165,6 +175,7 @@ def _stats(samples: Sequence[StoredSample], slo: SloConfig) -> WindowStats:
         e2e_ms=percentiles([s.e2e_ms for s in samples if s.e2e_ms is not None]),
         has_slo=has_slo,
         pressure=max(medians) if medians else None,
+        tail_pressure=tail.p95 if tail is not None else None,
     )
 
 

@@ -108,11 +108,24 @@ def test_trend_orders_by_start_and_sees_recovery() -> None:
     assert trend(draining, SLO, reported_after=10**9) is None
 
 
+def test_tail_pressure_is_the_95th_percentile_of_each_samples_worst_ratio() -> None:
+    # 100 samples: each one's worse latency relative to its objective is TTFT for the
+    # first 60 and TPOT for the rest, at i / 100 of the objective.
+    samples = [
+        stored(ttft=500 * i / 100, tpot=10.0) if i < 60 else stored(ttft=5.0, tpot=50 * i / 100)
+        for i in range(1, 101)
+    ]
+    found = window_stats(samples, SLO)
+    assert found.tail_pressure == pytest.approx(0.95)
+    assert found.compliance == 1.0  # all within: only the tail pressure sees the edge
+    assert window_stats([stored(ttft=None)], SLO).tail_pressure is None
+
+
 # -- the law ------------------------------------------------------------------------
 
 
-def stats(samples: int, compliant: int) -> WindowStats:
-    return WindowStats(samples, compliant, None, None, None, has_slo=True)
+def stats(samples: int, compliant: int, tail: float | None = None) -> WindowStats:
+    return WindowStats(samples, compliant, None, None, None, has_slo=True, tail_pressure=tail)
 
 
 def evidence(
@@ -177,6 +190,59 @@ def test_growth_needs_good_evidence_and_a_busy_pool() -> None:
         {"P0": stats(200, 200), "P1": stats(10, 9)},
     )
     assert judge(quiet, 1.0, CONTROL).direction == HOLD
+
+
+def test_growth_needs_headroom_in_every_class() -> None:
+    def judged(p0_tail: float | None, p1_tail: float | None) -> tuple[int, str]:
+        verdict = judge(
+            Evidence(
+                {"P0": stats(100, 100, p0_tail), "P1": stats(100, 100, p1_tail)},
+                {},
+                {"P0": stats(200, 200, p0_tail), "P1": stats(200, 200, p1_tail)},
+            ),
+            1.0,
+            CONTROL,
+        )
+        return verdict.direction, verdict.reason
+
+    assert judged(0.80, 0.85)[0] == UP
+    assert judged(None, None)[0] == UP  # nothing measured against an objective
+    direction, reason = judged(0.80, 0.90)
+    assert direction == HOLD and "P1's 95th percentile at 0.90" in reason
+    # Compliance alone, as before, where both tail rules are turned off.
+    off = ControlConfig(grow_headroom=1.0, cut_pressure=2.0)
+    assert (
+        judge(
+            Evidence({"P0": stats(100, 100, 0.99)}, {}, {"P0": stats(200, 200, 0.99)}), 1.0, off
+        ).direction
+        == UP
+    )
+
+
+def test_a_hot_tail_cuts_before_compliance_falls() -> None:
+    hot = Evidence({"P0": stats(100, 100, 0.97)}, {"P0": stats(60, 60, 0.97)}, {})
+    verdict = judge(hot, 1.0, CONTROL)
+    assert verdict.direction == DOWN
+    assert "P0's 95th percentile at 0.97 of its objectives > 0.95" in verdict.reason
+    assert judge(hot, 1.0, CONTROL, last_direction=UP).direction == DOWN  # the undo
+    # After a cut: again only while requests started since then run as hot...
+    assert judge(hot, 1.0, CONTROL, last_direction=DOWN).direction == DOWN
+    cooled = Evidence({"P0": stats(100, 100, 0.97)}, {"P0": stats(60, 60, 0.90)}, {})
+    verdict = judge(cooled, 1.0, CONTROL, last_direction=DOWN)
+    assert verdict.direction == HOLD and "recovering" in verdict.reason
+    # ...and an undone probe is given two cooldowns first.
+    early = judge(hot, 1.0, CONTROL, last_direction=UNDO, since_change_ms=9_000)
+    assert early.direction == HOLD
+    # Between grow_headroom and cut_pressure: hold; a few samples do not decide it.
+    warm = Evidence({"P0": stats(100, 100, 0.90)}, {}, {"P0": stats(200, 200, 0.90)})
+    assert judge(warm, 1.0, CONTROL).direction == HOLD
+    few = Evidence({"P0": stats(9, 9, 2.0)}, {}, {"P0": stats(200, 200, 0.5)})
+    assert judge(few, 1.0, CONTROL).direction == UP
+
+
+def test_the_pressure_band_must_be_a_band() -> None:
+    with pytest.raises(ValueError, match="grow_headroom must be below cut_pressure"):
+        ControlConfig(grow_headroom=0.9, cut_pressure=0.9)
 
 
 POOL: PoolPolicy = resolve_pools(Config.model_validate(BASE_CONFIG))["default"]
