@@ -314,6 +314,18 @@ def has_room(
     )
 
 
+def passes_reserve(cls: ClassPolicy, ahead: ClassPolicy, ahead_has_room: bool) -> bool:
+    """Whether a request of ``cls`` may be admitted before ``ahead``, a waiter of
+    another class that stands better, in a GPU-gated pool. A waiter without room
+    holds the pool's room for itself, so that a stream of small requests cannot
+    starve a large one; but the top class's reserve (``top_reserve``) is room no
+    other class may use, so a waiter of a lower class that has no room does not hold
+    it: the top class goes past it into the reserve (its own room checked as usual).
+    Without this, a P1 within its share at the head of a full pool would hold every
+    P0 arrival past its max wait, the reserve standing empty."""
+    return cls.rank == 0 and ahead.rank != 0 and not ahead_has_room
+
+
 def held_for_gap(
     state: PoolState, pool: PoolPolicy, cls: ClassPolicy, input_tokens: int, top_waiting: int
 ) -> bool:

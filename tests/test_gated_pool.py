@@ -220,6 +220,36 @@ async def test_the_top_class_keeps_a_reserve(make_daemon: DaemonFactory) -> None
     assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted  # the bound itself
 
 
+async def test_a_lower_waiter_without_room_leaves_the_reserve_to_the_top_class(
+    make_daemon: DaemonFactory,
+) -> None:
+    """A waiter without room holds the pool's room, but not the top class's reserve,
+    which it could not use: a P0 request over its share goes past a P1 waiter within
+    its share into the reserve, at Acquire and when a release frees room only the top
+    class may take. Rates are near zero (6, 3 and 1 tokens/s), so no bucket refills."""
+    bursts = {"P0": 30, "P1": 15, "P2": 5}
+    extra = {
+        "pools": {"default": {"capacity_tokens_s": 10, "max_in_flight": 5, "top_reserve": 0.2}},
+        "classes": {name: {"burst_tokens": burst} for name, burst in bursts.items()},
+    }
+    qos = (await make_daemon(extra)).client
+    assert (await qos.acquire("P0", 30, max_wait_ms=0)).admitted  # P0 now over its share
+    lower = [await qos.acquire("P2", 1, max_wait_ms=0) for _ in range(3)]
+    assert all(lease.admitted for lease in lower)  # 4 in flight: the lower classes' 5 x 0.8
+    p1 = asyncio.create_task(qos.acquire("P1", 15, max_wait_ms=4_000))  # within its share
+    await _until_waiting(qos, "P1", 1)
+    passed = await qos.acquire("P0", 30, max_wait_ms=2_000)
+    assert passed.admitted and passed.reason is Reason.NONE  # into the reserve, past P1
+    second = asyncio.create_task(qos.acquire("P0", 30, max_wait_ms=4_000))  # 5 of 5: waits
+    await _until_waiting(qos, "P0", 1)
+    await qos.release(lower[0].lease_id)  # 4 in flight: room for P0 alone
+    assert (await second).admitted
+    assert not p1.done() and await _waiting(qos, "P1") == 1
+    await qos.release(lower[1].lease_id)
+    await qos.release(lower[2].lease_id)  # 3 in flight: room for P1 again
+    assert (await p1).admitted
+
+
 async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) -> None:
     """With a prefill model (here 1 ms per prompt token), a GPU-gated pool admits while
     the prompts admitted would be prefilled within max_prefill_backlog_ms (100 ms), so

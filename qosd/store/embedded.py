@@ -219,8 +219,14 @@ class EmbeddedStore:
             return 0
         mine = _standing(state, cls, cost, cls.rank)
         for head in self._heads(record, pool, now_us):
-            if head.cls.name != cls.name and (
-                _standing(state, head.cls, head.record.cost, head.rank) <= mine
+            if (
+                head.cls.name != cls.name
+                and _standing(state, head.cls, head.record.cost, head.rank) <= mine
+                and not budget.passes_reserve(
+                    cls,
+                    head.cls,
+                    budget.has_room(state, pool, head.cls, head.record.kv_tokens, now_us),
+                )
             ):
                 return 0  # someone stands better, or as well and came first
         return budget.gated_how(state, pool, cls, cost)
@@ -420,18 +426,26 @@ class EmbeddedStore:
     ) -> tuple[str, BucketDecision] | None:
         """Admits the best-standing head if it is this daemon's and the pool has room
         for it; a head of another daemon holds the room for that daemon's next pump.
-        A head over its tenant's ceiling steps aside. Returns what it admitted."""
+        A head without room holds it too, except the top class's reserve
+        (budget.passes_reserve): past it, only top-class heads may go. A head over its
+        tenant's ceiling steps aside. Returns what it admitted."""
         state = record.state
         heads = sorted(
             self._heads(record, pool, now_us),
             key=lambda h: (*_standing(state, h.cls, h.record.cost, h.rank), h.record.enqueued_us),
         )
+        blocked: ClassPolicy | None = None  # the better-standing head without room
         for head in heads:
             cls, cost = head.cls, head.record.cost
+            if blocked is not None and not budget.passes_reserve(cls, blocked, False):
+                continue
+            if not budget.has_room(state, pool, cls, head.record.kv_tokens, now_us):
+                if blocked is None and budget.passes_reserve(pool.classes[0], cls, False):
+                    blocked = cls  # the top class may still go past it, into its reserve
+                    continue
+                return None
             waiter = mine.get(head.id)
-            if waiter is None or not budget.has_room(
-                state, pool, cls, head.record.kv_tokens, now_us
-            ):
+            if waiter is None:
                 return None
             how = budget.gated_how(state, pool, cls, cost)
             if how == 0:

@@ -415,6 +415,12 @@ local function has_room(i, tokens)
   return not (bound_tokens > 0 and held + tokens > bound_tokens * share)
 end
 
+-- budget.passes_reserve: the top class goes past a better-standing waiter of a lower
+-- class that has no room, into the reserve that waiter could not use anyway.
+local function passes_reserve(i, ahead, ahead_has_room)
+  return i == 1 and ahead ~= 1 and not ahead_has_room
+end
+
 local function within_share(i, cost)
   return state.tokens[i] >= math.min(cost, classes[i].burst)
 end
@@ -692,7 +698,8 @@ local function gated_how_for_new(i, cost, kv)
   local mine = within_share(i, cost) and 0 or 1
   for _, w in ipairs(heads()) do
     if w.class ~= i and stands_before(standing(w), gated_rank(w.class, w.rank), w.class,
-        mine, gated_rank(i, classes[i].rank), i) then
+        mine, gated_rank(i, classes[i].rank), i)
+        and not passes_reserve(i, w.class, has_room(w.class, w.kv)) then
       return 0
     end
   end

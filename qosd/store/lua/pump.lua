@@ -113,7 +113,9 @@ end
 
 -- A GPU-gated pool: the best-standing head goes when the pool has room for it, if it
 -- is this daemon's; another daemon's head holds the room for that daemon's next
--- pump (qosd/store/embedded.py: _pump_gated). Returns whether it admitted one.
+-- pump, and a head without room holds it too, except the top class's reserve: past
+-- it only top-class heads may go (qosd/store/embedded.py: _pump_gated). Returns
+-- whether it admitted one.
 local function pump_gated()
   local order_heads = heads()
   for _, w in ipairs(order_heads) do
@@ -132,17 +134,26 @@ local function pump_gated()
     end
     return x.enqueued < y.enqueued
   end)
+  local blocked = nil  -- the class of the better-standing head without room
   for _, w in ipairs(order_heads) do
     local m = mine[w.id]
-    if not m or not has_room(w.class, w.kv) then
+    if blocked and not passes_reserve(w.class, blocked, false) then
+      -- past a head without room, only the top class, into its reserve
+    elseif not has_room(w.class, w.kv) then
+      if blocked or not passes_reserve(1, w.class, false) then
+        return false
+      end
+      blocked = w.class
+    elseif not m then
       return false
-    end
-    local how = gated_how(w.class, w.cost)
-    if how ~= 0 then  -- 0: may not go over its share yet; the next may be within its own
-      local tenant = tenant_for(w, m)
-      if tenant ~= false then
-        admit(w, m, how, tenant)
-        return true
+    else
+      local how = gated_how(w.class, w.cost)
+      if how ~= 0 then  -- 0: may not go over its share yet; the next may be within its own
+        local tenant = tenant_for(w, m)
+        if tenant ~= false then
+          admit(w, m, how, tenant)
+          return true
+        end
       end
     end
   end
