@@ -347,6 +347,7 @@ def _latency(stats: WindowStats, slo: SloConfig) -> qosd_pb2.LatencyStatus:
         slo_ttft_ms=slo.ttft_ms or 0.0,
         slo_tpot_ms=slo.tpot_ms or 0.0,
         slo_e2e_ms=slo.e2e_ms or 0.0,
+        tail_pressure=-1.0 if stats.tail_pressure is None else stats.tail_pressure,
     )
     for field, measured in (
         ("ttft_ms", stats.ttft_ms),

@@ -221,6 +221,9 @@ async def test_length_aware_objectives_over_grpc(make_daemon: DaemonFactory) -> 
     latency = (await qos.status()).pool("default").cls("P1").latency
     assert latency.samples == 4 and latency.compliance == pytest.approx(0.5)
     assert latency.slo_ttft_ms == 2_000  # the base
+    # The worst of the four against its own objective: 2,100 / 2,000 (nearest rank).
+    assert latency.tail_pressure == pytest.approx(1.05)
+    assert (await qos.status()).pool("default").cls("P0").latency.tail_pressure is None
 
 
 async def test_stated_objectives_are_reported_stored_and_judged(

@@ -162,6 +162,7 @@ def _latency(message: qosd_pb2.LatencyStatus) -> LatencyState:
         ttft=_percentiles(message, "ttft_ms"),
         tpot=_percentiles(message, "tpot_ms"),
         e2e=_percentiles(message, "e2e_ms"),
+        tail_pressure=None if message.tail_pressure < 0 else message.tail_pressure,
     )
 
 

@@ -102,6 +102,9 @@ class LatencyState:
     ttft: Percentiles | None
     tpot: Percentiles | None
     e2e: Percentiles | None
+    # The 95th percentile of each sample's worst latency over its objective (what the
+    # SLO loop grows and cuts by); None: nothing measured against an objective.
+    tail_pressure: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -716,6 +716,7 @@ class LatencyStatus(_message.Message):
     TTFT_MS_FIELD_NUMBER: _builtins.int
     TPOT_MS_FIELD_NUMBER: _builtins.int
     E2E_MS_FIELD_NUMBER: _builtins.int
+    TAIL_PRESSURE_FIELD_NUMBER: _builtins.int
     samples: _builtins.int
     """Samples judged (cancelled requests are left out)."""
     compliance: _builtins.float
@@ -726,6 +727,12 @@ class LatencyStatus(_message.Message):
     """The class's objectives, milliseconds; 0: none on that latency."""
     slo_tpot_ms: _builtins.float
     slo_e2e_ms: _builtins.float
+    tail_pressure: _builtins.float
+    """The 95th percentile, over the samples, of each sample's worst latency divided
+    by its own objective: 0.8 means 95 % of requests ran within 80 % of every
+    objective. The SLO loop grows only at or below control.grow_headroom and cuts
+    above control.cut_pressure. -1: nothing measured against an objective.
+    """
     @_builtins.property
     def ttft_ms(self) -> Global___Percentiles:
         """Nearest-rank percentiles, milliseconds; absent when no sample measured it."""
@@ -745,10 +752,11 @@ class LatencyStatus(_message.Message):
         ttft_ms: Global___Percentiles | None = ...,
         tpot_ms: Global___Percentiles | None = ...,
         e2e_ms: Global___Percentiles | None = ...,
+        tail_pressure: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["e2e_ms", b"e2e_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compliance", b"compliance", "e2e_ms", b"e2e_ms", "samples", b"samples", "slo_e2e_ms", b"slo_e2e_ms", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compliance", b"compliance", "e2e_ms", b"e2e_ms", "samples", b"samples", "slo_e2e_ms", b"slo_e2e_ms", "slo_tpot_ms", b"slo_tpot_ms", "slo_ttft_ms", b"slo_ttft_ms", "tail_pressure", b"tail_pressure", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
