@@ -277,12 +277,16 @@ def prefill_us(model: tuple[float, float, float], input_tokens: int) -> float:
     return (c + input_tokens * (a + b * input_tokens)) * 1000
 
 
-def prefill_started(state: PoolState, input_tokens: int, now_us: int) -> None:
+def prefill_started(state: PoolState, pool: PoolPolicy, input_tokens: int, now_us: int) -> None:
     """A GPU-gated pool admitted a prompt: its servers prefill it after those before
-    (unchunked, a prefill runs before any decode step), so the backlog grows by it."""
+    (unchunked, a prefill runs before any decode step), so the backlog grows by it.
+    The clock counts each prefill at 1 / ``prefill_share`` of its time: the servers
+    may spend that share of their time on prefill and the rest decoding, so the clock
+    is where the backlog would end at that pace."""
     if state.prefill_model is not None:
         start = max(now_us, state.prefill_until_us)
-        state.prefill_until_us = int(start + prefill_us(state.prefill_model, input_tokens))
+        work_us = prefill_us(state.prefill_model, input_tokens) / pool.prefill_share
+        state.prefill_until_us = int(start + work_us)
 
 
 def has_room(
@@ -292,9 +296,9 @@ def has_room(
     holding ``tokens`` (its prompt plus expected output: its KV cache), now. Classes
     below the top one leave ``top_reserve`` of the bound to it. With a prefill model
     learned, the prompts admitted must also be prefilled within the pool's
-    ``prefill_backlog_us``: on a prefill-bound server the KV cache holds tens of
-    seconds of prefill, and a request admitted behind them waits at the server, in
-    its first-come order, instead of in qosd's, in priority order."""
+    ``prefill_backlog_us`` (``prefill_limit_us``): on a prefill-bound server the KV
+    cache holds tens of seconds of prefill, and a request admitted behind them waits
+    at the server, in its first-come order, instead of in qosd's, in priority order."""
     flight = state.in_flight
     count = flight.total()
     if count == 0:
@@ -302,7 +306,7 @@ def has_room(
     if (
         state.prefill_model is not None
         and pool.prefill_backlog_us > 0
-        and state.prefill_until_us - now_us > pool.prefill_backlog_us
+        and state.prefill_until_us - now_us > prefill_limit_us(pool, cls)
     ):
         return False
     share = 1.0 if cls.rank == 0 else 1.0 - pool.top_reserve
@@ -324,6 +328,18 @@ def passes_reserve(cls: ClassPolicy, ahead: ClassPolicy, ahead_has_room: bool) -
     Without this, a P1 within its share at the head of a full pool would hold every
     P0 arrival past its max wait, the reserve standing empty."""
     return cls.rank == 0 and ahead.rank != 0 and not ahead_has_room
+
+
+def prefill_limit_us(pool: PoolPolicy, cls: ClassPolicy) -> float:
+    """How far ahead of now the prefill clock may run for ``cls`` to be admitted.
+    Below the top class: the backlog bound, on the clock that runs at the prefill
+    share, so that their prompts keep the servers prefilling at most that share of
+    the time (and every stream decoding the rest). The top class: the bound in real
+    prefill time (the clock's lead times the share), so that its requests wait
+    behind at most that much prefill, and the others' share never blocks it."""
+    if cls.rank == 0:
+        return pool.prefill_backlog_us / pool.prefill_share
+    return pool.prefill_backlog_us
 
 
 def held_for_gap(

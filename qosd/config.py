@@ -153,6 +153,14 @@ class PoolConfig(_Strict):
     # priority order, rather than at the servers, first come first served. None: the
     # top class's base TTFT objective (no such bound if it has none).
     max_prefill_backlog_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+    # Of the servers' time, the share prompts from classes below the top one may
+    # keep busy with prefill, on average over the backlog bound: on an unchunked
+    # server every stream waits through each prefill, so a stream's time per output
+    # token is about the decode step / (1 - the prefill share). With a decode step of
+    # ~25 ms at a full batch, 0.5 keeps it near 50 ms through a burst of prompts; the
+    # top class's own prompts are bounded by the backlog alone (its requests then
+    # wait behind at most max_prefill_backlog_ms of prefill). 1.0: no share.
+    max_prefill_share: Annotated[float, Field(gt=0, le=1)] = 0.5
 
 
 class WaitingConfig(_Strict):
@@ -546,6 +554,9 @@ class PoolPolicy:
     max_in_flight_tokens: float = 0.0
     top_reserve: float = 0.0  # of the bound, for the top class alone
     prefill_backlog_us: float = 0.0  # most predicted prefill ahead of an admission
+    # The prefill clock runs at this share of real time (max_prefill_share): below the
+    # top class, an admission needs the clock within prefill_backlog_us.
+    prefill_share: float = 1.0
 
     @property
     def gated(self) -> bool:
@@ -609,6 +620,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_in_flight_tokens=pool.max_in_flight_tokens or 0.0,
             top_reserve=pool.top_reserve,
             prefill_backlog_us=_prefill_backlog_ms(config, pool) * 1000,
+            prefill_share=pool.max_prefill_share,
         )
     return pools
 

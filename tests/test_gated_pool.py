@@ -254,8 +254,9 @@ async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) 
     """With a prefill model (here 1 ms per prompt token), a GPU-gated pool admits while
     the prompts admitted would be prefilled within max_prefill_backlog_ms (100 ms), so
     later requests wait in qosd, in priority order, rather than at the servers."""
+    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 100, "max_prefill_share": 1.0}
     extra = {
-        "pools": {"default": {"max_in_flight": 100, "max_prefill_backlog_ms": 100}},
+        "pools": {"default": pool},
         "control": {"enabled": False},  # the test states the model itself
     }
     running = await make_daemon(extra)
@@ -271,6 +272,28 @@ async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) 
     waiter = await qos.acquire("P0", 10, max_wait_ms=2_000)
     assert waiter.admitted
     assert time.monotonic() - started >= 0.04  # 160 - 100 ms, less the calls' own time
+
+
+async def test_the_prefill_share_bounds_the_lower_classes_prompts(
+    make_daemon: DaemonFactory,
+) -> None:
+    """With a prefill share of 0.5, the backlog clock counts each prefill twice its
+    time: below the top class, prompts are admitted while the clock is within the
+    bound (1 s here), so they keep the servers prefilling at most half the time. The
+    top class is bounded by real prefill time: the clock within twice the bound."""
+    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 1_000, "max_prefill_share": 0.5}
+    running = await make_daemon({"pools": {"default": pool}, "control": {"enabled": False}})
+    qos, admission = running.client, running.daemon.admission
+    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
+    assert (await qos.acquire("P1", 450, max_wait_ms=0)).admitted  # alone: 900 ms ahead
+    assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # within 1 s: 1.1 s
+    held = await qos.acquire("P1", 1, max_wait_ms=0)
+    assert not held.admitted and held.reason is Reason.RATE_LIMITED
+    # 1.1 s on the clock is 0.55 s of prefill ahead: P0 goes, until 2 s on the clock.
+    assert (await qos.acquire("P0", 400, max_wait_ms=0)).admitted  # 1.9 s
+    assert (await qos.acquire("P0", 200, max_wait_ms=0)).admitted  # 2.3 s
+    full = await qos.acquire("P0", 1, max_wait_ms=0)
+    assert not full.admitted and full.reason is Reason.RATE_LIMITED
 
 
 async def test_no_work_conservation_before_the_backlog_can_be_predicted(

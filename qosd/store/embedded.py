@@ -249,7 +249,7 @@ class EmbeddedStore:
             record.state.in_flight, cls, lease.input_tokens + lease.output_tokens, expires_us
         )
         if pool.gated:
-            budget.prefill_started(record.state, lease.input_tokens, now_us)
+            budget.prefill_started(record.state, pool, lease.input_tokens, now_us)
         self._leases[lease.lease_id] = _Lease(
             weight=lease.weight,
             input_tokens=lease.input_tokens,

@@ -160,6 +160,7 @@ class RedisStore:
                 repr(pool.max_in_flight_tokens),
                 repr(pool.top_reserve),
                 repr(pool.prefill_backlog_us),
+                repr(pool.prefill_share),
             ]
             for cls in pool.classes:
                 policy += [

@@ -27,7 +27,8 @@
 --                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
 --                second is read with the state), max_in_flight and max_in_flight_tokens
 --                (0: none; either makes the pool GPU-gated), top_reserve,
---                prefill_backlog_us (0: none), then per class in priority order: name,
+--                prefill_backlog_us (0: none), prefill_share, then per class in
+--                priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
 --                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
@@ -50,11 +51,12 @@ local max_in_flight = tonumber(ARGV[7])
 local max_in_flight_tokens = tonumber(ARGV[8])
 local top_reserve = tonumber(ARGV[9])
 local prefill_backlog_us = tonumber(ARGV[10])
+local prefill_share = tonumber(ARGV[11])
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 11
+  local a = 12
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -71,7 +73,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 11 + 12 * class_count
+local NEXT_ARG = 12 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -387,7 +389,8 @@ local function prefill_started(input)
   local m = state.prefill_model
   if m then
     local n = tonumber(input)
-    state.prefill_until = math.max(now, state.prefill_until) + (m[1] + n * (m[2] + m[3] * n)) * 1000
+    state.prefill_until = math.max(now, state.prefill_until)
+      + (m[1] + n * (m[2] + m[3] * n)) * 1000 / prefill_share
     state_changed = true
   end
 end
@@ -401,9 +404,15 @@ local function has_room(i, tokens)
   if count == 0 then
     return true  -- alone in an idle pool: always, whatever its size
   end
-  if state.prefill_model and prefill_backlog_us > 0
-    and state.prefill_until - now > prefill_backlog_us then
-    return false  -- the servers' prefill backlog is full: wait here, in priority order
+  if state.prefill_model and prefill_backlog_us > 0 then
+    -- budget.prefill_limit_us: the top class, in real prefill time
+    local limit = prefill_backlog_us
+    if i == 1 then
+      limit = prefill_backlog_us / prefill_share
+    end
+    if state.prefill_until - now > limit then
+      return false  -- the servers' prefill backlog is full: wait here, in priority order
+    end
   end
   local share = 1
   if i ~= 1 then
