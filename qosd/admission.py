@@ -25,6 +25,7 @@ from qosd.model import (
     Outcome,
     Reason,
     Sample,
+    ServerLoad,
     Settlement,
     StoreUnavailable,
     UsageReport,
@@ -423,15 +424,38 @@ class Admission:
 
     # -- report -----------------------------------------------------------------
 
-    def check_report_size(self, count: int) -> None:
-        if count == 0:
-            raise InvalidArgument("samples: at least one sample is required")
+    def check_report_size(self, count: int, loads: int = 0) -> None:
+        if count == 0 and loads == 0:
+            raise InvalidArgument("samples: at least one sample (or one of loads) is required")
         limit = self._config.limits.max_report_batch
-        if count > limit:
-            raise InvalidArgument(
-                f"samples: {count} samples exceed the batch limit of {limit} "
-                "(limits.max_report_batch); split the batch"
-            )
+        for name, found in (("samples", count), ("loads", loads)):
+            if found > limit:
+                raise InvalidArgument(
+                    f"{name}: {found} {name} exceed the batch limit of {limit} "
+                    "(limits.max_report_batch); split the batch"
+                )
+
+    def server_load(
+        self, *, model: str, server: str, waiting: int | None, kv_usage: float | None
+    ) -> tuple[str, ServerLoad]:
+        """Validates one server's load; its pool and the load, or InvalidArgument
+        naming the field."""
+        pool = self.resolve_pool(model)
+        if not server:
+            raise InvalidArgument("server is required: the loads of one server replace its last")
+        self._identifier(server, "server")
+        if waiting is not None and waiting < 0:
+            raise InvalidArgument(f"waiting_requests must be at least 0 (got {waiting})")
+        if kv_usage is not None and not (math.isfinite(kv_usage) and 0 <= kv_usage <= 1):
+            raise InvalidArgument(f"kv_cache_usage must be between 0 and 1 (got {kv_usage})")
+        return pool, ServerLoad(server, waiting, kv_usage)
+
+    async def report_loads(self, loads: list[tuple[str, ServerLoad]]) -> None:
+        by_pool: dict[str, list[ServerLoad]] = {}
+        for pool, load in loads:
+            by_pool.setdefault(pool, []).append(load)
+        for pool, pool_loads in by_pool.items():
+            await self._store.report_load(self._pools[pool], pool_loads)
 
     def sample(
         self,

@@ -32,8 +32,9 @@ what its servers can take instead, and the buckets decide the order:
 2. A request needs *room*: the leases in flight plus this one within the bound,
    in requests and in prompt plus expected output tokens, less ``top_reserve`` of it
    for classes below the top one, and the prompts admitted predicted to be prefilled
-   within ``prefill_backlog_us`` (``has_room``; a request alone in an idle pool
-   always fits).
+   within ``prefill_backlog_us`` at the prefill share (``prefill_limit_us``), and,
+   below the top class, the servers not past their own reported load
+   (``servers_full``) (``has_room``; a request alone in an idle pool always fits).
 3. Its *standing* is within its share when its own bucket covers it (or is full, for
    a cost above the burst), over its share otherwise; then its effective rank (aging
    promotes a waiter at most to the rank below the top class: ``gated_rank``), then
@@ -52,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qosd.config import ClassPolicy, PoolPolicy
@@ -227,6 +229,12 @@ class PoolState:
     # admitted so far (store time, us): a GPU-gated pool's prefill backlog.
     prefill_model: tuple[float, float, float] | None = None
     prefill_until_us: int = 0
+    # The servers' own load, aggregated over their latest reads (servers_load): the
+    # requests they hold waiting, summed, and the largest KV cache usage (None: none
+    # said), as of server_load_at_us (store time; 0: never).
+    server_waiting: int | None = None
+    server_kv_usage: float | None = None
+    server_load_at_us: int = 0
 
 
 def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
@@ -309,6 +317,8 @@ def has_room(
         and state.prefill_until_us - now_us > prefill_limit_us(pool, cls)
     ):
         return False
+    if cls.rank != 0 and servers_full(state, pool, now_us):
+        return False
     share = 1.0 if cls.rank == 0 else 1.0 - pool.top_reserve
     if pool.max_in_flight > 0 and count + 1 > pool.max_in_flight * share:
         return False
@@ -328,6 +338,42 @@ def passes_reserve(cls: ClassPolicy, ahead: ClassPolicy, ahead_has_room: bool) -
     Without this, a P1 within its share at the head of a full pool would hold every
     P0 arrival past its max wait, the reserve standing empty."""
     return cls.rank == 0 and ahead.rank != 0 and not ahead_has_room
+
+
+def servers_load(
+    reads: Iterable[tuple[int, int | None, float | None]], now_us: int, max_age_us: int
+) -> tuple[int | None, float | None]:
+    """The pool's servers' load from each one's latest ``(at_us, waiting, kv_usage)``:
+    the waiting requests summed and the largest KV usage over reads within
+    ``max_age_us`` (a server that stopped reporting stops counting); None where no
+    fresh read said."""
+    waiting: int | None = None
+    kv_usage: float | None = None
+    for at_us, server_waiting, server_kv in reads:
+        if now_us - at_us > max_age_us:
+            continue
+        if server_waiting is not None:
+            waiting = (waiting or 0) + server_waiting
+        if server_kv is not None:
+            kv_usage = server_kv if kv_usage is None else max(kv_usage, server_kv)
+    return waiting, kv_usage
+
+
+def servers_full(state: PoolState, pool: PoolPolicy, now_us: int) -> bool:
+    """Whether the pool's servers, by their own latest fresh reports, hold more
+    waiting requests than ``max_server_waiting`` or a KV cache at or above
+    ``max_kv_cache_usage``: then classes below the top one get no room, whatever
+    the leases in flight say."""
+    if now_us - state.server_load_at_us > pool.server_load_max_age_us:
+        return False
+    waiting, kv_usage = state.server_waiting, state.server_kv_usage
+    if pool.max_server_waiting >= 0 and waiting is not None and waiting > pool.max_server_waiting:
+        return True
+    return (
+        pool.max_kv_cache_usage > 0
+        and kv_usage is not None
+        and (kv_usage >= pool.max_kv_cache_usage)
+    )
 
 
 def prefill_limit_us(pool: PoolPolicy, cls: ClassPolicy) -> float:

@@ -16,7 +16,7 @@ import uvloop
 from qosd import ctl, logs
 from qosd.config import Config, ConfigError, load_config
 from qosd.server import StartupError, serve, write_ready_file
-from qosd_client import QosdClient
+from qosd_client import QosdClient, ServerLoad
 from qosd_client.reporter import LatencyReporter
 from qosd_client.triton_metrics import TritonMetricsScraper
 
@@ -118,6 +118,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     scrape.add_argument("--default-class", help="class of models not named by --class")
     scrape.add_argument("--interval", type=float, default=5.0, help="seconds between reads")
     scrape.add_argument("--max-samples", type=int, default=200, help="per model and read")
+    scrape.add_argument(
+        "--server", default="",
+        help="the name the server's load is reported under (default: --metrics-url); "
+        "qosd keeps each server's latest read",
+    )  # fmt: skip
+    scrape.add_argument(
+        "--no-load", action="store_true",
+        help="report latencies only, not the server's pending requests, waiting requests "
+        "and KV cache usage",
+    )  # fmt: skip
     scrape.add_argument(
         "--ready-file", metavar="PATH",
         help="once the first read (the baseline) has succeeded, write {pid, metrics_url, "
@@ -230,9 +240,14 @@ def _triton_scrape(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         async with QosdClient(args.qosd) as qos, LatencyReporter(qos) as reporter:
+
+            async def report_loads(loads: list[ServerLoad]) -> None:
+                await qos.report([], loads=loads)
+
             scraper = TritonMetricsScraper(
                 args.metrics_url, reporter, classes, default_class=args.default_class,
-                interval_s=args.interval, max_samples=args.max_samples,
+                interval_s=args.interval, max_samples=args.max_samples, server=args.server,
+                on_loads=None if args.no_load else report_loads,
             )  # fmt: skip
             await scraper.run(stop, on_baseline=baseline_read)
 

@@ -161,6 +161,16 @@ class PoolConfig(_Strict):
     # top class's own prompts are bounded by the backlog alone (its requests then
     # wait behind at most max_prefill_backlog_ms of prefill). 1.0: no share.
     max_prefill_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # A GPU-gated pool whose servers report their own load (ReportRequest.loads, from
+    # `qosd triton-scrape` or a server-side reporter): classes below the top one are
+    # not admitted while the requests the servers hold waiting, summed over them,
+    # exceed max_server_waiting, or while any server's KV cache usage is at or above
+    # max_kv_cache_usage. Leases count what qosd admitted; the servers know what
+    # they really hold (other traffic, requests longer than estimated, a slow
+    # replica). None: not used. Reads older than server_load_max_age_ms are ignored.
+    max_server_waiting: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
+    max_kv_cache_usage: Annotated[float, Field(gt=0, le=1)] | None = None
+    server_load_max_age_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
 
 
 class WaitingConfig(_Strict):
@@ -557,6 +567,10 @@ class PoolPolicy:
     # The prefill clock runs at this share of real time (max_prefill_share): below the
     # top class, an admission needs the clock within prefill_backlog_us.
     prefill_share: float = 1.0
+    # The servers' own load (PoolConfig): -1 / 0: not used.
+    max_server_waiting: int = -1
+    max_kv_cache_usage: float = 0.0
+    server_load_max_age_us: int = 5_000_000
 
     @property
     def gated(self) -> bool:
@@ -621,6 +635,9 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             top_reserve=pool.top_reserve,
             prefill_backlog_us=_prefill_backlog_ms(config, pool) * 1000,
             prefill_share=pool.max_prefill_share,
+            max_server_waiting=-1 if pool.max_server_waiting is None else pool.max_server_waiting,
+            max_kv_cache_usage=pool.max_kv_cache_usage or 0.0,
+            server_load_max_age_us=pool.server_load_max_age_ms * 1000,
         )
     return pools
 

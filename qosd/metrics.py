@@ -114,6 +114,18 @@ class Metrics:
         self.leases = self._gauge(
             "qosd_active_leases", "Leases neither released nor expired, fleet-wide.", ["pool"]
         )
+        self.server_waiting = self._gauge(
+            "qosd_server_waiting_requests",
+            "Requests the pool's servers hold waiting, by their own latest reports "
+            "(ReportRequest.loads), summed; absent while none is known.",
+            ["pool"],
+        )
+        self.server_kv = self._gauge(
+            "qosd_server_kv_cache_usage",
+            "The largest KV cache usage (0 to 1) the pool's servers report; absent while "
+            "none is known.",
+            ["pool"],
+        )
         self.store_up = self._gauge("qosd_store_up", "1 if the last scrape read the store.", [])
         self.leader = self._gauge(
             "qosd_controller_leader", "1 while this daemon runs the SLO loop.", []
@@ -144,13 +156,17 @@ class Metrics:
 
     def update_from_status(self, status: qosd_pb2.GetStatusResponse, leads: bool) -> None:
         """Sets the state gauges from an ``Admin/GetStatus`` answer."""
-        for gauge in (self.compliance, self.latency):
+        for gauge in (self.compliance, self.latency, self.server_waiting, self.server_kv):
             gauge.clear()  # a class whose window emptied must not keep an old value
         for pool in status.pools:
             self.pool_rate.labels(pool.name).set(pool.admitted_rate_tokens_s)
             self.pool_capacity.labels(pool.name).set(pool.capacity_tokens_s)
             self.pool_pinned.labels(pool.name).set(1 if pool.pinned else 0)
             self.leases.labels(pool.name).set(pool.active_leases)
+            if pool.server_waiting_requests >= 0:
+                self.server_waiting.labels(pool.name).set(pool.server_waiting_requests)
+            if pool.server_kv_cache_usage >= 0:
+                self.server_kv.labels(pool.name).set(pool.server_kv_cache_usage)
             for cls in pool.classes:
                 labels = (pool.name, cls.name)
                 self.class_rate.labels(*labels).set(cls.rate_tokens_s)

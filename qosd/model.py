@@ -128,6 +128,16 @@ class ClassStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerLoad:
+    """One model server's gauges at one read (ReportRequest.loads): requests it holds
+    waiting, and the share of its KV cache in use; None: not known."""
+
+    server: str
+    waiting: int | None
+    kv_usage: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStatus:
     shared_tokens: float
     classes: dict[str, ClassStatus]
@@ -135,6 +145,9 @@ class PoolStatus:
     admitted_tokens: float  # tokens admitted since the pool's state was created
     now_ms: int  # the store's clock
     long_prefill_tokens: float = 0.0  # longer prompts wait for a gap (0: no rule)
+    # The servers' load, as budget.servers_load judges it now (None: not known).
+    server_waiting: int | None = None
+    server_kv_usage: float | None = None
 
     @property
     def active_leases(self) -> int:

@@ -29,6 +29,7 @@ from qosd.model import (
     LeaseNotFound,
     Outcome,
     Sample,
+    ServerLoad,
     StoreUnavailable,
 )
 from qosd.slo import WindowStats, window_stats
@@ -141,7 +142,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
     ) -> qosd_pb2.ReportResponse:
         admission = self._admission
         try:
-            admission.check_report_size(len(request.samples))
+            admission.check_report_size(len(request.samples), len(request.loads))
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         accepted: list[Sample] = []
@@ -169,8 +170,25 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             else:
                 if item.traceparent:
                     traced.append((item, accepted[-1]))
+        loads: list[tuple[str, ServerLoad]] = []
+        loads_rejected: list[qosd_pb2.RejectedLoad] = []
+        for index, load in enumerate(request.loads):
+            try:
+                loads.append(
+                    admission.server_load(
+                        model=load.model,
+                        server=load.server,
+                        waiting=load.waiting_requests
+                        if load.HasField("waiting_requests")
+                        else None,
+                        kv_usage=load.kv_cache_usage if load.HasField("kv_cache_usage") else None,
+                    )
+                )
+            except InvalidArgument as exc:
+                loads_rejected.append(qosd_pb2.RejectedLoad(index=index, reason=str(exc)))
         try:
             await admission.report(accepted)
+            await admission.report_loads(loads)
         except StoreUnavailable as exc:
             self._metrics.report_samples.labels("unavailable").inc(len(request.samples))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
@@ -185,7 +203,12 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                 )  # fmt: skip
             if traced:  # each sample's own trace decides whether it is sampled
                 tracing.sample_spans(self._tracer, span, traced)
-        return qosd_pb2.ReportResponse(accepted=len(accepted), rejected=rejected)
+        return qosd_pb2.ReportResponse(
+            accepted=len(accepted),
+            rejected=rejected,
+            loads_accepted=len(loads),
+            loads_rejected=loads_rejected,
+        )
 
 
 class AdminService(qosd_pb2_grpc.AdminServicer):
@@ -289,6 +312,12 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
             max_rate_tokens_s=pool.max_capacity,
             active_leases=status.active_leases,
             long_prefill_tokens=status.long_prefill_tokens,
+            server_waiting_requests=(
+                -1 if status.server_waiting is None else status.server_waiting
+            ),
+            server_kv_cache_usage=(
+                -1.0 if status.server_kv_usage is None else status.server_kv_usage
+            ),
         )
         if adjustments:
             entry.last_adjustment.CopyFrom(_adjustment(adjustments[0], status.now_ms))

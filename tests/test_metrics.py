@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from qosd.config import Config
 from qosd.server import Daemon, start
 from qosd.testing import RedisServer, redis_server
-from qosd_client import InvalidRequest, LatencySample, QosdClient, Reason
+from qosd_client import InvalidRequest, LatencySample, QosdClient, Reason, ServerLoad
 from tests.conftest import BASE_CONFIG, merge
 
 CONFIG = merge(
@@ -72,7 +72,8 @@ async def test_metrics_count_what_happened(daemon: Daemon) -> None:
             await qos.acquire("P7", 10, model="llama-3-8b")
         await qos.report(
             [LatencySample("llama-3-8b", "P0", ttft_ms=100 + i, tpot_ms=20) for i in range(9)]
-            + [LatencySample("llama-3-8b", "P0", ttft_ms=900, tpot_ms=20)]
+            + [LatencySample("llama-3-8b", "P0", ttft_ms=900, tpot_ms=20)],
+            loads=[ServerLoad("llama-3-8b", "triton-0", waiting_requests=4)],
         )
         await qos.pin_rate("default", 8_000)
         status = (await qos.status("default")).pool("default")
@@ -103,6 +104,8 @@ async def test_metrics_count_what_happened(daemon: Daemon) -> None:
         frozenset({"pool": "default", "class": "P2"}.items()),
     ) not in samples  # no objectives
     assert _value(samples, "qosd_active_leases", pool="default") == 0  # all released
+    assert _value(samples, "qosd_server_waiting_requests", pool="default") == 4
+    assert ("qosd_server_kv_cache_usage", frozenset({"pool": "default"}.items())) not in samples
     assert _value(samples, "qosd_store_up") == 1
     _promtool_accepts(text)
 

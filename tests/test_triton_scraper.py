@@ -165,6 +165,9 @@ def test_the_cli_reports_until_stopped(tmp_path: Path) -> None:
             written = json.loads(ready.read_text())
             assert written == {"pid": process.pid, "metrics_url": simulated.metrics_url,
                                "qosd": daemon.address}  # fmt: skip
+            # Every read reports the server's own load too, the baseline included: an
+            # idle server holds no request waiting.
+            assert asyncio.run(_server_waiting(daemon.address)) == 0
             asyncio.run(_traffic(simulated.grpc, 4))
             deadline = time.monotonic() + 10
             samples = 0
@@ -186,6 +189,11 @@ def _inputs(prompt: int, output: int) -> list[triton.InferInput]:
 async def _traffic(address: str, count: int) -> None:
     async with triton.InferenceServerClient(address) as client:
         await asyncio.gather(*(client.infer("llm", _inputs(100, 4)) for _ in range(count)))
+
+
+async def _server_waiting(address: str) -> int | None:
+    async with QosdClient(address) as qos:
+        return (await qos.status("llm")).pool("llm").server_waiting_requests
 
 
 async def _p0_samples(address: str) -> int:

@@ -27,6 +27,7 @@ from qosd_client.types import (
     ReleaseResult,
     ReportResult,
     SampleSink,
+    ServerLoad,
     Status,
     Unavailable,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "ReleaseResult",
     "ReportResult",
     "SampleSink",
+    "ServerLoad",
     "Status",
     "SyncQosdClient",
     "Unavailable",

@@ -23,6 +23,7 @@ from qosd_client.types import (
     Reason,
     ReleaseResult,
     ReportResult,
+    ServerLoad,
     Status,
     Unavailable,
 )
@@ -112,8 +113,16 @@ def release_result(response: qosd_pb2.ReleaseResponse) -> ReleaseResult:
     )
 
 
-def report_request(samples: list[LatencySample]) -> qosd_pb2.ReportRequest:
+def report_request(
+    samples: list[LatencySample], loads: list[ServerLoad] | None = None
+) -> qosd_pb2.ReportRequest:
     request = qosd_pb2.ReportRequest()
+    for load in loads or ():
+        entry = request.loads.add(model=load.model, server=load.server)
+        if load.waiting_requests is not None:
+            entry.waiting_requests = load.waiting_requests
+        if load.kv_cache_usage is not None:
+            entry.kv_cache_usage = load.kv_cache_usage
     for sample in samples:
         item = request.samples.add(
             model=sample.model,
@@ -142,6 +151,8 @@ def report_result(response: qosd_pb2.ReportResponse) -> ReportResult:
     return ReportResult(
         accepted=response.accepted,
         rejected=tuple((item.index, item.reason) for item in response.rejected),
+        loads_accepted=response.loads_accepted,
+        loads_rejected=tuple((item.index, item.reason) for item in response.loads_rejected),
     )
 
 
@@ -212,6 +223,12 @@ def pool_state(pool: qosd_pb2.PoolStatus) -> PoolState:
         max_rate_tokens_s=pool.max_rate_tokens_s,
         active_leases=pool.active_leases,
         long_prefill_tokens=pool.long_prefill_tokens,
+        server_waiting_requests=(
+            None if pool.server_waiting_requests < 0 else pool.server_waiting_requests
+        ),
+        server_kv_cache_usage=None
+        if pool.server_kv_cache_usage < 0
+        else pool.server_kv_cache_usage,
     )
 
 

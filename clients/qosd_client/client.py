@@ -28,6 +28,7 @@ from qosd_client.types import (
     Rejected,
     ReleaseResult,
     ReportResult,
+    ServerLoad,
     Status,
 )
 
@@ -147,9 +148,14 @@ class QosdClient:
         return _convert.release_result(response)
 
     async def report(
-        self, samples: Sequence[LatencySample], *, timeout_s: float | None = None
+        self,
+        samples: Sequence[LatencySample],
+        *,
+        loads: Sequence[ServerLoad] = (),
+        timeout_s: float | None = None,
     ) -> ReportResult:
-        request = _convert.report_request(list(samples))
+        """Stores latency samples and, with ``loads``, model servers' own gauges."""
+        request = _convert.report_request(list(samples), list(loads))
         try:
             response = await self._stub.Report(
                 request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
@@ -306,9 +312,13 @@ class SyncQosdClient:
         return _convert.release_result(response)
 
     def report(
-        self, samples: Sequence[LatencySample], *, timeout_s: float | None = None
+        self,
+        samples: Sequence[LatencySample],
+        *,
+        loads: Sequence[ServerLoad] = (),
+        timeout_s: float | None = None,
     ) -> ReportResult:
-        request = _convert.report_request(list(samples))
+        request = _convert.report_request(list(samples), list(loads))
         try:
             response = self._stub.Report(
                 request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()

@@ -20,6 +20,10 @@ the last read, and turns it into samples for the model's class:
 No TPOT: Triton's metrics do not carry tokens. A counter that went down means the
 server restarted, and its new values are the difference. The first read only sets
 the baseline. Samples go to a reporter (``LatencyReporter``) like any others.
+
+With ``on_loads``, every read also hands over the server's own gauges (its pending
+requests, and vLLM's waiting requests and KV cache usage: ``qosd_client.server_load``),
+the first read included, for ``QosdClient.report(loads=...)``.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosd_client.types import LatencySample, Outcome, SampleSink
+from qosd_client.server_load import server_loads
+from qosd_client.types import LatencySample, Outcome, SampleSink, ServerLoad
 
 log = logging.getLogger("qosd_client.triton_metrics")
 
@@ -168,6 +173,8 @@ class ScraperStats:
     failed_reads: int = 0
     samples: int = 0
     unmapped_models: int = 0  # models with no class (and no default class)
+    loads: int = 0  # server loads handed to on_loads
+    failed_loads: int = 0  # on_loads calls that raised
 
 
 class TritonMetricsScraper:
@@ -187,7 +194,11 @@ class TritonMetricsScraper:
         interval_s: float = 5.0,
         max_samples: int = 200,
         timeout_s: float = 2.0,
+        server: str = "",
+        on_loads: Callable[[list[ServerLoad]], Awaitable[object]] | None = None,
     ) -> None:
+        """``on_loads`` receives the server's gauges at every read, named ``server``
+        (by default the metrics URL)."""
         if interval_s <= 0 or max_samples < 1:
             raise ValueError("need interval_s > 0 and max_samples >= 1")
         self._url = url
@@ -198,6 +209,8 @@ class TritonMetricsScraper:
         self._max_samples = max_samples
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._last: dict[str, ModelCounters] | None = None
+        self._server = server or url
+        self._on_loads = on_loads
         self.stats = ScraperStats()
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> list[LatencySample]:
@@ -212,6 +225,7 @@ class TritonMetricsScraper:
             log.warning("reading %s failed: %r", self._url, error)
             return []
         self.stats.reads += 1
+        await self._hand_over_loads(text)
         baseline = self._last is None
         samples = self.samples_since_last(current)
         if baseline:
@@ -221,6 +235,20 @@ class TritonMetricsScraper:
             self._sink.record(sample)
         self.stats.samples += len(samples)
         return samples
+
+    async def _hand_over_loads(self, text: str) -> None:
+        if self._on_loads is None:
+            return
+        loads = server_loads(text, self._server)
+        if not loads:
+            return
+        try:
+            await self._on_loads(loads)
+        except Exception as error:
+            self.stats.failed_loads += 1
+            log.warning("reporting the load of %s failed: %r", self._server, error)
+        else:
+            self.stats.loads += len(loads)
 
     @property
     def has_baseline(self) -> bool:

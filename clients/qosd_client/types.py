@@ -78,9 +78,25 @@ class LatencySample:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerLoad:
+    """One model server's own gauges at one read, for ``report(loads=...)``: the
+    requests it holds waiting (Triton's nv_inference_pending_request_count, vLLM's
+    vllm:num_requests_waiting) and the share of its KV cache in use (vLLM's
+    vllm:kv_cache_usage_perc); None: not known. ``server`` names the instance: qosd
+    keeps each one's latest read."""
+
+    model: str
+    server: str
+    waiting_requests: int | None = None
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReportResult:
     accepted: int
     rejected: tuple[tuple[int, str], ...]
+    loads_accepted: int = 0
+    loads_rejected: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +172,9 @@ class PoolState:
     max_rate_tokens_s: float
     active_leases: int = 0  # neither released nor expired
     long_prefill_tokens: float = 0.0  # longer prompts wait for a gap in P0 traffic; 0: none
+    # What the pool's servers last said of their load, while fresh; None: not known.
+    server_waiting_requests: int | None = None
+    server_kv_cache_usage: float | None = None
 
     def cls(self, name: str) -> ClassState:
         return next(c for c in self.classes if c.name == name)

@@ -20,6 +20,7 @@ from qosd.model import (
     PoolStatus,
     PumpResult,
     Sample,
+    ServerLoad,
     Settlement,
     StoredSample,
     UsageReport,
@@ -101,6 +102,11 @@ class BucketStore(Protocol):
         prompt length above which a request waits for a gap in the top class's traffic
         (0: no such rule), and the prefill model ``(c, a, b)`` (c + a n + b n^2 ms),
         with which a GPU-gated pool bounds its prefill backlog (None: no bound)."""
+        ...
+
+    async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
+        """Keeps each server's latest load and sets the pool's aggregate
+        (``budget.servers_load``), which admission reads (``budget.servers_full``)."""
         ...
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:

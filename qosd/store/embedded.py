@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from qosd import budget
 from qosd.config import ClassPolicy, PoolPolicy
@@ -31,6 +31,7 @@ from qosd.model import (
     PumpResult,
     Reason,
     Sample,
+    ServerLoad,
     Settlement,
     StoredSample,
     UsageReport,
@@ -51,6 +52,13 @@ LONG_PREFILL_RETRY_MS = 1000
 
 def monotonic_us() -> int:
     return time.monotonic_ns() // 1000
+
+
+def _server_status(state: budget.PoolState | None, pool: PoolPolicy, now_us: int) -> dict[str, Any]:
+    """PoolStatus's server fields: the servers' load while fresh, else unknown."""
+    if state is None or now_us - state.server_load_at_us > pool.server_load_max_age_us:
+        return {"server_waiting": None, "server_kv_usage": None}
+    return {"server_waiting": state.server_waiting, "server_kv_usage": state.server_kv_usage}
 
 
 def _standing(
@@ -118,6 +126,8 @@ class EmbeddedStore:
         self._leases: dict[str, _Lease] = {}
         self._requests: dict[tuple[str, str], tuple[str, float, int]] = {}
         self._windows: dict[tuple[str, str], deque[str]] = {}
+        # Per pool, each server's latest load: (at_us, waiting, kv_usage).
+        self._server_reads: dict[str, dict[str, tuple[int, int | None, float | None]]] = {}
         # Every lease has the same TTL, so creation order is expiry order: the sweep
         # only ever looks at the front of these queues.
         self._lease_order: deque[tuple[int, str]] = deque()
@@ -584,6 +594,7 @@ class EmbeddedStore:
             admitted_tokens=state.admitted,
             now_ms=now_us // 1000,
             long_prefill_tokens=state.long_prefill_tokens,
+            **_server_status(existing.state if existing else None, pool, now_us),
         )
 
     # -- control.lua, adjust.lua, lead.lua ------------------------------------------
@@ -627,6 +638,21 @@ class EmbeddedStore:
         record, _ = self._pool(pool, self._clock())
         record.state.long_prefill_tokens = tokens
         record.state.prefill_model = model
+
+    async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
+        now_us = self._clock()
+        record, _ = self._pool(pool, now_us)
+        reads = self._server_reads.setdefault(pool.name, {})
+        for load in loads:
+            reads[load.server] = (now_us, load.waiting, load.kv_usage)
+        for server in [
+            s for s, read in reads.items() if now_us - read[0] > pool.server_load_max_age_us
+        ]:
+            del reads[server]  # stopped reporting: forgotten, as load.lua does
+        waiting, kv_usage = budget.servers_load(reads.values(), now_us, pool.server_load_max_age_us)
+        record.state.server_waiting = waiting
+        record.state.server_kv_usage = kv_usage
+        record.state.server_load_at_us = now_us
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         return list(self._history.get(pool.name, ()))[:limit]

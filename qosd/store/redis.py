@@ -34,6 +34,7 @@ from qosd.model import (
     PumpResult,
     Reason,
     Sample,
+    ServerLoad,
     Settlement,
     StoredSample,
     StoreUnavailable,
@@ -102,7 +103,7 @@ class RedisStore:
         )
         names = (
             "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",
-            "report",
+            "report", "load",
         )  # fmt: skip
         self._scripts = {name: _Script.load(name) for name in names}
         self._pool_args: dict[str, _PoolArgs] = {}
@@ -161,6 +162,9 @@ class RedisStore:
                 repr(pool.top_reserve),
                 repr(pool.prefill_backlog_us),
                 repr(pool.prefill_share),
+                pool.max_server_waiting,
+                repr(pool.max_kv_cache_usage),
+                pool.server_load_max_age_us,
             ]
             for cls in pool.classes:
                 policy += [
@@ -451,6 +455,7 @@ class RedisStore:
                 in_flight=int(in_flight),
                 in_flight_tokens=float(in_flight_tokens),
             )
+        waiting, kv_usage = reply[5 + 7 * len(pool.classes) :]
         return PoolStatus(
             shared_tokens=float(reply[1]),
             classes=classes,
@@ -458,6 +463,8 @@ class RedisStore:
             admitted_tokens=float(reply[3]),
             now_ms=now_us // 1000,
             long_prefill_tokens=float(reply[4]),
+            server_waiting=int(waiting) if waiting else None,
+            server_kv_usage=float(kv_usage) if kv_usage else None,
         )
 
     # -- the SLO loop's state -------------------------------------------------------
@@ -531,6 +538,18 @@ class RedisStore:
             await self._client.execute(state_key, "HSET", state_key, "M", encoded)
         else:
             await self._client.execute(state_key, "HDEL", state_key, "M")
+
+    async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
+        args_for = self._args_for(pool)
+        args: list[Any] = [pool.server_load_max_age_us, 10 * pool.server_load_max_age_us // 1000]
+        for load in loads:
+            args += [
+                load.server,
+                "" if load.waiting is None else load.waiting,
+                "" if load.kv_usage is None else repr(float(load.kv_usage)),
+            ]
+        keys = (args_for.keys[0], f"{args_for.prefix}servers")
+        await self._run(self._scripts["load"], keys, args)
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         if limit <= 0:

@@ -515,22 +515,104 @@ class ReportRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SAMPLES_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___LatencySample]:
         """At most `limits.max_report_batch` samples (default 10000)."""
+
+    @_builtins.property
+    def loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServerLoad]:
+        """What model servers say of their own load (a scraper's or a server's reporter's
+        latest read), at most `limits.max_report_batch`. A GPU-gated pool with
+        `max_server_waiting` or `max_kv_cache_usage` set stops admitting classes below
+        the top one while its servers, together, are past them.
+        """
 
     def __init__(
         self,
         *,
         samples: _abc.Iterable[Global___LatencySample] | None = ...,
+        loads: _abc.Iterable[Global___ServerLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loads", b"loads", "samples", b"samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportRequest: _TypeAlias = ReportRequest  # noqa: Y015
+
+@_typing.final
+class ServerLoad(_message.Message):
+    """ServerLoad is one model server's gauges at one read."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    SERVER_FIELD_NUMBER: _builtins.int
+    WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The model it serves, mapped to its pool like an Acquire's; required."""
+    server: _builtins.str
+    """Which server (instance, pod): the pool keeps each server's latest read and
+    sums them. Required, at most 256 characters.
+    """
+    waiting_requests: _builtins.int
+    """Requests the server has accepted but not begun: Triton's
+    nv_inference_pending_request_count, vLLM's vllm:num_requests_waiting. Absent:
+    not known. At least 0.
+    """
+    kv_cache_usage: _builtins.float
+    """Share of its KV cache in use, 0 to 1: vLLM's vllm:kv_cache_usage_perc. Absent:
+    not known.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        server: _builtins.str = ...,
+        waiting_requests: _builtins.int | None = ...,
+        kv_cache_usage: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_waiting_requests", b"_waiting_requests", "kv_cache_usage", b"kv_cache_usage", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_waiting_requests", b"_waiting_requests", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "server", b"server", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__kv_cache_usage: _TypeAlias = _typing.Literal["kv_cache_usage"]  # noqa: Y015
+    _WhichOneofArgType__kv_cache_usage: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage"]  # noqa: Y015
+    _WhichOneofReturnType__waiting_requests: _TypeAlias = _typing.Literal["waiting_requests"]  # noqa: Y015
+    _WhichOneofArgType__waiting_requests: _TypeAlias = _typing.Literal["_waiting_requests", b"_waiting_requests"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_cache_usage) -> _WhichOneofReturnType__kv_cache_usage | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__waiting_requests) -> _WhichOneofReturnType__waiting_requests | None: ...
+
+Global___ServerLoad: _TypeAlias = ServerLoad  # noqa: Y015
+
+@_typing.final
+class RejectedLoad(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Index of the load in ReportRequest.loads."""
+    reason: _builtins.str
+    """Why it was not stored, naming the field."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RejectedLoad: _TypeAlias = RejectedLoad  # noqa: Y015
 
 @_typing.final
 class RejectedSample(_message.Message):
@@ -562,21 +644,29 @@ class ReportResponse(_message.Message):
 
     ACCEPTED_FIELD_NUMBER: _builtins.int
     REJECTED_FIELD_NUMBER: _builtins.int
+    LOADS_ACCEPTED_FIELD_NUMBER: _builtins.int
+    LOADS_REJECTED_FIELD_NUMBER: _builtins.int
     accepted: _builtins.int
     """Samples stored."""
+    loads_accepted: _builtins.int
+    """Loads stored, and those that failed validation."""
     @_builtins.property
     def rejected(self) -> _containers.RepeatedCompositeFieldContainer[Global___RejectedSample]:
         """Samples that failed validation; the rest of the batch was still stored."""
 
+    @_builtins.property
+    def loads_rejected(self) -> _containers.RepeatedCompositeFieldContainer[Global___RejectedLoad]: ...
     def __init__(
         self,
         *,
         accepted: _builtins.int = ...,
         rejected: _abc.Iterable[Global___RejectedSample] | None = ...,
+        loads_accepted: _builtins.int = ...,
+        loads_rejected: _abc.Iterable[Global___RejectedLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "rejected", b"rejected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "loads_accepted", b"loads_accepted", "loads_rejected", b"loads_rejected", "rejected", b"rejected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -849,6 +939,8 @@ class PoolStatus(_message.Message):
     MAX_RATE_TOKENS_S_FIELD_NUMBER: _builtins.int
     ACTIVE_LEASES_FIELD_NUMBER: _builtins.int
     LONG_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    SERVER_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
+    SERVER_KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     capacity_tokens_s: _builtins.float
     """Configured capacity, tokens per second."""
@@ -876,6 +968,13 @@ class PoolStatus(_message.Message):
     (their prefill would stall it beyond what it can absorb; learned by the SLO
     loop from reports, docs/design.md); 0: no such rule now.
     """
+    server_waiting_requests: _builtins.int
+    """What the pool's servers last said of their load (ReportRequest.loads), summed
+    over the servers heard from within `pools.<pool>.server_load_max_age_ms`: the
+    requests they hold waiting, and the largest KV cache usage (0 to 1). -1: none
+    heard from, or none said.
+    """
+    server_kv_cache_usage: _builtins.float
     @_builtins.property
     def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassStatus]:
         """In priority order."""
@@ -903,10 +1002,12 @@ class PoolStatus(_message.Message):
         max_rate_tokens_s: _builtins.float = ...,
         active_leases: _builtins.int = ...,
         long_prefill_tokens: _builtins.float = ...,
+        server_waiting_requests: _builtins.int = ...,
+        server_kv_cache_usage: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_adjustment", b"last_adjustment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "long_prefill_tokens", b"long_prefill_tokens", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "admitted_rate_tokens_s", b"admitted_rate_tokens_s", "capacity_tokens_s", b"capacity_tokens_s", "classes", b"classes", "history", b"history", "last_adjustment", b"last_adjustment", "long_prefill_tokens", b"long_prefill_tokens", "max_rate_tokens_s", b"max_rate_tokens_s", "min_rate_tokens_s", b"min_rate_tokens_s", "name", b"name", "pinned", b"pinned", "server_kv_cache_usage", b"server_kv_cache_usage", "server_waiting_requests", b"server_waiting_requests", "shared_burst_tokens", b"shared_burst_tokens", "shared_tokens", b"shared_tokens", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

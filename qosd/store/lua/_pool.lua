@@ -27,8 +27,9 @@
 --                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
 --                second is read with the state), max_in_flight and max_in_flight_tokens
 --                (0: none; either makes the pool GPU-gated), top_reserve,
---                prefill_backlog_us (0: none), prefill_share, then per class in
---                priority order: name,
+--                prefill_backlog_us (0: none), prefill_share, max_server_waiting (-1:
+--                none), max_kv_cache_usage (0: none), server_load_max_age_us, then per
+--                class in priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
 --                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
@@ -52,11 +53,14 @@ local max_in_flight_tokens = tonumber(ARGV[8])
 local top_reserve = tonumber(ARGV[9])
 local prefill_backlog_us = tonumber(ARGV[10])
 local prefill_share = tonumber(ARGV[11])
+local max_server_waiting = tonumber(ARGV[12])
+local max_kv_cache_usage = tonumber(ARGV[13])
+local server_load_max_age_us = tonumber(ARGV[14])
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 12
+  local a = 15
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -73,7 +77,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 12 + 12 * class_count
+local NEXT_ARG = 15 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -147,10 +151,11 @@ local function parse_expiring(value)
   end
   return entry
 end
-local HEADER = 11  -- fields read before the per-class ones
+local HEADER = 14  -- fields read before the per-class ones
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
-  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B'}
+  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
+    'Sw', 'Sk', 'St'}
   for i = 1, class_count do
     local name = classes[i].name
     fields[#fields + 1] = 't:' .. name
@@ -176,6 +181,11 @@ do
     state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}
   end
   state.prefill_until = tonumber(values[11]) or 0
+  -- The servers' own load (load.lua), while fresh; nil: not known.
+  if now - (tonumber(values[14]) or 0) <= server_load_max_age_us then
+    state.server_waiting = tonumber(values[12])
+    state.server_kv = tonumber(values[13])
+  end
   allocate(state.capacity)
   if values[1] then
     state.updated = tonumber(values[1])
@@ -413,6 +423,12 @@ local function has_room(i, tokens)
     if state.prefill_until - now > limit then
       return false  -- the servers' prefill backlog is full: wait here, in priority order
     end
+  end
+  -- budget.servers_full: below the top class, the servers' own load
+  if i ~= 1 and ((max_server_waiting >= 0 and state.server_waiting
+      and state.server_waiting > max_server_waiting)
+    or (max_kv_cache_usage > 0 and state.server_kv and state.server_kv >= max_kv_cache_usage)) then
+    return false
   end
   local share = 1
   if i ~= 1 then
