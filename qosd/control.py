@@ -98,6 +98,24 @@ def _judged(stats: dict[str, WindowStats], config: ControlConfig) -> dict[str, f
     }
 
 
+def _first_cut(
+    detail: str, config: ControlConfig, last_direction: int, since_change_ms: int | None
+) -> Verdict | None:
+    """Trouble seen: a cut unless the last change was one (then None: the caller asks
+    whether the trouble persists under it), or a hold while an undone probe clears."""
+    if last_direction not in (DOWN, UNDO):
+        return Verdict(DOWN, detail)
+    if (
+        last_direction == UNDO
+        and since_change_ms is not None
+        and since_change_ms < 2 * config.cooldown_s * 1000
+    ):
+        # The failed probe lasted a cooldown; the server needs about as long to shake
+        # it off before the rate it was undone to can be judged.
+        return Verdict(HOLD, f"{detail}; judging the undone probe's rate later")
+    return None
+
+
 def judge(
     evidence: Evidence,
     utilization: float | None,
@@ -115,16 +133,9 @@ def judge(
         if worst < config.tolerance:
             samples = evidence.recent[name].samples
             detail = f"{name} compliance {worst:.3f} < {config.tolerance} ({samples} samples)"
-            if last_direction not in (DOWN, UNDO):
-                return Verdict(DOWN, detail)
-            if (
-                last_direction == UNDO
-                and since_change_ms is not None
-                and since_change_ms < 2 * config.cooldown_s * 1000
-            ):
-                # The failed probe lasted a cooldown; the server needs about as long
-                # to shake it off before the rate it was undone to can be judged.
-                return Verdict(HOLD, f"{detail}; judging the undone probe's rate later")
+            first = _first_cut(detail, config, last_direction, since_change_ms)
+            if first is not None:
+                return first
             # Just cut: cut again only while the trouble persists under the new rate.
             # Requests started since the cut that meet the objectives show it is
             # enough; so do later-started requests faring better than earlier ones (a
@@ -149,14 +160,9 @@ def judge(
     if pressed is not None:
         name, tail = pressed
         detail = f"{name}'s 95th percentile at {tail:.2f} of its objectives > {config.cut_pressure}"
-        if last_direction not in (DOWN, UNDO):
-            return Verdict(DOWN, detail)
-        if (
-            last_direction == UNDO
-            and since_change_ms is not None
-            and since_change_ms < 2 * config.cooldown_s * 1000
-        ):
-            return Verdict(HOLD, f"{detail}; judging the undone probe's rate later")
+        first = _first_cut(detail, config, last_direction, since_change_ms)
+        if first is not None:
+            return first
         since = _pressed({name: evidence.started[name]} if name in evidence.started else {}, config)
         if since is not None and not evidence.improving.get(name):
             return Verdict(DOWN, f"{detail}, and as high for requests started since the cut")

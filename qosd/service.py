@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -170,22 +170,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             else:
                 if item.traceparent:
                     traced.append((item, accepted[-1]))
-        loads: list[tuple[str, ServerLoad]] = []
-        loads_rejected: list[qosd_pb2.RejectedLoad] = []
-        for index, load in enumerate(request.loads):
-            try:
-                loads.append(
-                    admission.server_load(
-                        model=load.model,
-                        server=load.server,
-                        waiting=load.waiting_requests
-                        if load.HasField("waiting_requests")
-                        else None,
-                        kv_usage=load.kv_cache_usage if load.HasField("kv_cache_usage") else None,
-                    )
-                )
-            except InvalidArgument as exc:
-                loads_rejected.append(qosd_pb2.RejectedLoad(index=index, reason=str(exc)))
+        loads, loads_rejected = _server_loads(admission, request.loads)
         try:
             await admission.report(accepted)
             await admission.report_loads(loads)
@@ -366,6 +351,28 @@ def _adjustment(adjustment: Adjustment, now_ms: int) -> qosd_pb2.Adjustment:
         by=adjustment.by,
         age_ms=max(0, now_ms - adjustment.at_ms),
     )
+
+
+def _server_loads(
+    admission: Admission, items: Iterable[qosd_pb2.ServerLoad]
+) -> tuple[list[tuple[str, ServerLoad]], list[qosd_pb2.RejectedLoad]]:
+    """ReportRequest.loads validated one by one: those to store (with their pool), and
+    those rejected, naming the field."""
+    loads: list[tuple[str, ServerLoad]] = []
+    rejected: list[qosd_pb2.RejectedLoad] = []
+    for index, load in enumerate(items):
+        try:
+            loads.append(
+                admission.server_load(
+                    model=load.model,
+                    server=load.server,
+                    waiting=load.waiting_requests if load.HasField("waiting_requests") else None,
+                    kv_usage=load.kv_cache_usage if load.HasField("kv_cache_usage") else None,
+                )
+            )
+        except InvalidArgument as exc:
+            rejected.append(qosd_pb2.RejectedLoad(index=index, reason=str(exc)))
+    return loads, rejected
 
 
 def _latency(stats: WindowStats, slo: SloConfig) -> qosd_pb2.LatencyStatus:
