@@ -298,12 +298,7 @@ def prefill_started(state: PoolState, pool: PoolPolicy, input_tokens: int, now_u
 
 
 def has_room(
-    state: PoolState,
-    pool: PoolPolicy,
-    cls: ClassPolicy,
-    tokens: float,
-    now_us: int,
-    input_tokens: int = 0,
+    state: PoolState, pool: PoolPolicy, cls: ClassPolicy, tokens: float, now_us: int
 ) -> bool:
     """Whether a GPU-gated pool's servers can take one more request of ``cls``
     holding ``tokens`` (its prompt plus expected output: its KV cache), now. Classes
@@ -319,7 +314,7 @@ def has_room(
     if (
         state.prefill_model is not None
         and pool.prefill_backlog_us > 0
-        and state.prefill_until_us - now_us > prefill_limit_us(pool, cls, input_tokens)
+        and state.prefill_until_us - now_us > prefill_limit_us(pool, cls)
     ):
         return False
     if cls.rank != 0 and servers_full(state, pool, now_us):
@@ -381,20 +376,15 @@ def servers_full(state: PoolState, pool: PoolPolicy, now_us: int) -> bool:
     )
 
 
-def prefill_limit_us(pool: PoolPolicy, cls: ClassPolicy, input_tokens: int = 0) -> float:
+def prefill_limit_us(pool: PoolPolicy, cls: ClassPolicy) -> float:
     """How far ahead of now the prefill clock may run for ``cls`` to be admitted.
     Below the top class: the backlog bound, on the clock that runs at the prefill
     share, so that their prompts keep the servers prefilling at most that share of
     the time (and every stream decoding the rest). The top class: the bound in real
     prefill time (the clock's lead times the share), so that its requests wait
-    behind at most that much prefill, and the others' share never blocks it; and the
-    bound grows with the prompt as the class's TTFT objective does
-    (``slo.ttft_ms_per_1k_tokens`` beyond ``ttft_free_tokens``), so that a long
-    prompt, whose objective is seconds, is not held to a short prompt's."""
+    behind at most that much prefill, and the others' share never blocks it."""
     if cls.rank == 0:
-        beyond = max(0, input_tokens - pool.prefill_backlog_free_tokens)
-        grown = pool.prefill_backlog_us + pool.prefill_backlog_us_per_token * beyond
-        return grown / pool.prefill_share
+        return pool.prefill_backlog_us / pool.prefill_share
     return pool.prefill_backlog_us
 
 

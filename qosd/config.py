@@ -567,10 +567,6 @@ class PoolPolicy:
     # The prefill clock runs at this share of real time (max_prefill_share): below the
     # top class, an admission needs the clock within prefill_backlog_us.
     prefill_share: float = 1.0
-    # The top class's backlog bound grows with its prompt as its TTFT objective does:
-    # by this much per prompt token beyond prefill_backlog_free_tokens.
-    prefill_backlog_us_per_token: float = 0.0
-    prefill_backlog_free_tokens: int = 0
     # The servers' own load (PoolConfig): -1 / 0: not used.
     max_server_waiting: int = -1
     max_kv_cache_usage: float = 0.0
@@ -625,8 +621,6 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
         assured = sum(c.share for c in config.classes.values())
         floors = sum(c.floor_rate for c in classes)
         control = config.control
-        top_slo = ordered[0][1].slo
-        backlog = _prefill_backlog_ms(config, pool) > 0
         pools[pool_name] = PoolPolicy(
             name=pool_name,
             capacity=pool.capacity_tokens_s,
@@ -641,8 +635,6 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             top_reserve=pool.top_reserve,
             prefill_backlog_us=_prefill_backlog_ms(config, pool) * 1000,
             prefill_share=pool.max_prefill_share,
-            prefill_backlog_us_per_token=top_slo.ttft_ms_per_1k_tokens if backlog else 0.0,
-            prefill_backlog_free_tokens=top_slo.ttft_free_tokens,
             max_server_waiting=-1 if pool.max_server_waiting is None else pool.max_server_waiting,
             max_kv_cache_usage=pool.max_kv_cache_usage or 0.0,
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,

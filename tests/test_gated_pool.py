@@ -296,32 +296,6 @@ async def test_the_prefill_share_bounds_the_lower_classes_prompts(
     assert not full.admitted and full.reason is Reason.RATE_LIMITED
 
 
-async def test_the_top_class_bound_grows_with_its_prompt(make_daemon: DaemonFactory) -> None:
-    """The top class's backlog bound grows with the prompt as its TTFT objective does
-    (200 ms per 1K prompt tokens beyond 4,096): a long prompt, whose objective is
-    seconds, may wait behind more prefill than a short one."""
-    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 1_000, "max_prefill_share": 0.5}
-    extra = {
-        "pools": {"default": pool},
-        "classes": {
-            "P0": {
-                "max_cost_tokens": 20_000,
-                "slo": {"ttft_ms": 1_000, "ttft_ms_per_1k_tokens": 200},
-            }
-        },
-        "control": {"enabled": False},
-    }
-    running = await make_daemon(extra)
-    qos, admission = running.client, running.daemon.admission
-    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
-    assert (await qos.acquire("P1", 450, max_wait_ms=0)).admitted  # 0.9 s on the clock
-    assert (await qos.acquire("P0", 1_000, max_wait_ms=0)).admitted  # within 2 s: 2.9 s
-    short = await qos.acquire("P0", 10, max_wait_ms=0)
-    assert not short.admitted and short.reason is Reason.RATE_LIMITED  # past 2 s
-    # 9,096 tokens: 5,000 beyond the free 4,096, 1 s more of objective, 2 s more clock.
-    assert (await qos.acquire("P0", 9_096, max_wait_ms=0)).admitted
-
-
 async def test_no_work_conservation_before_the_backlog_can_be_predicted(
     make_daemon: DaemonFactory,
 ) -> None:

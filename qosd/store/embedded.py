@@ -219,14 +219,13 @@ class EmbeddedStore:
         cost: float,
         kv_tokens: int,
         now_us: int,
-        input_tokens: int = 0,
     ) -> int:
         """A GPU-gated pool's answer for a new request: how it pays, or 0 to wait
         (budget.py, rules for GPU-gated pools)."""
         state = record.state
         if self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             return 0
-        if not budget.has_room(state, pool, cls, kv_tokens, now_us, input_tokens):
+        if not budget.has_room(state, pool, cls, kv_tokens, now_us):
             return 0
         mine = _standing(state, cls, cost, cls.rank)
         for head in self._heads(record, pool, now_us):
@@ -236,14 +235,7 @@ class EmbeddedStore:
                 and not budget.passes_reserve(
                     cls,
                     head.cls,
-                    budget.has_room(
-                        state,
-                        pool,
-                        head.cls,
-                        head.record.kv_tokens,
-                        now_us,
-                        head.record.input_tokens,
-                    ),
+                    budget.has_room(state, pool, head.cls, head.record.kv_tokens, now_us),
                 )
             ):
                 return 0  # someone stands better, or as well and came first
@@ -336,7 +328,7 @@ class EmbeddedStore:
             pass  # waits for a gap in the top class's traffic
         elif pool.gated:
             kv_tokens = lease.input_tokens + lease.output_tokens
-            how = self._gated_how(record, pool, cls, cost, kv_tokens, now_us, lease.input_tokens)
+            how = self._gated_how(record, pool, cls, cost, kv_tokens, now_us)
         elif not self._has_live_waiter(record, pool, cls, now_us):  # FIFO: no overtaking
             shared_open = (
                 cls.can_borrow
@@ -457,9 +449,7 @@ class EmbeddedStore:
             cls, cost = head.cls, head.record.cost
             if blocked is not None and not budget.passes_reserve(cls, blocked, False):
                 continue
-            if not budget.has_room(
-                state, pool, cls, head.record.kv_tokens, now_us, head.record.input_tokens
-            ):
+            if not budget.has_room(state, pool, cls, head.record.kv_tokens, now_us):
                 if blocked is None and budget.passes_reserve(pool.classes[0], cls, False):
                     blocked = cls  # the top class may still go past it, into its reserve
                     continue

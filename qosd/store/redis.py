@@ -162,8 +162,6 @@ class RedisStore:
                 repr(pool.top_reserve),
                 repr(pool.prefill_backlog_us),
                 repr(pool.prefill_share),
-                repr(pool.prefill_backlog_us_per_token),
-                pool.prefill_backlog_free_tokens,
                 pool.max_server_waiting,
                 repr(pool.max_kv_cache_usage),
                 pool.server_load_max_age_us,

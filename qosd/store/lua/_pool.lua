@@ -27,8 +27,7 @@
 --                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
 --                second is read with the state), max_in_flight and max_in_flight_tokens
 --                (0: none; either makes the pool GPU-gated), top_reserve,
---                prefill_backlog_us (0: none), prefill_share, the top class's growth
---                of it per prompt token and the tokens it is free for, max_server_waiting (-1:
+--                prefill_backlog_us (0: none), prefill_share, max_server_waiting (-1:
 --                none), max_kv_cache_usage (0: none), server_load_max_age_us, then per
 --                class in priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
@@ -54,16 +53,14 @@ local max_in_flight_tokens = tonumber(ARGV[8])
 local top_reserve = tonumber(ARGV[9])
 local prefill_backlog_us = tonumber(ARGV[10])
 local prefill_share = tonumber(ARGV[11])
-local backlog_us_per_token = tonumber(ARGV[12])
-local backlog_free_tokens = tonumber(ARGV[13])
-local max_server_waiting = tonumber(ARGV[14])
-local max_kv_cache_usage = tonumber(ARGV[15])
-local server_load_max_age_us = tonumber(ARGV[16])
+local max_server_waiting = tonumber(ARGV[12])
+local max_kv_cache_usage = tonumber(ARGV[13])
+local server_load_max_age_us = tonumber(ARGV[14])
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 17
+  local a = 15
   for i = 1, class_count do
     local c = {
       name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
@@ -80,7 +77,7 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 17 + 12 * class_count
+local NEXT_ARG = 15 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -408,7 +405,7 @@ local function prefill_started(input)
   end
 end
 
-local function has_room(i, tokens, input)
+local function has_room(i, tokens)
   local count, held = 0, 0
   for j = 1, class_count do
     count = count + state.in_n[j]
@@ -418,12 +415,10 @@ local function has_room(i, tokens, input)
     return true  -- alone in an idle pool: always, whatever its size
   end
   if state.prefill_model and prefill_backlog_us > 0 then
-    -- budget.prefill_limit_us: the top class, in real prefill time, grown with its
-    -- prompt as its TTFT objective is
+    -- budget.prefill_limit_us: the top class, in real prefill time
     local limit = prefill_backlog_us
     if i == 1 then
-      local beyond = math.max(0, (tonumber(input) or 0) - backlog_free_tokens)
-      limit = (prefill_backlog_us + backlog_us_per_token * beyond) / prefill_share
+      limit = prefill_backlog_us / prefill_share
     end
     if state.prefill_until - now > limit then
       return false  -- the servers' prefill backlog is full: wait here, in priority order
@@ -721,15 +716,15 @@ end
 -- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
 -- It needs room, no waiter of its class (FIFO), and nobody of another class standing
 -- better than it, or as well and earlier (qosd/store/embedded.py: _gated_how).
-local function gated_how_for_new(i, cost, kv, input)
-  if has_live_waiter(i) or not has_room(i, kv, input) then
+local function gated_how_for_new(i, cost, kv)
+  if has_live_waiter(i) or not has_room(i, kv) then
     return 0
   end
   local mine = within_share(i, cost) and 0 or 1
   for _, w in ipairs(heads()) do
     if w.class ~= i and stands_before(standing(w), gated_rank(w.class, w.rank), w.class,
         mine, gated_rank(i, classes[i].rank), i)
-        and not passes_reserve(i, w.class, has_room(w.class, w.kv, w.input)) then
+        and not passes_reserve(i, w.class, has_room(w.class, w.kv)) then
       return 0
     end
   end

@@ -86,7 +86,7 @@ for _ = 1, count do
       if held then
         how = 0  -- waits for a gap in the top class's traffic
       elseif pool_gated then
-        how = gated_how_for_new(i, cost, kv, input)
+        how = gated_how_for_new(i, cost, kv)
       elseif not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
