@@ -3,7 +3,17 @@ tests themselves, and in-process daemons serving gRPC on real sockets."""
 
 from __future__ import annotations
 
-import asyncio
+import os
+
+# The tests fork and exec (the CLI, daemons, simulators) from a process that runs gRPC
+# servers and channels. gRPC's fork handlers then run in the child between fork and
+# exec, and can deadlock there (grpc/grpc#22624): a make test on a fresh clone hung for
+# good in test_fleet_control's CLI test, its child still a copy of pytest. Every child
+# here execs at once, which is the case gRPC documents for turning the handlers off. Set
+# before gRPC is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import asyncio  # after the environment that gRPC reads at import
 import copy
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
