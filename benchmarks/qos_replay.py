@@ -31,12 +31,16 @@ import gzip
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from qosd.config import Config
 from qosd.sim.ceiling import class_ceiling
 from qosd.sim.experiment import (
+    MODEL,
     CapacityChoice,
     Policy,
     PolicyRun,
@@ -134,6 +138,32 @@ def save_runs(path: Path, runs: list[PolicyRun]) -> None:
     }
     with gzip.open(path, "wt", encoding="utf-8") as handle:
         json.dump(data, handle)
+
+
+def config_settings(settings: list[str]) -> Callable[[dict[str, Any]], None]:
+    """``--set`` as a config-tree override: ``a.b.c=VALUE`` sets ``tree[a][b][c]`` to
+    VALUE read as YAML, ``pool.`` standing for the simulated model's pool. A path that
+    names no existing setting's parent is refused at once, before any run."""
+    parsed: list[tuple[list[str], Any]] = []
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {setting!r}: expected KEY=VALUE")
+        path = key.split(".")
+        if path[0] == "pool":
+            path = ["pools", MODEL, *path[1:]]
+        parsed.append((path, yaml.safe_load(value)))
+
+    def apply(tree: dict[str, Any]) -> None:
+        for path, value in parsed:
+            node = tree
+            for part in path[:-1]:
+                if not isinstance(node.get(part), dict):
+                    raise SystemExit(f"--set {'.'.join(path)}: no setting {part!r} there")
+                node = node[part]
+            node[path[-1]] = value
+
+    return apply
 
 
 def load_runs(path: Path) -> list[PolicyRun]:
@@ -264,6 +294,15 @@ def main() -> int:
     )
     parser.add_argument("--policies", default="fifo,static,qosd")
     parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a qosd policy's config setting, as a dotted path (pool.X: the simulated "
+        "model's pool), its value as YAML, e.g. pool.max_prefill_share=0.25; repeatable",
+    )
+    parser.add_argument(
         "--from-records",
         action="store_true",
         help="do not replay: recompute the summary, table and plots from the records "
@@ -393,6 +432,7 @@ def main() -> int:
         "inject_tokens": args.inject_tokens,
         "inject_class": args.inject_class,
         "output_weight": args.output_weight,
+        "qosd_settings": args.settings,
         "saturated_capacity_tokens_s": round(capacity, 1),
         "capacity_tokens_s": round(capacity, 1),
         **slo.as_dict(),
@@ -407,6 +447,7 @@ def main() -> int:
         "policies": {},
         "timelines": {},
     }
+    settings = config_settings(args.settings)
     with redis_server() as redis:
         for name in args.policies.split(","):
             policy = Policy(name.strip())
@@ -421,6 +462,7 @@ def main() -> int:
                 drain_s=args.drain,
                 window_s=args.duration,
                 admit_long_prompts=args.long_prompts == "admit",
+                config_overrides=settings if policy is Policy.QOSD else None,
             )
             runs.append(run)
             summary, series = summarize(
