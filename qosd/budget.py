@@ -32,7 +32,8 @@ what its servers can take instead, and the buckets decide the order:
 2. A request needs *room*: the leases in flight plus this one within the bound,
    in requests and in prompt plus expected output tokens, less ``top_reserve`` of it
    for classes below the top one, and the prompts admitted predicted to be prefilled
-   within ``prefill_backlog_us`` at the prefill share (``prefill_limit_us``), and,
+   within ``prefill_backlog_us`` (``prefill_lead_us``: in real time for the top
+   class, at the prefill share below it), and,
    below the top class, the servers not past their own reported load
    (``servers_full``) (``has_room``; a request alone in an idle pool always fits).
 3. Its *standing* is within its share when its own bucket covers it (or is full, for
@@ -225,10 +226,13 @@ class PoolState:
     # SLO loop learns it from reports (qosd.stall). 0: no such rule.
     long_prefill_tokens: float = 0.0
     # The SLO loop's prefill model (c, a, b: c + a n + b n^2 ms for n prompt tokens;
-    # qosd.stall), and when, by it, the servers will have prefilled every prompt
-    # admitted so far (store time, us): a GPU-gated pool's prefill backlog.
+    # qosd.stall), and a GPU-gated pool's prefill backlog by it, as two clocks (store
+    # time, us; prefill_started): where the prompts admitted so far end at the prefill
+    # share's pace (the lower classes' clock), and in real prefill time (the top
+    # class's).
     prefill_model: tuple[float, float, float] | None = None
     prefill_until_us: int = 0
+    prefill_real_until_us: int = 0
     # The servers' own load, aggregated over their latest reads (servers_load): the
     # requests they hold waiting, summed, and the largest KV cache usage (None: none
     # said), as of server_load_at_us (store time; 0: never).
@@ -287,14 +291,24 @@ def prefill_us(model: tuple[float, float, float], input_tokens: int) -> float:
 
 def prefill_started(state: PoolState, pool: PoolPolicy, input_tokens: int, now_us: int) -> None:
     """A GPU-gated pool admitted a prompt: its servers prefill it after those before
-    (unchunked, a prefill runs before any decode step), so the backlog grows by it.
-    The clock counts each prefill at 1 / ``prefill_share`` of its time: the servers
-    may spend that share of their time on prefill and the rest decoding, so the clock
-    is where the backlog would end at that pace."""
+    (unchunked, a prefill runs before any decode step), so the backlog grows by it,
+    on two clocks.
+
+    - The share clock counts each prefill at 1 / ``prefill_share`` of its time: it is
+      where the backlog would end if the servers spent only that share of their time
+      prefilling. Classes below the top one are admitted while it is within the bound,
+      so their prompts leave the rest of the time to decoding.
+    - The real clock counts each prefill at its time: a server that prefills first
+      runs waiting prompts back to back, so this is when a prompt admitted now starts.
+      The top class is admitted while it is within the bound. (The share clock would
+      overstate its wait: after a 4 s prefill it still leads by 4 s when the servers
+      are done, and held the top class for seconds with the GPU idle of prefill.)"""
     if state.prefill_model is not None:
+        work_us = prefill_us(state.prefill_model, input_tokens)
         start = max(now_us, state.prefill_until_us)
-        work_us = prefill_us(state.prefill_model, input_tokens) / pool.prefill_share
-        state.prefill_until_us = int(start + work_us)
+        state.prefill_until_us = int(start + work_us / pool.prefill_share)
+        start = max(now_us, state.prefill_real_until_us)
+        state.prefill_real_until_us = int(start + work_us)
 
 
 def has_room(
@@ -304,7 +318,7 @@ def has_room(
     holding ``tokens`` (its prompt plus expected output: its KV cache), now. Classes
     below the top one leave ``top_reserve`` of the bound to it. With a prefill model
     learned, the prompts admitted must also be prefilled within the pool's
-    ``prefill_backlog_us`` (``prefill_limit_us``): on a prefill-bound server the KV
+    ``prefill_backlog_us`` (``prefill_lead_us``): on a prefill-bound server the KV
     cache holds tens of seconds of prefill, and a request admitted behind them waits
     at the server, in its first-come order, instead of in qosd's, in priority order."""
     flight = state.in_flight
@@ -314,7 +328,7 @@ def has_room(
     if (
         state.prefill_model is not None
         and pool.prefill_backlog_us > 0
-        and state.prefill_until_us - now_us > prefill_limit_us(pool, cls)
+        and prefill_lead_us(state, cls, now_us) > pool.prefill_backlog_us
     ):
         return False
     if cls.rank != 0 and servers_full(state, pool, now_us):
@@ -376,16 +390,13 @@ def servers_full(state: PoolState, pool: PoolPolicy, now_us: int) -> bool:
     )
 
 
-def prefill_limit_us(pool: PoolPolicy, cls: ClassPolicy) -> float:
-    """How far ahead of now the prefill clock may run for ``cls`` to be admitted.
-    Below the top class: the backlog bound, on the clock that runs at the prefill
-    share, so that their prompts keep the servers prefilling at most that share of
-    the time (and every stream decoding the rest). The top class: the bound in real
-    prefill time (the clock's lead times the share), so that its requests wait
-    behind at most that much prefill, and the others' share never blocks it."""
-    if cls.rank == 0:
-        return pool.prefill_backlog_us / pool.prefill_share
-    return pool.prefill_backlog_us
+def prefill_lead_us(state: PoolState, cls: ClassPolicy, now_us: int) -> int:
+    """How far ahead of now the prefill backlog that ``cls`` is admitted by runs:
+    the real clock for the top class (its requests wait behind at most the bound of
+    prefill, and the others' share never blocks it), the share clock below it
+    (``prefill_started``)."""
+    until = state.prefill_real_until_us if cls.rank == 0 else state.prefill_until_us
+    return until - now_us
 
 
 def held_for_gap(

@@ -280,7 +280,7 @@ async def test_the_prefill_share_bounds_the_lower_classes_prompts(
     """With a prefill share of 0.5, the backlog clock counts each prefill twice its
     time: below the top class, prompts are admitted while the clock is within the
     bound (1 s here), so they keep the servers prefilling at most half the time. The
-    top class is bounded by real prefill time: the clock within twice the bound."""
+    top class is bounded by the real prefill backlog (half the share clock's, here)."""
     pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 1_000, "max_prefill_share": 0.5}
     running = await make_daemon({"pools": {"default": pool}, "control": {"enabled": False}})
     qos, admission = running.client, running.daemon.admission
@@ -289,11 +289,39 @@ async def test_the_prefill_share_bounds_the_lower_classes_prompts(
     assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # within 1 s: 1.1 s
     held = await qos.acquire("P1", 1, max_wait_ms=0)
     assert not held.admitted and held.reason is Reason.RATE_LIMITED
-    # 1.1 s on the clock is 0.55 s of prefill ahead: P0 goes, until 2 s on the clock.
-    assert (await qos.acquire("P0", 400, max_wait_ms=0)).admitted  # 1.9 s
-    assert (await qos.acquire("P0", 200, max_wait_ms=0)).admitted  # 2.3 s
+    # 1.1 s on the share clock is 0.55 s of prefill ahead: P0 goes, until 1 s of it.
+    assert (await qos.acquire("P0", 400, max_wait_ms=0)).admitted  # 0.95 s
+    assert (await qos.acquire("P0", 200, max_wait_ms=0)).admitted  # 1.15 s
     full = await qos.acquire("P0", 1, max_wait_ms=0)
     assert not full.admitted and full.reason is Reason.RATE_LIMITED
+
+
+async def test_the_top_class_waits_for_the_real_prefill_not_the_share_clock(
+    make_daemon: DaemonFactory,
+) -> None:
+    """A server that prefills first runs a prompt in its own time, not at the share's
+    pace: the top class waits for the real backlog to be within the bound. Here a
+    P1 prompt of 2 s of prefill (4 s on the share clock) was admitted alone; with a
+    0.5 s bound P0 goes after about 1.5 s, within its 2.5 s max wait (by the share
+    clock it would have waited 3 s and timed out), while a lower-class waiter still
+    waits for the share clock."""
+    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 500, "max_prefill_share": 0.5}
+    running = await make_daemon(
+        {
+            "pools": {"default": pool},
+            "classes": {"P0": {"max_wait_ms": 2_500}},
+            "control": {"enabled": False},
+        }
+    )
+    qos, admission = running.client, running.daemon.admission
+    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 20.0, 0.0))
+    assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # alone: 2 s of prefill
+    lower = asyncio.create_task(qos.acquire("P2", 1, max_wait_ms=10_000))
+    await _until_waiting(qos, "P2", 1)
+    top = await qos.acquire("P0", 1, max_wait_ms=2_500)
+    assert top.admitted and top.reason is Reason.NONE
+    assert not lower.done()  # the share clock still leads by more than the bound
+    assert (await lower).admitted
 
 
 async def test_no_work_conservation_before_the_backlog_can_be_predicted(

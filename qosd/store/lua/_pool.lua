@@ -14,8 +14,10 @@
 --                oldest and newest such second; the sweep below ends them), P (the
 --                long-prefill threshold the SLO loop learned, prompt tokens: a longer
 --                prompt waits for a gap in the top class's traffic; absent: none), M
---                (its prefill model "c|a|b": c + a n + b n^2 ms), B (when, by M, the
---                prompts admitted so far are prefilled, us)
+--                (its prefill model "c|a|b": c + a n + b n^2 ms), B and Bt (when, by
+--                M, the prompts admitted so far are prefilled, us: at the prefill
+--                share's pace, and in real prefill time), Sw, Sk and St (the servers'
+--                own load: waiting requests, KV cache usage, when read; load.lua)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
@@ -151,11 +153,11 @@ local function parse_expiring(value)
   end
   return entry
 end
-local HEADER = 14  -- fields read before the per-class ones
+local HEADER = 15  -- fields read before the per-class ones
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St'}
+    'Sw', 'Sk', 'St', 'Bt'}
   for i = 1, class_count do
     local name = classes[i].name
     fields[#fields + 1] = 't:' .. name
@@ -181,6 +183,7 @@ do
     state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}
   end
   state.prefill_until = tonumber(values[11]) or 0
+  state.prefill_real_until = tonumber(values[15]) or 0
   -- The servers' own load (load.lua), while fresh; nil: not known.
   if now - (tonumber(values[14]) or 0) <= server_load_max_age_us then
     state.server_waiting = tonumber(values[12])
@@ -354,6 +357,8 @@ local function save_state()
   if state.prefill_model then
     fields[#fields + 1] = 'B'
     fields[#fields + 1] = string.format('%.0f', state.prefill_until)
+    fields[#fields + 1] = 'Bt'
+    fields[#fields + 1] = string.format('%.0f', state.prefill_real_until)
   end
   if state.expiry_from then
     fields[#fields + 1] = 'xo'
@@ -394,13 +399,14 @@ end
 
 -- GPU-gated pools (qosd/budget.py: has_room, within_share, gated_how).
 -- The prefill backlog (qosd/budget.py: prefill_started): an admitted prompt is
--- prefilled after those admitted before it.
+-- prefilled after those admitted before it, on the share clock and the real one.
 local function prefill_started(input)
   local m = state.prefill_model
   if m then
     local n = tonumber(input)
-    state.prefill_until = math.max(now, state.prefill_until)
-      + (m[1] + n * (m[2] + m[3] * n)) * 1000 / prefill_share
+    local work_us = (m[1] + n * (m[2] + m[3] * n)) * 1000
+    state.prefill_until = math.max(now, state.prefill_until) + work_us / prefill_share
+    state.prefill_real_until = math.max(now, state.prefill_real_until) + work_us
     state_changed = true
   end
 end
@@ -415,12 +421,12 @@ local function has_room(i, tokens)
     return true  -- alone in an idle pool: always, whatever its size
   end
   if state.prefill_model and prefill_backlog_us > 0 then
-    -- budget.prefill_limit_us: the top class, in real prefill time
-    local limit = prefill_backlog_us
+    -- budget.prefill_lead_us: the top class by the real clock, the others by the share's
+    local backlog_end = state.prefill_until
     if i == 1 then
-      limit = prefill_backlog_us / prefill_share
+      backlog_end = state.prefill_real_until
     end
-    if state.prefill_until - now > limit then
+    if backlog_end - now > prefill_backlog_us then
       return false  -- the servers' prefill backlog is full: wait here, in priority order
     end
   end
