@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qosd.config import Config, ConfigError, FailMode, load_config, resolve_policies
+from qosd.config import Config, ConfigError, FailMode, load_config, resolve_policies, resolve_pools
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -110,3 +110,21 @@ def test_the_example_config_spells_out_the_defaults() -> None:
     """qosd/examples/qosd.yaml documents every setting at its default; keep it true."""
     example = Path(__file__).resolve().parents[1] / "qosd" / "examples" / "qosd.yaml"
     assert load_config(str(example), env={}).model_dump() == Config().model_dump()
+
+
+def _backlog_ms(pool: dict[str, object], top_max_wait_ms: int | None = None) -> float:
+    tree = Config().model_dump(mode="json")
+    tree["pools"] = {"default": {"capacity_tokens_s": 1000, "max_in_flight": 8, **pool}}
+    if top_max_wait_ms is not None:
+        tree["classes"]["P0"]["max_wait_ms"] = top_max_wait_ms
+    return resolve_pools(Config.model_validate(tree))["default"].prefill_backlog_us / 1000
+
+
+def test_the_prefill_backlog_bound_defaults_to_the_top_objective_less_its_max_wait() -> None:
+    # Built-in classes: P0's TTFT objective 500 ms, its max wait 200 ms.
+    assert _backlog_ms({}) == 300
+    # Never below half the objective, however long the top class may wait.
+    assert _backlog_ms({}, top_max_wait_ms=900) == 250
+    # Set: as set; chunked prefill: no bound.
+    assert _backlog_ms({"max_prefill_backlog_ms": 700}) == 700
+    assert _backlog_ms({"chunked_prefill": True}) == 0
