@@ -124,10 +124,9 @@ class EnvoyRateLimitService:
         if config.cost_key is not None and config.cost_key in entries:
             raw = entries[config.cost_key]
             limit = self._admission.config.limits.max_request_tokens
-            try:
-                cost = int(raw)
-            except ValueError:
-                cost = 0
+            # ASCII digits only: int() would also take " 5", "1_000" and "\u0665" (an
+            # Arabic-Indic five), none of which a gateway means as a token count.
+            cost = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else 0
             if not 1 <= cost <= limit:
                 raise InvalidArgument(
                     f"descriptor entry {config.cost_key!r} must be a whole number of tokens "
