@@ -181,6 +181,38 @@ class WaitingConfig(_Strict):
     stale_after_ms: Annotated[int, Field(ge=50, le=600_000)] = 2_000
 
 
+class RedisTlsConfig(_Strict):
+    """TLS to Redis beyond what a ``rediss://`` URL says: a private CA and a client
+    certificate (Redis's ``tls-auth-clients``). Files are PEM, read at start, e.g.
+    from a mounted Kubernetes Secret. Set here, each wins over the URL's
+    ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``."""
+
+    # The CAs that sign the server's certificate; None: the system's trust store.
+    ca_file: str | None = None
+    # A client certificate and its key, for servers that require one.
+    cert_file: str | None = None
+    key_file: str | None = None
+    # False: no certificate or host name check at all (a test server only; the URL's
+    # ssl_cert_reqs=none says the same).
+    verify: bool = True
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        assert value is not None
+        if not os.access(value, os.R_OK) or not os.path.isfile(value):
+            raise ValueError(f"{value!r} is not a readable file")
+        return value
+
+    @model_validator(mode="after")
+    def _pair(self) -> RedisTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
 class RedisConfig(_Strict):
     url: str | None = None
     # Wins over a password in the URL; from a Kubernetes Secret through
@@ -195,6 +227,8 @@ class RedisConfig(_Strict):
     # After a failure, calls fail fast for this long before one probe tries again,
     # so an outage costs one timeout per interval instead of one per request.
     retry_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 500
+    # With a rediss:// URL: a private CA, a client certificate (RedisTlsConfig).
+    tls: RedisTlsConfig | None = None
 
     @field_validator("url")
     @classmethod
@@ -205,6 +239,12 @@ class RedisConfig(_Strict):
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> RedisConfig:
+        if self.tls is not None and not (self.url or "").startswith("rediss://"):
+            raise ValueError("tls: needs a rediss:// url")
+        return self
 
     @field_validator("key_prefix")
     @classmethod
@@ -688,6 +728,9 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_REDIS_MODE": ("redis", "mode"),
     "QOSD_REDIS_TIMEOUT_MS": ("redis", "timeout_ms"),
     "QOSD_REDIS_KEY_PREFIX": ("redis", "key_prefix"),
+    "QOSD_REDIS_TLS_CA_FILE": ("redis", "tls", "ca_file"),
+    "QOSD_REDIS_TLS_CERT_FILE": ("redis", "tls", "cert_file"),
+    "QOSD_REDIS_TLS_KEY_FILE": ("redis", "tls", "key_file"),
     "QOSD_FAIL_MODE": ("fail_mode",),
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),

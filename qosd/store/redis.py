@@ -44,7 +44,7 @@ from qosd.model import (
     lease_field,
 )
 from qosd.store.batching import ScriptBatcher
-from qosd.store.resp import RespClient
+from qosd.store.resp import RespClient, TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class RedisStore:
             connect_timeout_s=config.connect_timeout_ms / 1000,
             connections_per_node=config.connections_per_node,
             password=config.password.get_secret_value() if config.password else None,
+            tls=None if config.tls is None else TlsFiles(**config.tls.model_dump()),
         )
         names = (
             "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",

@@ -18,7 +18,7 @@ import itertools
 import logging
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -236,21 +236,46 @@ def _expire(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files for TLS to Redis (qosd.config.RedisTlsConfig); None: not set."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify: bool = True
+
+
+def tls_context(options: Mapping[str, Any], tls: TlsFiles | None) -> ssl.SSLContext:
+    """The client's TLS context for a ``rediss://`` URL: the system's CAs unless a CA
+    file is given (``tls`` or the URL's ``ssl_ca_certs``), a client certificate when
+    one is given, and no checks at all only when asked (``verify`` False or the URL's
+    ``ssl_cert_reqs=none``)."""
+    tls = tls or TlsFiles()
+    ca_file = tls.ca_file or options.get("ssl_ca_certs")
+    cert_file = tls.cert_file or options.get("ssl_certfile")
+    key_file = tls.key_file or options.get("ssl_keyfile")
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file)
+    if not tls.verify or str(options.get("ssl_cert_reqs", "")).lower() == "none":
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 class RespClient:
     """Routes commands to the right node of a standalone server or a cluster."""
 
     def __init__(
         self, url: str, *, cluster: bool, timeout_s: float, connect_timeout_s: float,
         connections_per_node: int = 2, password: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:  # fmt: skip
-        """``password`` wins over one in ``url``."""
+        """``password`` wins over one in ``url``, and ``tls``'s files over its
+        ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``."""
         options = parse_url(url)
-        context = None
-        if url.startswith("rediss://"):
-            context = ssl.create_default_context()
-            if str(options.get("ssl_cert_reqs", "")).lower() == "none":
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE
+        context = tls_context(options, tls) if url.startswith("rediss://") else None
         self._settings = ConnectionSettings(
             username=options.get("username"),
             password=password if password is not None else options.get("password"),
