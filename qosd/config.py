@@ -229,6 +229,16 @@ class RedisConfig(_Strict):
     retry_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 500
     # With a rediss:// URL: a private CA, a client certificate (RedisTlsConfig).
     tls: RedisTlsConfig | None = None
+    # Cluster mode: more nodes ("host:port") to read the topology from when the URL's
+    # node is down, e.g. at a start after a failover; asked in this order.
+    cluster_seeds: list[str] = Field(default_factory=list)
+
+    @field_validator("cluster_seeds")
+    @classmethod
+    def _seeds(cls, value: list[str]) -> list[str]:
+        for seed in value:
+            parse_host_port(seed)
+        return value
 
     @field_validator("url")
     @classmethod
@@ -244,6 +254,12 @@ class RedisConfig(_Strict):
     def _tls_needs_rediss(self) -> RedisConfig:
         if self.tls is not None and not (self.url or "").startswith("rediss://"):
             raise ValueError("tls: needs a rediss:// url")
+        return self
+
+    @model_validator(mode="after")
+    def _seeds_need_cluster(self) -> RedisConfig:
+        if self.cluster_seeds and self.mode is not RedisMode.CLUSTER:
+            raise ValueError("cluster_seeds: only with mode: cluster")
         return self
 
     @field_validator("key_prefix")
@@ -709,6 +725,14 @@ class ListenAddress:
     unix_path: str | None
 
 
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{address!r}: expected HOST:PORT")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def parse_listen_address(address: str) -> ListenAddress:
     if address.startswith("unix:"):
         path = address.removeprefix("unix:").removeprefix("//")
@@ -731,6 +755,7 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_REDIS_TLS_CA_FILE": ("redis", "tls", "ca_file"),
     "QOSD_REDIS_TLS_CERT_FILE": ("redis", "tls", "cert_file"),
     "QOSD_REDIS_TLS_KEY_FILE": ("redis", "tls", "key_file"),
+    "QOSD_REDIS_CLUSTER_SEEDS": ("redis", "cluster_seeds"),  # comma-separated
     "QOSD_FAIL_MODE": ("fail_mode",),
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
@@ -740,6 +765,10 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_LEASE_TTL_S": ("lease", "ttl_s"),
     "QOSD_TRACING_ENABLED": ("tracing", "enabled"),
 }
+
+
+# The overrides whose value is a comma-separated list.
+LIST_OVERRIDES = frozenset({("server", "listen"), ("redis", "cluster_seeds")})
 
 
 def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -790,7 +819,7 @@ def load_config(
     for variable, field_path in ENV_OVERRIDES.items():
         if variable in environment:
             raw: Any = environment[variable]
-            if field_path == ("server", "listen"):
+            if field_path in LIST_OVERRIDES:
                 raw = [part.strip() for part in raw.split(",") if part.strip()]
             _set_path(tree, field_path, raw)
             source += f" + ${variable}"

@@ -19,12 +19,21 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from qosd.config import ClassPolicy, Config, PoolPolicy, RedisConfig, RedisMode, resolve_pools
+from qosd.config import (
+    ClassPolicy,
+    Config,
+    ConfigError,
+    PoolPolicy,
+    RedisConfig,
+    RedisMode,
+    load_config,
+    resolve_pools,
+)
 from qosd.model import LeaseSpec, Outcome, StoreUnavailable, UsageReport, new_lease_token
 from qosd.server import start
 from qosd.store.redis import RedisStore
-from qosd.testing import RedisCluster, RedisServer, redis_server
-from qosd_client import LatencySample, QosdClient
+from qosd.testing import RedisCluster, RedisServer, free_port, redis_server
+from qosd_client import LatencySample, QosdClient, Reason
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 
@@ -405,3 +414,44 @@ async def test_a_bucket_stamped_in_the_future_is_not_refilled_twice(
     finally:
         client.close()
         await store.close()
+
+
+async def test_a_cluster_daemon_finds_the_cluster_through_its_seeds_when_its_node_is_down(
+    redis_cluster3: RedisCluster,
+) -> None:
+    """A daemon started while the node its URL names is down (after a failover, say)
+    reads the topology from the next seed, and admits; with no other seed it cannot."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    seeds = ",".join(f"127.0.0.1:{node.port}" for node in redis_cluster3.nodes)
+    base = {"QOSD_REDIS_URL": dead, "QOSD_REDIS_MODE": "cluster", "QOSD_LISTEN": "127.0.0.1:0"}
+    for env, admitted in (({**base, "QOSD_REDIS_CLUSTER_SEEDS": seeds}, True), (base, False)):
+        daemon = await start(load_config(env={**env, "QOSD_REDIS_KEY_PREFIX": uuid.uuid4().hex}))
+        try:
+            async with QosdClient(daemon.addresses[0]) as qos:
+                answer = await qos.acquire("P1", 10)
+            assert answer.admitted is admitted, answer
+            if not admitted:
+                assert answer.reason is Reason.BACKEND_UNAVAILABLE
+        finally:
+            await daemon.stop(0)
+
+
+def test_cluster_seeds_are_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match="cluster_seeds: only with mode: cluster"):
+        load_config(env={"QOSD_REDIS_URL": "redis://h:1", "QOSD_REDIS_CLUSTER_SEEDS": "h:2"})
+    with pytest.raises(ConfigError, match="expected HOST:PORT"):
+        load_config(
+            env={
+                "QOSD_REDIS_URL": "redis://h:1",
+                "QOSD_REDIS_MODE": "cluster",
+                "QOSD_REDIS_CLUSTER_SEEDS": "h:2,nohost",
+            }
+        )
+    config = load_config(
+        env={
+            "QOSD_REDIS_URL": "redis://h:1",
+            "QOSD_REDIS_MODE": "cluster",
+            "QOSD_REDIS_CLUSTER_SEEDS": "h:2, [::1]:3",
+        }
+    )
+    assert config.redis.cluster_seeds == ["h:2", "[::1]:3"]

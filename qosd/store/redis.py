@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from qosd.config import ClassPolicy, PoolPolicy, RedisConfig, RedisMode
+from qosd.config import ClassPolicy, PoolPolicy, RedisConfig, RedisMode, parse_host_port
 from qosd.model import (
     Adjustment,
     BucketDecision,
@@ -101,6 +101,7 @@ class RedisStore:
             connections_per_node=config.connections_per_node,
             password=config.password.get_secret_value() if config.password else None,
             tls=None if config.tls is None else TlsFiles(**config.tls.model_dump()),
+            seeds=[parse_host_port(seed) for seed in config.cluster_seeds],
         )
         names = (
             "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",

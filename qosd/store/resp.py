@@ -270,10 +270,11 @@ class RespClient:
     def __init__(
         self, url: str, *, cluster: bool, timeout_s: float, connect_timeout_s: float,
         connections_per_node: int = 2, password: str | None = None,
-        tls: TlsFiles | None = None,
+        tls: TlsFiles | None = None, seeds: Sequence[tuple[str, int]] = (),
     ) -> None:  # fmt: skip
         """``password`` wins over one in ``url``, and ``tls``'s files over its
-        ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``."""
+        ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``. ``seeds``: more cluster
+        nodes to ask for the topology when the URL's node does not answer."""
         options = parse_url(url)
         context = tls_context(options, tls) if url.startswith("rediss://") else None
         self._settings = ConnectionSettings(
@@ -292,6 +293,7 @@ class RespClient:
             int(options.get("port", 6379)),
             unix_path=options.get("path"),
         )
+        self._seeds = [self._seed, *(self._node(host, port) for host, port in seeds)]
         self._slot_owner: list[NodeClient | None] = [None] * 16384
         self._refreshing: asyncio.Task[None] | None = None
         self._closed = False
@@ -313,7 +315,8 @@ class RespClient:
 
     async def _refresh(self) -> None:
         errors: list[str] = []
-        for node in [self._seed, *self._nodes.values()]:
+        # The seeds first (a node met in a redirect may be gone), each node once.
+        for node in dict.fromkeys([*self._seeds, *self._nodes.values()]):
             try:
                 slots = await node.execute(pack("CLUSTER", "SLOTS"), self._timeout_s)
             except StoreUnavailable as exc:
