@@ -725,11 +725,15 @@ class ListenAddress:
     unix_path: str | None
 
 
-def parse_host_port(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
+def parse_host_port(
+    address: str, *, port_zero: bool = False, expected: str = "HOST:PORT"
+) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port); port 0 (any free
+    port) only where ``port_zero``, as a listen address may have it."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{address!r}: expected HOST:PORT")
+    lowest = 0 if port_zero else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) <= 65535:
+        raise ValueError(f"{address!r}: expected {expected}")
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
@@ -739,9 +743,7 @@ def parse_listen_address(address: str) -> ListenAddress:
         if not path:
             raise ValueError(f"{address!r}: unix socket address needs a path")
         return ListenAddress(target=f"unix:{path}", unix_path=path)
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{address!r}: expected HOST:PORT or unix:PATH")
+    parse_host_port(address, port_zero=True, expected="HOST:PORT or unix:PATH")
     return ListenAddress(target=address, unix_path=None)
 
 
