@@ -258,7 +258,7 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
             break
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
     output = process.stdout.read()
-    assert process.wait(30) == 130
+    assert process.wait(30) == 130, output[-3000:]  # the demo's own words on failure
     assert "interrupted" in output
     assert "qosd demo report" in output
     assert _qosd_processes() == before
