@@ -202,6 +202,11 @@ class DaemonProcess:
              "--ready-file", str(ready), "--log-level", "WARNING"],
             stdout=log,
             stderr=log,
+            # Its own session: a terminal's Ctrl-C goes to the whole foreground group, and
+            # a daemon that died of it under a running demo or benchmark turned the
+            # parent's clean interrupt into connection errors (exit 1, not 130). The
+            # parent stops it in `kill`.
+            start_new_session=True,
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + timeout_s

@@ -74,6 +74,7 @@ def simulator_process(
                  *(["--qosd", qosd_target] if qosd_target else []), *options],
                 stdout=log,
                 stderr=log,
+                start_new_session=True,  # as DaemonProcess: Ctrl-C is for the parent
             )  # fmt: skip
         try:
             deadline = time.monotonic() + timeout_s
