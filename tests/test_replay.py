@@ -397,6 +397,13 @@ def test_attainment_of_offered_counts_refusals_as_misses() -> None:
     # 10 s arrival window, against a capacity of 100 tokens/s.
     assert total["goodput_window_tokens_s"] == pytest.approx(33.3)
     assert total["goodput_of_saturated"] == pytest.approx(0.333)
+    # The injected prompt missed, so it adds nothing to its own goodput either ...
+    assert total["long_prompt_goodput_of_saturated"] == 0
+    # ... and one on time counts there, never in the trace's goodput.
+    on_time = [*records, _record("P1", injected=True)]
+    again = policy_summary(on_time, objectives, window_s=10.0, capacity_tokens_s=100.0)["all"]
+    assert again["long_prompt_goodput_of_saturated"] == pytest.approx(0.111)
+    assert again["goodput_of_saturated"] == total["goodput_of_saturated"]
     # The older goodput spans until the last attained request completed (P2 at 60.4 s).
     assert total["goodput_span_s"] == pytest.approx(60.4)
     # Served shares: completed tokens, the injected prompt's included.

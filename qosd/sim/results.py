@@ -316,6 +316,18 @@ def policy_summary(
             1 for r in records if r.request.injected and objectives[r.request.qos_class].met(r)
         ),
         "long_prompts_offered": sum(1 for r in records if r.request.injected),
+        # The injected long prompts are not the trace's, so goodput leaves them out; this
+        # is the share of the GPU they got on time, to show where the GPU's time went.
+        "long_prompt_goodput_of_saturated": round(
+            sum(
+                r.request.tokens()
+                for r in records
+                if r.request.injected and objectives[r.request.qos_class].met(r)
+            )
+            / window_s
+            / capacity_tokens_s,
+            4,
+        ),
     }
     if output_weight is not None:
         admitted_cost = sum(
