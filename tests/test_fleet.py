@@ -241,19 +241,19 @@ def test_cancelled_waiters_leave_no_trace(fleet_redis: dict[str, Any]) -> None:
                 asyncio.create_task(clients[i % 2].acquire("P2", 1, max_wait_ms=30_000))
                 for i in range(1_000)
             ]
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if (await store.status(pool)).classes["P2"].waiting == 1_001:
-                    break
-            during = await store.status(pool)
+            during = await eventually(  # a cold 2-CPU machine once took over 5 s
+                lambda: store.status(pool),
+                lambda s: s.classes["P2"].waiting == 1_001,
+                timeout_s=30.0,
+            )
             for waiter in waiters:
                 waiter.cancel()
             await asyncio.gather(*waiters, return_exceptions=True)
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if (await store.status(pool)).classes["P2"].waiting == 1:
-                    break
-            after = await store.status(pool)
+            after = await eventually(  # a cold 2-CPU machine once took over 5 s
+                lambda: store.status(pool),
+                lambda s: s.classes["P2"].waiting == 1,
+                timeout_s=30.0,
+            )
             leases_after = (await store.status(pool)).active_leases
             head.cancel()
             await asyncio.gather(head, return_exceptions=True)

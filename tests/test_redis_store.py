@@ -295,10 +295,9 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(
         with pytest.raises(asyncio.CancelledError):
             await call
         await blocker
-        for _ in range(50):
-            await asyncio.sleep(0.02)
-            if read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id):
-                break
+        await until(
+            lambda: bool(read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id))
+        )
         settled = read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id)
         # It really was admitted, then settled as cancelled with the whole charge back.
         assert settled == "R|0|-2500|3"
