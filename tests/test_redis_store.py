@@ -295,10 +295,12 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(
         with pytest.raises(asyncio.CancelledError):
             await call
         await blocker
-        await until(
-            lambda: bool(read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id))
-        )
-        settled = read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id)
+
+        def lease() -> str | None:
+            return read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id)
+
+        await until(lambda: (lease() or "").startswith("R|"))  # settled (R: released)
+        settled = lease()
         # It really was admitted, then settled as cancelled with the whole charge back.
         assert settled == "R|0|-2500|3"
         assert await class_tokens(store, pool, "P1") == pytest.approx(1500)
