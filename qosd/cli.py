@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     scrape.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
     scrape.add_argument("--qosd", default="127.0.0.1:50051", metavar="ADDR")
+    ctl.add_connection_options(scrape)
     scrape.add_argument(
         "--class", dest="classes", action="append", default=[], metavar="MODEL=CLASS",
         help="the QoS class of a model's requests (repeatable)",
@@ -239,7 +240,8 @@ def _triton_scrape(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        async with QosdClient(args.qosd) as qos, LatencyReporter(qos) as reporter:
+        qos_client = QosdClient(args.qosd, tls=ctl.client_tls(args), token_file=args.token_file)
+        async with qos_client as qos, LatencyReporter(qos) as reporter:
 
             async def report_loads(loads: list[ServerLoad]) -> None:
                 await qos.report([], loads=loads)

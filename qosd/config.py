@@ -181,6 +181,16 @@ class WaitingConfig(_Strict):
     stale_after_ms: Annotated[int, Field(ge=50, le=600_000)] = 2_000
 
 
+def readable_file(value: str | None) -> str | None:
+    """A path that must name a readable file, or None (an empty string is None)."""
+    if value in (None, ""):
+        return None
+    assert value is not None
+    if not os.access(value, os.R_OK) or not os.path.isfile(value):
+        raise ValueError(f"{value!r} is not a readable file")
+    return value
+
+
 class RedisTlsConfig(_Strict):
     """TLS to Redis beyond what a ``rediss://`` URL says: a private CA and a client
     certificate (Redis's ``tls-auth-clients``). Files are PEM, read at start, e.g.
@@ -199,12 +209,7 @@ class RedisTlsConfig(_Strict):
     @field_validator("ca_file", "cert_file", "key_file")
     @classmethod
     def _readable(cls, value: str | None) -> str | None:
-        if value in (None, ""):
-            return None
-        assert value is not None
-        if not os.access(value, os.R_OK) or not os.path.isfile(value):
-            raise ValueError(f"{value!r} is not a readable file")
-        return value
+        return readable_file(value)
 
     @model_validator(mode="after")
     def _pair(self) -> RedisTlsConfig:
@@ -362,8 +367,55 @@ class ControlConfig(_Strict):
         return self
 
 
+class ServerTlsConfig(_Strict):
+    """TLS on the TCP gRPC listeners and the HTTP listener (unix sockets stay plain:
+    the file system guards them). PEM files, re-read when they change on disk, as
+    cert-manager rotates a mounted Secret: new connections get the new certificate,
+    open ones keep theirs."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    # Set: every TCP gRPC client must present a certificate this CA signed (mTLS).
+    # grpcio offers no "request but do not require"; see docs/security.md.
+    client_ca_file: str | None = None
+
+    @field_validator("cert_file", "key_file", "client_ca_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        return readable_file(value)
+
+    @model_validator(mode="after")
+    def _complete(self) -> ServerTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError("client_ca_file needs cert_file and key_file (mTLS is TLS first)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "::1", "[::1]"})
+
+
+def is_local_address(address: str) -> bool:
+    """A unix socket, or a TCP address only this host can reach (127.0.0.0/8, ::1)."""
+    parsed = parse_listen_address(address)
+    if parsed.unix_path is not None:
+        return True
+    host = parsed.target.rpartition(":")[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 class ServerConfig(_Strict):
     listen: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    # The admin listener: the Admin service (status and the control RPCs PinRate and
+    # UnpinRate) for whoever can reach it, with no credentials, so only a unix socket
+    # or a loopback address. On `listen`, control RPCs need `auth.control`.
+    admin_listen: list[str] = Field(default_factory=list)
+    tls: ServerTlsConfig = ServerTlsConfig()
     # SIGTERM: stop taking calls at once, give in-flight calls this long, then exit.
     drain_grace_s: Annotated[float, Field(ge=0, le=600)] = 10.0
     # HTTP for kubelet probes (/healthz, /readyz); None: no HTTP listener.
@@ -381,6 +433,17 @@ class ServerConfig(_Strict):
             parse_listen_address(address)
         return value
 
+    @field_validator("admin_listen")
+    @classmethod
+    def _admin_listen(cls, value: list[str]) -> list[str]:
+        for address in value:
+            if not is_local_address(address):
+                raise ValueError(
+                    f"{address!r}: the admin listener takes no credentials, so it must be "
+                    "a unix socket or a loopback address (127.0.0.1, ::1, localhost)"
+                )
+        return value
+
     @field_validator("http_listen")
     @classmethod
     def _http_listen(cls, value: str | None) -> str | None:
@@ -389,6 +452,49 @@ class ServerConfig(_Strict):
         if parse_listen_address(value).unix_path is not None:
             raise ValueError("HTTP listens on HOST:PORT only")
         return value
+
+
+class CallerRule(_Strict):
+    """Who may call a group of RPCs on the shared listeners: a bearer token (the
+    ``authorization: Bearer ...`` metadata, compared in constant time with the
+    file's content, re-read when the file changes), or an mTLS client certificate
+    whose identity (a URI or DNS subject alternative name, or else the common name)
+    is listed. Either one admits. Neither set: see each group."""
+
+    token_file: str | None = None
+    identities: list[str] = Field(default_factory=list)
+
+    @field_validator("token_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        path = readable_file(value)
+        if path is not None and not Path(path).read_text().strip():
+            raise ValueError(f"{path!r} holds no token")
+        return path
+
+    @field_validator("identities")
+    @classmethod
+    def _identities(cls, value: list[str]) -> list[str]:
+        for identity in value:
+            if not identity.strip() or identity != identity.strip():
+                raise ValueError(f"{identity!r}: an identity is a non-empty name, unpadded")
+        return value
+
+    @property
+    def configured(self) -> bool:
+        return self.token_file is not None or bool(self.identities)
+
+
+class AuthConfig(_Strict):
+    """Authorization on the shared listeners (`server.listen`). Health and
+    reflection are always open (probes use them)."""
+
+    # PinRate and UnpinRate: anything that changes the fleet's shared state. Not
+    # configured: refused on the shared listeners, served on `server.admin_listen`.
+    control: CallerRule = CallerRule()
+    # Acquire, Release, Report, ShouldRateLimit and GetStatus. Not configured: open
+    # to whoever reaches the listener (the sidecar's loopback, a NetworkPolicy).
+    qos: CallerRule = CallerRule()
 
 
 def _default_classes() -> dict[str, ClassConfig]:
@@ -513,11 +619,18 @@ class Config(_Strict):
     waiting: WaitingConfig = WaitingConfig()
     control: ControlConfig = ControlConfig()
     envoy_rls: EnvoyRlsConfig = EnvoyRlsConfig()
+    auth: AuthConfig = AuthConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         if not self.classes:
             raise ValueError("classes: at least one class is required")
+        for group in ("control", "qos"):
+            if getattr(self.auth, group).identities and self.server.tls.client_ca_file is None:
+                raise ValueError(
+                    f"auth.{group}.identities: identities come from client certificates, "
+                    "so they need server.tls.client_ca_file"
+                )
         if not self.pools:
             raise ValueError("pools: at least one pool is required")
         for kind, names in (("classes", self.classes), ("pools", self.pools)):
@@ -762,6 +875,12 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
     "QOSD_HTTP_LISTEN": ("server", "http_listen"),
+    "QOSD_ADMIN_LISTEN": ("server", "admin_listen"),  # comma-separated
+    "QOSD_TLS_CERT_FILE": ("server", "tls", "cert_file"),
+    "QOSD_TLS_KEY_FILE": ("server", "tls", "key_file"),
+    "QOSD_TLS_CLIENT_CA_FILE": ("server", "tls", "client_ca_file"),
+    "QOSD_CONTROL_TOKEN_FILE": ("auth", "control", "token_file"),
+    "QOSD_QOS_TOKEN_FILE": ("auth", "qos", "token_file"),
     "QOSD_LOG_LEVEL": ("logging", "level"),
     "QOSD_LOG_FORMAT": ("logging", "format"),
     "QOSD_LEASE_TTL_S": ("lease", "ttl_s"),
@@ -770,7 +889,9 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
 
 
 # The overrides whose value is a comma-separated list.
-LIST_OVERRIDES = frozenset({("server", "listen"), ("redis", "cluster_seeds")})
+LIST_OVERRIDES = frozenset(
+    {("server", "listen"), ("server", "admin_listen"), ("redis", "cluster_seeds")}
+)
 
 
 def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:

@@ -21,7 +21,32 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qosd.config import ConfigError, load_config
-from qosd_client import ClassState, PoolState, QosdError, Status, SyncQosdClient
+from qosd_client import ClassState, ClientTls, PoolState, QosdError, Status, SyncQosdClient
+from qosd_client.channel import sync_channel
+
+
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """TLS and bearer-token options for reaching a daemon (docs/security.md)."""
+    parser.add_argument("--tls-ca", metavar="FILE", help="TLS: the CA of the daemon's certificate")
+    parser.add_argument("--tls-cert", metavar="FILE", help="mTLS: this client's certificate")
+    parser.add_argument("--tls-key", metavar="FILE", help="mTLS: this client's key")
+    parser.add_argument(
+        "--tls-server-name", metavar="NAME", help="check the daemon's certificate for this name"
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="TLS with the system's CAs (implied by --tls-*)"
+    )
+    parser.add_argument(
+        "--token-file", metavar="FILE", help="send 'authorization: Bearer' with this file's token"
+    )
+
+
+def client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The ``ClientTls`` that ``add_connection_options``'s flags ask for, if any."""
+    named = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    if not args.tls and not any(named):
+        return None
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
 
 
 def add_commands(commands: Any) -> None:
@@ -29,9 +54,11 @@ def add_commands(commands: Any) -> None:
 
     def address(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--address", "-a", default="127.0.0.1:50051", help="a daemon's gRPC address"
-        )
+            "--address", "-a", default="127.0.0.1:50051",
+            help="a daemon's gRPC address (unix:PATH for its admin socket)",
+        )  # fmt: skip
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds")
+        add_connection_options(parser)
 
     status = commands.add_parser(
         "status", help="admitted rates, pins, compliance and rate changes of a running fleet"
@@ -74,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "health":
         return _health(args)
     try:
-        with SyncQosdClient(args.address, timeout_s=args.timeout) as client:
+        with SyncQosdClient(
+            args.address, timeout_s=args.timeout, tls=client_tls(args), token_file=args.token_file
+        ) as client:
             if args.command == "status":
                 status = client.status(args.pool, history=args.history)
                 if args.json:
@@ -115,7 +144,7 @@ def _watch(client: SyncQosdClient, args: argparse.Namespace) -> None:
 
 def _health(args: argparse.Namespace) -> int:
     """The standard gRPC health check, so an image needs no extra probe binary."""
-    with grpc.insecure_channel(args.address) as channel:
+    with sync_channel(args.address, client_tls(args)) as channel:
         try:
             answer = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
@@ -119,8 +120,10 @@ class DaemonHttp:
         monitor: HealthMonitor,
         address: str,
         metrics_page: Callable[[], Awaitable[bytes]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._monitor = monitor
+        self._ssl_context = ssl_context
         self._metrics_page = metrics_page
         host, _, port = parse_listen_address(address).target.rpartition(":")
         self._host, self._port = host, int(port)
@@ -135,7 +138,9 @@ class DaemonHttp:
             app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port, reuse_port=False)
+        site = web.TCPSite(
+            self._runner, self._host, self._port, reuse_port=False, ssl_context=self._ssl_context
+        )
         await site.start()
         bound = self._runner.addresses  # port 0 resolved
         if bound:

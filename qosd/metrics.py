@@ -67,6 +67,20 @@ class Metrics:
             ["code", "reason"],
             registry=r,
         )
+        self.auth_refusals = Counter(
+            "qosd_auth_refusals",
+            "Calls refused by auth: code UNAUTHENTICATED (no credentials) or "
+            "PERMISSION_DENIED (wrong ones, or a control call on a shared listener).",
+            ["method", "code"],
+            registry=r,
+        )
+        self.tls_reloads = Counter(
+            "qosd_tls_certificate_reloads",
+            "Rotations of the server's TLS files seen on disk: result loaded or failed "
+            "(the previous certificate kept).",
+            ["result"],
+            registry=r,
+        )
         self.adjustments = Counter(
             "qosd_rate_adjustments",
             "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin.",

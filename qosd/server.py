@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
+from qosd.auth import Authorizer
 from qosd.config import Config, parse_listen_address
 from qosd.control import Controller
 from qosd.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
@@ -34,6 +35,7 @@ from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.instrumented import InstrumentedStore
 from qosd.store.redis import RedisStore
+from qosd.tls import ServerCertificates
 from qosd.tracing import Tracing, start_tracing
 from qosd.v1 import qosd_pb2
 
@@ -77,6 +79,10 @@ class Daemon:
     admin: AdminService
     tracing: Tracing | None = None
     http: DaemonHttp | None = None
+    # The admin listener's own server (server.admin_listen), and what it bound.
+    admin_server: grpc.aio.Server | None = None
+    admin_addresses: list[str] = field(default_factory=list)
+    certificates: ServerCertificates | None = None
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
 
@@ -86,7 +92,10 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         await self.controller.stop()
         self.admission.begin_drain()
-        await self.server.stop(grace)
+        stopping = [self.server.stop(grace)]
+        if self.admin_server is not None:
+            stopping.append(self.admin_server.stop(grace))
+        await asyncio.gather(*stopping)
         await self.admission.waiting_room.close()
         if self.http is not None:
             await self.http.stop()
@@ -134,15 +143,19 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     )
     await store.start()
     admission = Admission(config, store, tracer, daemon_id=daemon_id)
-    max_bytes = config.limits.max_message_bytes
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_send_message_length", max_bytes),
-            # Two daemons on one port would silently split traffic; fail instead.
-            ("grpc.so_reuseport", 0),
-        ],
-    )
+    try:
+        certificates = (
+            ServerCertificates(
+                config.server.tls,
+                on_reload=lambda ok: metrics.tls_reloads.labels("loaded" if ok else "failed").inc(),
+            )
+            if config.server.tls.enabled
+            else None
+        )
+    except (OSError, ValueError) as exc:
+        await store.close()
+        raise StartupError(f"server.tls: the files do not load: {exc}") from exc
+    server = grpc.aio.server(options=_server_options(config))
     controller = Controller(
         config,
         store,
@@ -154,7 +167,13 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     envoy_rls = (
         EnvoyRateLimitService(admission, metrics, tracer) if config.envoy_rls.enabled else None
     )
-    add_to_server(QoSService(admission, metrics, tracer), admin, server, envoy_rls, tracer)
+    authorizer = Authorizer(
+        config.auth,
+        on_refusal=lambda method, code: metrics.auth_refusals.labels(method, code.name).inc(),
+    )
+    add_to_server(
+        QoSService(admission, metrics, tracer), admin, server, envoy_rls, tracer, authorizer
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     served = [QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -172,25 +191,30 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         metrics=metrics,
         admin=admin,
         tracing=tracing,
+        certificates=certificates,
     )
-    for address in config.server.listen:
-        parsed = parse_listen_address(address)
-        if parsed.unix_path is not None:
-            Path(parsed.unix_path).parent.mkdir(parents=True, exist_ok=True)
-            _remove_stale_socket(parsed.unix_path)
-        try:
-            port = server.add_insecure_port(parsed.target)
-        except RuntimeError as exc:
-            await store.close()
-            raise StartupError(f"cannot listen on {address}: {exc}") from exc
-        if parsed.unix_path is not None:
-            daemon.unix_paths.append(parsed.unix_path)
-            daemon.addresses.append(parsed.target)
-        else:
-            host = parsed.target.rpartition(":")[0]
-            daemon.addresses.append(f"{host}:{port}")
+    credentials = certificates.grpc_credentials() if certificates is not None else None
+    try:
+        daemon.addresses = _bind(server, config.server.listen, credentials, daemon.unix_paths)
+        if config.server.admin_listen:
+            # Its own server: a gRPC server cannot tell which of its ports a call came
+            # in on, and this one serves control calls with no credentials.
+            daemon.admin_server = grpc.aio.server(options=_server_options(config))
+            add_to_server(None, admin, daemon.admin_server, tracer=tracer)
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, daemon.admin_server)
+            daemon.admin_addresses = _bind(
+                daemon.admin_server, config.server.admin_listen, None, daemon.unix_paths
+            )
+    except StartupError:
+        await store.close()
+        raise
     if config.server.http_listen:
-        daemon.http = DaemonHttp(monitor, config.server.http_listen, daemon.metrics_page)
+        daemon.http = DaemonHttp(
+            monitor,
+            config.server.http_listen,
+            daemon.metrics_page,
+            certificates.ssl_context() if certificates is not None else None,
+        )
         try:
             await daemon.http.start()
         except OSError as exc:
@@ -198,6 +222,8 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             await store.close()
             raise StartupError(f"cannot listen on {config.server.http_listen}: {exc}") from exc
     await server.start()
+    if daemon.admin_server is not None:
+        await daemon.admin_server.start()
     for path in daemon.unix_paths:
         # Group-writable, so a gateway in another container of the pod (another uid,
         # the pod's fsGroup) can connect; the socket's directory bounds who sees it.
@@ -206,12 +232,58 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         controller.start()
     await monitor.start()
     log.info(
-        "qosd serving on %s with the %s store, fail mode %s",
+        "qosd serving on %s%s%s with the %s store, fail mode %s",
         ", ".join(daemon.addresses),
+        " (TLS, client certificates required)"
+        if certificates is not None and certificates.requires_client_certificates
+        else " (TLS)"
+        if certificates is not None
+        else "",
+        f", admin on {', '.join(daemon.admin_addresses)}" if daemon.admin_addresses else "",
         "redis" if config.redis.url else "embedded",
         config.fail_mode.value,
     )
     return daemon
+
+
+def _server_options(config: Config) -> list[tuple[str, Any]]:
+    max_bytes = config.limits.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", max_bytes),
+        ("grpc.max_send_message_length", max_bytes),
+        # Two daemons on one port would silently split traffic; fail instead.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _bind(
+    server: grpc.aio.Server,
+    addresses: list[str],
+    credentials: grpc.ServerCredentials | None,
+    unix_paths: list[str],
+) -> list[str]:
+    """Adds a port per address (TCP ones with ``credentials``, when set; unix sockets
+    always plain: the file system guards them); returns the bound addresses."""
+    bound = []
+    for address in addresses:
+        parsed = parse_listen_address(address)
+        if parsed.unix_path is not None:
+            Path(parsed.unix_path).parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_socket(parsed.unix_path)
+        try:
+            if credentials is not None and parsed.unix_path is None:
+                port = server.add_secure_port(parsed.target, credentials)
+            else:
+                port = server.add_insecure_port(parsed.target)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {address}: {exc}") from exc
+        if parsed.unix_path is not None:
+            unix_paths.append(parsed.unix_path)
+            bound.append(parsed.target)
+        else:
+            host = parsed.target.rpartition(":")[0]
+            bound.append(f"{host}:{port}")
+    return bound
 
 
 async def serve(config: Config, ready_file: str | None = None) -> None:
@@ -223,7 +295,10 @@ async def serve(config: Config, ready_file: str | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     if ready_file:
         http = daemon.http.address if daemon.http else None
-        write_ready_file(ready_file, {"addresses": daemon.addresses, "http": http})
+        write_ready_file(
+            ready_file,
+            {"addresses": daemon.addresses, "admin": daemon.admin_addresses, "http": http},
+        )
     await stop.wait()
     log.info("draining: refusing new calls, %.1fs grace", config.server.drain_grace_s)
     await daemon.stop()

@@ -18,6 +18,7 @@ from opentelemetry.trace import Tracer
 
 from qosd import tracing
 from qosd.admission import Admission, InvalidArgument
+from qosd.auth import Authorizer, Group
 from qosd.budget import effective_pool
 from qosd.config import PoolPolicy, SloConfig
 from qosd.control import Controller
@@ -407,25 +408,44 @@ def _sample_status(value: int) -> Outcome:
 Methods = dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]]
 
 
+# The group of every method on the shared listeners (qosd/auth.py). Anything new that
+# changes shared state belongs in CONTROL.
+METHOD_GROUPS: dict[str, Group] = {
+    "Acquire": Group.QOS,
+    "Release": Group.QOS,
+    "Report": Group.QOS,
+    "ShouldRateLimit": Group.QOS,
+    "GetStatus": Group.QOS,
+    "PinRate": Group.CONTROL,
+    "UnpinRate": Group.CONTROL,
+}
+
+
 def add_to_server(
-    service: QoSService,
+    service: QoSService | None,
     admin: AdminService,
     server: grpc.aio.Server,
     envoy_rls: EnvoyRateLimitService | None = None,
     tracer: Tracer | None = None,
+    authorizer: Authorizer | None = None,
 ) -> None:
     """Registers qosd's services so that an undecodable request is INVALID_ARGUMENT.
 
     The generated registration lets grpc.aio decode requests before any servicer
     code runs, and it answers a malformed message with UNKNOWN. Decoding inside the
     handler instead costs nothing extra and gives the caller a status that says what
-    is wrong. With a tracer, each handler also runs in a server span.
+    is wrong. With a tracer, each handler also runs in a server span. With an
+    authorizer, each call is judged first (``METHOD_GROUPS``); none: every call is
+    served (the admin listener). ``service`` None: the Admin service alone.
     """
 
     def register(service_name: str, methods: Methods, names: tuple[str, ...] = ()) -> None:
         handlers = {}
         for method_name, (message_type, method) in methods.items():
             handler = _decoding(message_type, method)
+            group = METHOD_GROUPS[method_name]
+            if authorizer is not None and authorizer.guards(group):
+                handler = _authorized(authorizer, f"{service_name}/{method_name}", group, handler)
             if tracer is not None:
                 handler = tracing.traced_handler(tracer, service_name, method_name, handler)
             handlers[method_name] = grpc.unary_unary_rpc_method_handler(
@@ -439,14 +459,15 @@ def add_to_server(
         )
 
     services = qosd_pb2.DESCRIPTOR.services_by_name
-    register(
-        services["QoS"].full_name,
-        {
-            "Acquire": (qosd_pb2.AcquireRequest, service.Acquire),
-            "Release": (qosd_pb2.ReleaseRequest, service.Release),
-            "Report": (qosd_pb2.ReportRequest, service.Report),
-        },
-    )
+    if service is not None:
+        register(
+            services["QoS"].full_name,
+            {
+                "Acquire": (qosd_pb2.AcquireRequest, service.Acquire),
+                "Release": (qosd_pb2.ReleaseRequest, service.Release),
+                "Report": (qosd_pb2.ReportRequest, service.Report),
+            },
+        )
     register(
         services["Admin"].full_name,
         {
@@ -463,6 +484,21 @@ def add_to_server(
             {"ShouldRateLimit": (envoy_rls_pb2.RateLimitRequest, envoy_rls.ShouldRateLimit)},
             (MIRROR_SERVICE,),
         )
+
+
+def _authorized(
+    authorizer: Authorizer,
+    name: str,
+    group: Group,
+    handler: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]],
+) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def guarded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        refusal = authorizer.judge(name, group, context)
+        if refusal is not None:
+            await context.abort(refusal.code, refusal.message)
+        return await handler(raw, context)
+
+    return guarded
 
 
 def _serialize(message: Message) -> bytes:

@@ -15,6 +15,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import asyncio  # after the environment that gRPC reads at import
 import copy
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -103,10 +104,16 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 class RunningDaemon:
     daemon: Daemon
     client: QosdClient
+    # On the admin listener (a unix socket), where control calls need no credentials.
+    admin: QosdClient
 
     @property
     def address(self) -> str:
         return self.daemon.addresses[0]
+
+    @property
+    def admin_address(self) -> str:
+        return self.daemon.admin_addresses[0]
 
 
 DaemonFactory = Callable[..., Awaitable[RunningDaemon]]
@@ -117,16 +124,25 @@ async def make_daemon(backend: Backend) -> AsyncIterator[DaemonFactory]:
     """Starts in-process daemons on the test's backend; extra config merges over BASE."""
     running: list[RunningDaemon] = []
 
+    sockets = tempfile.TemporaryDirectory(prefix="qa")  # short: unix paths are <108 bytes
+
     async def factory(extra: dict[str, Any] | None = None) -> RunningDaemon:
-        tree = merge(BASE_CONFIG, extra or {})
+        admin_socket = f"unix:{sockets.name}/admin{len(running)}.sock"
+        tree = merge(merge(BASE_CONFIG, {"server": {"admin_listen": [admin_socket]}}), extra or {})
         if backend.redis is not None:
             tree["redis"] = merge(backend.redis, tree.get("redis", {}))
         daemon = await start(Config.model_validate(tree))
-        item = RunningDaemon(daemon, QosdClient(daemon.addresses[0]))
+        item = RunningDaemon(
+            daemon,
+            QosdClient(daemon.addresses[0]),
+            QosdClient((daemon.admin_addresses or daemon.addresses)[0]),
+        )
         running.append(item)
         return item
 
     yield factory
     for item in running:
         await item.client.close()
+        await item.admin.close()
         await item.daemon.stop(0)
+    sockets.cleanup()

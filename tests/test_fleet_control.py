@@ -58,7 +58,7 @@ async def test_status_shows_rates_compliance_and_pins(make_daemon: DaemonFactory
     p1 = pool.cls("P1").latency
     assert (p1.samples, p1.compliance) == (1, None)
 
-    pinned = await qos.pin_rate("default", 5_000)
+    pinned = await running.admin.pin_rate("default", 5_000)
     assert pinned.pinned and pinned.admitted_rate_tokens_s == 5_000
     # Half the capacity: the lower classes drop to their floors, P0 keeps 4,000.
     rates = {c.name: c.rate_tokens_s for c in pinned.classes}
@@ -76,21 +76,21 @@ async def test_status_shows_rates_compliance_and_pins(make_daemon: DaemonFactory
 
     for bad in (0.0, 2_499.0, 20_001.0, math.nan, math.inf):
         with pytest.raises(InvalidRequest, match="within the control bounds"):
-            await qos.pin_rate("default", bad)
+            await running.admin.pin_rate("default", bad)
     with pytest.raises(NotFound, match="pool 'gpu-9' is not configured") as missing:
-        await qos.pin_rate("gpu-9", 5_000)
+        await running.admin.pin_rate("gpu-9", 5_000)
     assert not isinstance(missing.value, LeaseNotFound)
     with pytest.raises(NotFound):
         await qos.status("gpu-9")
     with pytest.raises(InvalidRequest, match="history must be between 0 and 100"):
         await qos.status(history=101)
 
-    freed = await qos.unpin_rate("default")
+    freed = await running.admin.unpin_rate("default")
     assert not freed.pinned and freed.admitted_rate_tokens_s == 5_000  # from where it was
     history = (await qos.status(history=10)).pool("default").history
     assert [(h.from_tokens_s, h.to_tokens_s) for h in history] == [(5_000, 5_000), (10_000, 5_000)]
     assert history[0].reason == "unpinned by an operator" and history[0].age_s >= 0
-    again = await qos.unpin_rate("default")  # nothing to free: no change, no cooldown
+    again = await running.admin.unpin_rate("default")  # nothing to free: no change, no cooldown
     assert not again.pinned and again.last_change is not None
     assert again.last_change.reason == "unpinned by an operator"
     assert len((await qos.status(history=10)).pool("default").history) == 2
@@ -115,14 +115,17 @@ async def test_cli_status_pin_and_unpin(backend: Backend, make_daemon: DaemonFac
     assert code == 0
     assert "pool default: admitting 10,000 tokens/s (100% of the configured 10,000)" in out
     assert "P0" in out and "0.0%" in out and "ttft<=500" in out
-    code, out, _ = await run_cli("pin", "-a", running.address, "default", "7000")
+    # Control calls on the shared port: refused, pointing at the admin listener.
+    code, _, err = await run_cli("pin", "-a", running.address, "default", "7000")
+    assert code == 1 and "PERMISSION_DENIED" in err and "server.admin_listen" in err
+    code, out, _ = await run_cli("pin", "-a", running.admin_address, "default", "7000")
     assert code == 0 and "admitting 7,000 tokens/s" in out and "PINNED" in out
     assert "pinned at 7000 tokens/s by an operator" in out
-    code, _, err = await run_cli("pin", "-a", running.address, "default", "1")
+    code, _, err = await run_cli("pin", "-a", running.admin_address, "default", "1")
     assert code == 1 and "INVALID_ARGUMENT" in err and "control bounds" in err
-    code, _, err = await run_cli("unpin", "-a", running.address, "gpu-9")
+    code, _, err = await run_cli("unpin", "-a", running.admin_address, "gpu-9")
     assert code == 1 and "NOT_FOUND: pool 'gpu-9' is not configured" in err
-    code, out, _ = await run_cli("unpin", "-a", running.address, "default")
+    code, out, _ = await run_cli("unpin", "-a", running.admin_address, "default")
     assert code == 0 and "PINNED" not in out
     code, out, _ = await run_cli("status", "-a", running.address, "--json")
     assert code == 0 and '"admitted_rate_tokens_s": 7000.0' in out

@@ -108,13 +108,14 @@ async def test_the_token_bound_lets_a_lone_request_through(make_daemon: DaemonFa
 
 async def test_cuts_shrink_the_bound(make_daemon: DaemonFactory) -> None:
     gated = {"pools": {"default": {"max_in_flight": 4, "top_reserve": 0}}}
-    qos = (await make_daemon(gated)).client
-    await qos.pin_rate("default", 5_000)  # half the configured rate: half the bound
+    running = await make_daemon(gated)
+    qos, admin = running.client, running.admin
+    await admin.pin_rate("default", 5_000)  # half the configured rate: half the bound
     two = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
     assert all(lease.admitted for lease in two)
     assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted
-    await qos.unpin_rate("default")
-    await qos.pin_rate("default", 20_000)  # growth never lifts it above the servers'
+    await admin.unpin_rate("default")
+    await admin.pin_rate("default", 20_000)  # growth never lifts it above the servers'
     more = [await qos.acquire("P0", 10, max_wait_ms=0) for _ in range(2)]
     assert all(lease.admitted for lease in more)
     assert not (await qos.acquire("P0", 10, max_wait_ms=0)).admitted

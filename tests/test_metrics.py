@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,7 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from qosd.config import Config
 from qosd.server import Daemon, start
 from qosd.testing import RedisServer, redis_server
-from qosd_client import InvalidRequest, LatencySample, QosdClient, Reason, ServerLoad
+from qosd_client import (
+    InvalidRequest,
+    LatencySample,
+    QosdClient,
+    Reason,
+    ServerLoad,
+    Unauthenticated,
+)
 from tests.conftest import BASE_CONFIG, merge
 
 CONFIG = merge(
@@ -53,8 +61,10 @@ def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-async def daemon() -> AsyncIterator[Daemon]:
-    running = await start(Config.model_validate(CONFIG))
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    (tmp_path / "control-token").write_text("metrics-operator\n")
+    config = merge(CONFIG, {"auth": {"control": {"token_file": str(tmp_path / "control-token")}}})
+    running = await start(Config.model_validate(config))
     yield running
     await running.stop(0)
 
@@ -75,7 +85,11 @@ async def test_metrics_count_what_happened(daemon: Daemon) -> None:
             + [LatencySample("llama-3-8b", "P0", ttft_ms=900, tpot_ms=20)],
             loads=[ServerLoad("llama-3-8b", "triton-0", waiting_requests=4)],
         )
-        await qos.pin_rate("default", 8_000)
+        with pytest.raises(Unauthenticated, match="control calls need"):
+            await qos.pin_rate("default", 8_000)  # no token
+        token_file = daemon.config.auth.control.token_file
+        async with QosdClient(daemon.addresses[0], token_file=token_file) as operator:
+            await operator.pin_rate("default", 8_000)
         status = (await qos.status("default")).pool("default")
 
     text, samples = await _scrape(daemon)
@@ -89,6 +103,8 @@ async def test_metrics_count_what_happened(daemon: Daemon) -> None:
     assert _value(samples, "qosd_report_samples_total", result="accepted") == 10
     assert _value(samples, "qosd_store_call_seconds_count", call="acquire") >= 4
     assert _value(samples, "qosd_rate_adjustments_total", pool="default", kind="pin") == 1
+    unauthenticated = {"method": "qosd.v1.Admin/PinRate", "code": "UNAUTHENTICATED"}
+    assert _value(samples, "qosd_auth_refusals_total", **unauthenticated) == 1
     # State, as GetStatus reports it.
     assert _value(samples, "qosd_pool_rate_tokens_per_second", pool="default") == 8_000
     assert _value(samples, "qosd_pool_pinned", pool="default") == 1

@@ -13,6 +13,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,10 +40,14 @@ def own_redis() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(params=["closed", "open"])
-async def daemon(request: pytest.FixtureRequest, own_redis: RedisServer) -> AsyncIterator[Daemon]:
+async def daemon(
+    request: pytest.FixtureRequest, own_redis: RedisServer, tmp_path: Path
+) -> AsyncIterator[Daemon]:
+    (tmp_path / "control-token").write_text("outage-operator\n")
     config = merge(
         BASE_CONFIG,
         {
+            "auth": {"control": {"token_file": str(tmp_path / "control-token")}},
             "fail_mode": request.param,
             "redis": {
                 "url": own_redis.url,
@@ -99,7 +104,8 @@ async def recovers(qos: QosdClient, within_s: float) -> float:
 
 async def test_redis_killed_then_restarted(daemon: Daemon, own_redis: RedisServer) -> None:
     fail_mode = daemon.config.fail_mode.value
-    async with QosdClient(daemon.addresses[0]) as qos:
+    token_file = daemon.config.auth.control.token_file  # an operator's, for pin_rate
+    async with QosdClient(daemon.addresses[0], token_file=token_file) as qos:
         before = await qos.acquire("P1", 10, max_wait_ms=0)
         assert before.admitted and before.reason is Reason.NONE
 

@@ -25,8 +25,11 @@ def test_qosctl_is_installed() -> None:
     assert shutil.which("qosctl", path=str(Path(sys.executable).parent))
 
 
-def test_status_watch_leases_pin_unpin() -> None:
-    with daemon_processes(CONFIG) as (daemon,):
+def test_status_watch_leases_pin_unpin(tmp_path: Path) -> None:
+    token = tmp_path / "control-token"
+    token.write_text("an-operator's-token\n")
+    config = {**CONFIG, "auth": {"control": {"token_file": str(token)}}}
+    with daemon_processes(config) as (daemon,):
         address = ["--address", daemon.address]
         with SyncQosdClient(daemon.address) as qos:
             held = [qos.acquire("P1", 100, model="m") for _ in range(2)]
@@ -40,6 +43,13 @@ def test_status_watch_leases_pin_unpin() -> None:
         assert watch.returncode == 0
         assert watch.stdout.count("pool default: admitting") == 2  # two redraws
         assert "2 active leases" in watch.stdout
+        anonymous = qosctl("pin", *address, "default", "8000")
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
+        wrong = tmp_path / "wrong-token"
+        wrong.write_text("a guess\n")
+        guessed = qosctl("pin", *address, "--token-file", str(wrong), "default", "8000")
+        assert guessed.returncode == 1 and "PERMISSION_DENIED" in guessed.stderr
+        address += ["--token-file", str(token)]
         pinned = qosctl("pin", *address, "default", "8000")
         assert pinned.returncode == 0 and "PINNED" in pinned.stdout
         status = json.loads(qosctl("status", *address, "--json").stdout)

@@ -30,8 +30,9 @@ class Authority:
     key: ec.EllipticCurvePrivateKey
     certificate: x509.Certificate
 
-    def issue(self, directory: Path, name: str, *, server: bool) -> Pem:
-        """A certificate for ``name`` (a server's valid for 127.0.0.1 and localhost)."""
+    def issue(self, directory: Path, name: str, *, server: bool, uri: str | None = None) -> Pem:
+        """A certificate for ``name`` (a server's valid for 127.0.0.1 and localhost; a
+        client's with ``uri`` as its URI subject alternative name, as SPIFFE issues)."""
         key = ec.generate_private_key(ec.SECP256R1())
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (
@@ -46,6 +47,9 @@ class Authority:
                 x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             ]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        elif uri is not None:
+            identity = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)])
+            builder = builder.add_extension(identity, critical=False)
         return _write(directory, name, builder.sign(self.key, hashes.SHA256()), key)
 
 

@@ -6,6 +6,7 @@ async with QosdClient("127.0.0.1:50051") as qos:
         lease.set_usage(input_tokens=reply.prompt_tokens, output_tokens=reply.tokens)
 """
 
+from qosd_client.channel import ClientTls
 from qosd_client.client import DEFAULT_TARGET, Lease, QosdClient, SyncQosdClient
 from qosd_client.types import (
     AcquireResult,
@@ -19,6 +20,7 @@ from qosd_client.types import (
     NotFound,
     Outcome,
     Percentiles,
+    PermissionDenied,
     PoolState,
     QosdError,
     RateChange,
@@ -29,6 +31,7 @@ from qosd_client.types import (
     SampleSink,
     ServerLoad,
     Status,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -36,6 +39,7 @@ __all__ = [
     "DEFAULT_TARGET",
     "AcquireResult",
     "ClassState",
+    "ClientTls",
     "DeadlineExceeded",
     "InvalidRequest",
     "LatencySample",
@@ -46,6 +50,7 @@ __all__ = [
     "NotFound",
     "Outcome",
     "Percentiles",
+    "PermissionDenied",
     "PoolState",
     "QosdClient",
     "QosdError",
@@ -58,5 +63,6 @@ __all__ = [
     "ServerLoad",
     "Status",
     "SyncQosdClient",
+    "Unauthenticated",
     "Unavailable",
 ]

@@ -17,6 +17,7 @@ from qosd_client.types import (
     NotFound,
     Outcome,
     Percentiles,
+    PermissionDenied,
     PoolState,
     QosdError,
     RateChange,
@@ -25,6 +26,7 @@ from qosd_client.types import (
     ReportResult,
     ServerLoad,
     Status,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -34,6 +36,8 @@ _ERRORS: dict[grpc.StatusCode, type[QosdError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 # How much longer than the requested max wait a client waits for the answer.

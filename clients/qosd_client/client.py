@@ -18,7 +18,8 @@ import grpc
 
 from qosd.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_client import _convert
-from qosd_client.tracing import trace_metadata
+from qosd_client.channel import ClientTls, TokenFile, aio_channel, sync_channel
+from qosd_client.tracing import Metadata, trace_metadata
 from qosd_client.types import (
     AcquireResult,
     LatencySample,
@@ -35,7 +36,6 @@ from qosd_client.types import (
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-_CHANNEL_OPTIONS = [("grpc.enable_retries", 1)]
 
 
 @dataclass
@@ -59,6 +59,14 @@ class Lease:
             self.output_tokens = output_tokens
 
 
+def call_metadata(token: TokenFile | None) -> Metadata | None:
+    """The trace context, and the bearer token when the client has one."""
+    traced = trace_metadata()
+    if token is None:
+        return traced
+    return (*(traced or ()), token.header())
+
+
 def _outcome_of(error: BaseException | None) -> Outcome:
     if error is None:
         return Outcome.OK
@@ -76,11 +84,17 @@ class QosdClient:
         *,
         timeout_s: float = 5.0,
         channel: grpc.aio.Channel | None = None,
+        tls: ClientTls | None = None,
+        token_file: str | None = None,
     ) -> None:
-        self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = channel or aio_channel(target, tls)
+        self._token = TokenFile(token_file) if token_file else None
         self._stub = qosd_pb2_grpc.QoSStub(self._channel)
         self._admin = qosd_pb2_grpc.AdminStub(self._channel)
         self._timeout_s = timeout_s
+
+    def _metadata(self) -> Metadata | None:
+        return call_metadata(self._token)
 
     async def __aenter__(self) -> QosdClient:
         return self
@@ -124,7 +138,7 @@ class QosdClient:
         )
         timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
         try:
-            response = await self._stub.Acquire(request, timeout=timeout, metadata=trace_metadata())
+            response = await self._stub.Acquire(request, timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.acquire_result(response)
@@ -141,7 +155,7 @@ class QosdClient:
         request = _convert.release_request(lease_id, input_tokens, output_tokens, outcome)
         try:
             response = await self._stub.Release(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
@@ -158,7 +172,7 @@ class QosdClient:
         request = _convert.report_request(list(samples), list(loads))
         try:
             response = await self._stub.Report(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
@@ -172,7 +186,7 @@ class QosdClient:
         request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
         try:
             response = await self._admin.GetStatus(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
@@ -185,7 +199,7 @@ class QosdClient:
         request = qosd_pb2.PinRateRequest(pool=pool, rate_tokens_s=rate_tokens_s)
         try:
             response = await self._admin.PinRate(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
@@ -196,7 +210,7 @@ class QosdClient:
         request = qosd_pb2.UnpinRateRequest(pool=pool)
         try:
             response = await self._admin.UnpinRate(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
@@ -246,11 +260,17 @@ class SyncQosdClient:
         *,
         timeout_s: float = 5.0,
         channel: grpc.Channel | None = None,
+        tls: ClientTls | None = None,
+        token_file: str | None = None,
     ) -> None:
-        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = channel or sync_channel(target, tls)
+        self._token = TokenFile(token_file) if token_file else None
         self._stub = qosd_pb2_grpc.QoSStub(self._channel)
         self._admin = qosd_pb2_grpc.AdminStub(self._channel)
         self._timeout_s = timeout_s
+
+    def _metadata(self) -> Metadata | None:
+        return call_metadata(self._token)
 
     def __enter__(self) -> SyncQosdClient:
         return self
@@ -288,7 +308,7 @@ class SyncQosdClient:
         )
         timeout = _convert.acquire_timeout(self._timeout_s, max_wait_ms, timeout_s)
         try:
-            response = self._stub.Acquire(request, timeout=timeout, metadata=trace_metadata())
+            response = self._stub.Acquire(request, timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
         return _convert.acquire_result(response)
@@ -305,7 +325,7 @@ class SyncQosdClient:
         request = _convert.release_request(lease_id, input_tokens, output_tokens, outcome)
         try:
             response = self._stub.Release(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
@@ -321,7 +341,7 @@ class SyncQosdClient:
         request = _convert.report_request(list(samples), list(loads))
         try:
             response = self._stub.Report(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error) from error
@@ -331,7 +351,7 @@ class SyncQosdClient:
         request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
         try:
             response = self._admin.GetStatus(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
@@ -343,7 +363,7 @@ class SyncQosdClient:
         request = qosd_pb2.PinRateRequest(pool=pool, rate_tokens_s=rate_tokens_s)
         try:
             response = self._admin.PinRate(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error
@@ -353,7 +373,7 @@ class SyncQosdClient:
         request = qosd_pb2.UnpinRateRequest(pool=pool)
         try:
             response = self._admin.UnpinRate(
-                request, timeout=timeout_s or self._timeout_s, metadata=trace_metadata()
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as error:
             raise _convert.translate(error, admin=True) from error

@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qosd_client.channel import ClientTls
 from qosd_client.client import QosdClient
 from qosd_client.reporter import LatencyReporter, ReporterStats
 from qosd_client.tracing import current_traceparent, trace_metadata
@@ -534,8 +535,16 @@ class ThreadedLatencyReporter:
     as ``with ThreadedLatencyReporter("qosd:50051") as reporter: ...``.
     """
 
-    def __init__(self, target: str, **options: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: ClientTls | None = None,
+        token_file: str | None = None,
+        **options: Any,
+    ) -> None:
         self._target = target
+        self._tls, self._token_file = tls, token_file  # for daemons with TLS or auth
         self._options = options
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reporter: LatencyReporter | None = None
@@ -581,7 +590,7 @@ class ThreadedLatencyReporter:
         asyncio.set_event_loop(loop)
 
         async def setup() -> tuple[QosdClient, LatencyReporter]:
-            client = QosdClient(self._target)
+            client = QosdClient(self._target, tls=self._tls, token_file=self._token_file)
             reporter = LatencyReporter(client, **self._options)
             reporter.start()
             return client, reporter

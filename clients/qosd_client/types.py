@@ -239,6 +239,16 @@ class DeadlineExceeded(QosdError):
     """The call's deadline passed before qosd answered."""
 
 
+class Unauthenticated(QosdError):
+    """The daemon wants credentials this client did not send (gRPC UNAUTHENTICATED):
+    a bearer token (``token_file``) or a client certificate (``ClientTls``)."""
+
+
+class PermissionDenied(QosdError):
+    """The credentials are not allowed this call (gRPC PERMISSION_DENIED), or it is a
+    control call on a listener that serves none without ``auth.control``."""
+
+
 class SampleSink(Protocol):
     """Where samples go: ``LatencyReporter``, ``ThreadedLatencyReporter``, or a list's
     wrapper in a test. ``record`` must never block or raise."""
