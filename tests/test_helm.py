@@ -125,6 +125,43 @@ def test_standalone_with_redis_and_otel(helm: str, tmp_path: Path) -> None:
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
 
 
+def test_tls_auth_and_the_admin_socket(helm: str, tmp_path: Path) -> None:
+    documents = render(
+        helm, CHART, "--set", "tls.secretName=qosd-tls", "--set", "tls.requireClientCert=true",
+        "--set", "auth.control.tokenSecret=qosd-operators",
+        "--set", "auth.qos.identities={spiffe://cluster.local/ns/llm/sa/gateway}",
+        "--set", "serviceMonitor.enabled=true",
+    )  # fmt: skip
+    validate(documents, tmp_path)
+    (config_map,) = by_kind(documents, "ConfigMap")
+    # qosd checks the files the config names, so give it the pod's files, here.
+    pod_files = "/var/run/secrets/qosd"
+    for name in ("tls/tls.crt", "tls/tls.key", "tls/ca.crt", "control-token/token"):
+        (tmp_path / "secrets" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "secrets" / name).write_text("from the Secret\n")
+    here = config_map["data"]["qosd.yaml"].replace(pod_files, str(tmp_path / "secrets"))
+    config_map["data"]["qosd.yaml"] = here
+    config = check_config_with_qosd(documents, tmp_path)
+    assert config["server"]["admin_listen"] == ["unix:/var/run/qosd-admin/admin.sock"]
+    assert set(config["server"]["tls"]) == {"cert_file", "key_file", "client_ca_file"}
+    assert config["auth"]["control"] == {"token_file": f"{tmp_path}/secrets/control-token/token"}
+    assert config["auth"]["qos"] == {"identities": ["spiffe://cluster.local/ns/llm/sa/gateway"]}
+    (deployment,) = by_kind(documents, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["qosd-tls"] == f"{pod_files}/tls"
+    assert mounts["qosd-control-token"] == f"{pod_files}/control-token"
+    assert mounts["qosd-admin"] == "/var/run/qosd-admin"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["qosd-tls"]["secret"] == {"secretName": "qosd-tls"}
+    assert volumes["qosd-admin"] == {"name": "qosd-admin", "emptyDir": {}}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS"
+    (monitor,) = by_kind(documents, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["scheme"] == "https"
+
+
 def test_trial_redis(helm: str, tmp_path: Path) -> None:
     documents = render(helm, CHART, "-f", str(CHART / "ci" / "standalone-trial.yaml"))
     config = check_config_with_qosd(documents, tmp_path)
@@ -198,6 +235,9 @@ def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> N
         (["--set", "mode=sidecar", "--set", "serviceMonitor.enabled=true"], "podSelector"),
         (["--set", "otel.sampleRatio=2"], "sampleRatio"),
         (["--set", "redis.trial.enabled=true", "--set", "redis.existingSecret=s"], "no password"),
+        (["--set", "tls.requireClientCert=true"], "needs tls.secretName"),
+        (["--set", "tls.secretName=t", "--set", "auth.control.identities={spiffe://a/b}"],
+         "set tls.requireClientCert"),
     ],
 )  # fmt: skip
 def test_values_that_cannot_work_are_refused(helm: str, options: list[str], message: str) -> None:

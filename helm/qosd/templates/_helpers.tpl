@@ -65,7 +65,22 @@ app.kubernetes.io/component: qosd
 {{- $_ := set $server "listen" (list (printf "0.0.0.0:%v" .Values.grpc.port)) -}}
 {{- end -}}
 {{- $_ := set $server "http_listen" (printf "0.0.0.0:%v" .Values.http.port) -}}
+{{- $_ := set $server "admin_listen" (list (printf "unix:%s/admin.sock" .Values.admin.socketDir)) -}}
+{{- if .Values.tls.secretName -}}
+{{- $tls := dict "cert_file" "/var/run/secrets/qosd/tls/tls.crt" "key_file" "/var/run/secrets/qosd/tls/tls.key" -}}
+{{- if .Values.tls.requireClientCert }}{{ $_ := set $tls "client_ca_file" "/var/run/secrets/qosd/tls/ca.crt" }}{{ end -}}
+{{- $_ := set $server "tls" $tls -}}
+{{- end -}}
 {{- $_ := set $config "server" $server -}}
+{{- $auth := dict -}}
+{{- range $group := list "control" "qos" -}}
+{{- $values := get $.Values.auth $group -}}
+{{- $rule := dict -}}
+{{- if $values.tokenSecret }}{{ $_ := set $rule "token_file" (printf "/var/run/secrets/qosd/%s-token/token" $group) }}{{ end -}}
+{{- if $values.identities }}{{ $_ := set $rule "identities" $values.identities }}{{ end -}}
+{{- if $rule }}{{ $_ := set $auth $group $rule }}{{ end -}}
+{{- end -}}
+{{- if $auth }}{{ $_ := set $config "auth" $auth }}{{ end -}}
 {{- $_ := set $config "logging" (dict "level" .Values.logging.level "format" .Values.logging.format) -}}
 {{- $redis := default dict (get $config "redis") -}}
 {{- $url := include "qosd.redisUrl" . -}}
@@ -95,6 +110,38 @@ app.kubernetes.io/component: qosd
 {{- if and .Values.redis.trial.enabled .Values.redis.existingSecret -}}
 {{- fail "qosd: the trial Redis has no password; unset redis.existingSecret" -}}
 {{- end -}}
+{{- if and .Values.tls.requireClientCert (not .Values.tls.secretName) -}}
+{{- fail "qosd: tls.requireClientCert needs tls.secretName (mTLS is TLS first)" -}}
+{{- end -}}
+{{- if and (or .Values.auth.control.identities .Values.auth.qos.identities) (not .Values.tls.requireClientCert) -}}
+{{- fail "qosd: auth identities come from client certificates: set tls.requireClientCert" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The probes, on HTTPS when the listeners are on TLS. */}}
+{{- define "qosd.probe" -}}
+{{- $probe := deepCopy .probe -}}
+{{- if and .root.Values.tls.secretName $probe.httpGet -}}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" -}}
+{{- end -}}
+{{- toYaml $probe -}}
+{{- end -}}
+
+{{/* Volumes the qosd container mounts beyond its config: the admin socket's, and the
+TLS and token Secrets. */}}
+{{- define "qosd.secretVolumes" -}}
+- name: qosd-admin
+  emptyDir: {}
+{{- with .Values.tls.secretName }}
+- name: qosd-tls
+  secret: {secretName: {{ . }}}
+{{- end }}
+{{- range $group := list "control" "qos" }}
+{{- with (get $.Values.auth $group).tokenSecret }}
+- name: qosd-{{ $group }}-token
+  secret: {secretName: {{ . }}, items: [{key: token, path: token}]}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* The qosd container; used by the Deployment and by gateway pods (sidecar). */}}
@@ -125,14 +172,14 @@ env:
   {{- end }}
 {{- end }}
 livenessProbe:
-  {{- toYaml .Values.livenessProbe | nindent 2 }}
+  {{- include "qosd.probe" (dict "root" . "probe" .Values.livenessProbe) | nindent 2 }}
 readinessProbe:
   {{- if and (eq .Values.mode "sidecar") (not .Values.sidecar.readinessFollowsStore) }}
   {{- $probe := deepCopy .Values.readinessProbe }}
   {{- $_ := set $probe "httpGet" (dict "path" "/healthz" "port" "qosd-http") }}
-  {{- toYaml $probe | nindent 2 }}
+  {{- include "qosd.probe" (dict "root" . "probe" $probe) | nindent 2 }}
   {{- else }}
-  {{- toYaml .Values.readinessProbe | nindent 2 }}
+  {{- include "qosd.probe" (dict "root" . "probe" .Values.readinessProbe) | nindent 2 }}
   {{- end }}
 resources:
   {{- toYaml .Values.resources | nindent 2 }}
@@ -140,6 +187,15 @@ securityContext:
   {{- toYaml .Values.securityContext | nindent 2 }}
 volumeMounts:
   - {name: qosd-config, mountPath: /etc/qosd, readOnly: true}
+  - {name: qosd-admin, mountPath: {{ .Values.admin.socketDir }}}
+  {{- if .Values.tls.secretName }}
+  - {name: qosd-tls, mountPath: /var/run/secrets/qosd/tls, readOnly: true}
+  {{- end }}
+  {{- range $group := list "control" "qos" }}
+  {{- if (get $.Values.auth $group).tokenSecret }}
+  - {name: qosd-{{ $group }}-token, mountPath: /var/run/secrets/qosd/{{ $group }}-token, readOnly: true}
+  {{- end }}
+  {{- end }}
   {{- if and (eq .Values.mode "sidecar") (hasPrefix "unix:" .Values.sidecar.listen) }}
   - {name: qosd-socket, mountPath: {{ .Values.sidecar.socketDir }}}
   {{- end }}
@@ -163,6 +219,7 @@ Unix socket.
 - name: qosd-config
   configMap:
     name: {{ include "qosd.fullname" . }}
+{{ include "qosd.secretVolumes" . }}
 {{- if hasPrefix "unix:" .Values.sidecar.listen }}
 - name: qosd-socket
   emptyDir: {}
