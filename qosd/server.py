@@ -288,11 +288,13 @@ def _bind(
 
 async def serve(config: Config, ready_file: str | None = None) -> None:
     """Runs the daemon until SIGTERM/SIGINT, then drains within the configured grace."""
-    daemon = await start(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Before start: its "serving on" line may prompt a supervisor's (or a test's)
+    # SIGTERM at once, which must drain, not kill (exit -15).
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    daemon = await start(config)
     if ready_file:
         http = daemon.http.address if daemon.http else None
         write_ready_file(
