@@ -22,15 +22,13 @@ from __future__ import annotations
 import enum
 import hmac
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
-from qosd.config import AuthConfig, CallerRule
+from qosd.config import AuthConfig, CallerRule, FileSignature, file_signature
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +48,27 @@ class Refusal:
 
 class TokenFile:
     """A token kept in a file (a mounted Secret), re-read when the file changes, so
-    that a rotated token takes effect without a restart."""
+    that a rotated token takes effect from the next call without a restart. Checked
+    on the event loop only: one ``stat`` per judged call."""
 
     def __init__(self, path: str) -> None:
         self._path = path
-        self._lock = threading.Lock()
-        self._signature: tuple[int, int, int, int] | None = None
+        self._signature: FileSignature | None = None
         self._token = b""
         self._refresh()
 
     def _refresh(self) -> None:
         try:
-            st = os.stat(self._path)
+            signature = file_signature(self._path)
+            if signature == self._signature:
+                return
+            with open(self._path, "rb") as handle:
+                token = handle.read().strip()
         except OSError as exc:
             log.warning("token file %s unreadable, keeping the last token: %s", self._path, exc)
             return
-        signature = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if signature == self._signature:
-            return
-        with self._lock:
-            with open(self._path, "rb") as handle:
-                token = handle.read().strip()
-            if token:  # an empty file mid-rotation keeps the last token
-                self._signature, self._token = signature, token
+        if token:  # an empty file mid-rotation keeps the last token
+            self._signature, self._token = signature, token
 
     def matches(self, given: bytes) -> bool:
         self._refresh()
@@ -80,7 +76,7 @@ class TokenFile:
 
 
 def peer_identities(context: grpc.aio.ServicerContext) -> list[str]:
-    """The client certificate's URI and DNS subject alternative names, else its
+    """The client certificate's subject alternative names (URI, DNS, ...), else its
     common name; empty without mTLS."""
     properties = context.auth_context()
     names = properties.get("x509_subject_alternative_name") or properties.get(
@@ -104,7 +100,6 @@ class CallerCheck:
 
     def __init__(self, rule: CallerRule, group: Group) -> None:
         self.group = group
-        self.rule = rule
         self._token = TokenFile(rule.token_file) if rule.token_file else None
         self._identities = frozenset(rule.identities)
 
@@ -136,17 +131,15 @@ class CallerCheck:
 
 
 class Authorizer:
-    """Judges every call on one listener; ``trusted`` listeners (the admin one)
-    admit every call."""
+    """Judges every call on the shared listeners (the admin listener has none: it
+    serves every call)."""
 
     def __init__(
         self,
         config: AuthConfig,
         *,
-        trusted: bool = False,
         on_refusal: Callable[[str, grpc.StatusCode], None] | None = None,
     ) -> None:
-        self.trusted = trusted
         self._checks = {
             Group.CONTROL: CallerCheck(config.control, Group.CONTROL)
             if config.control.configured
@@ -157,12 +150,10 @@ class Authorizer:
         self._last_logged: dict[tuple[str, grpc.StatusCode], float] = {}
 
     def guards(self, group: Group) -> bool:
-        """Whether calls of ``group`` are judged at all on this listener."""
-        return not self.trusted and (group is Group.CONTROL or self._checks[group] is not None)
+        """Whether calls of ``group`` are judged at all (no rule for qos: open)."""
+        return group is Group.CONTROL or self._checks[group] is not None
 
     def judge(self, method: str, group: Group, context: grpc.aio.ServicerContext) -> Refusal | None:
-        if self.trusted:
-            return None
         check = self._checks[group]
         refusal: Refusal | None
         if check is None:

@@ -191,6 +191,16 @@ def readable_file(value: str | None) -> str | None:
     return value
 
 
+FileSignature = tuple[int, int, int, int]
+
+
+def file_signature(path: str) -> FileSignature:
+    """What changes when a file is replaced or rewritten (device, inode, size, mtime),
+    through symlinks: a Kubernetes Secret or ConfigMap volume swaps one on update."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class RedisTlsConfig(_Strict):
     """TLS to Redis beyond what a ``rediss://`` URL says: a private CA and a client
     certificate (Redis's ``tls-auth-clients``). Files are PEM, read at start, e.g.

@@ -231,14 +231,13 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     if config.control.enabled:
         controller.start()
     await monitor.start()
+    tls = ""
+    if certificates is not None:
+        tls = " (mTLS)" if certificates.requires_client_certificates else " (TLS)"
     log.info(
         "qosd serving on %s%s%s with the %s store, fail mode %s",
         ", ".join(daemon.addresses),
-        " (TLS, client certificates required)"
-        if certificates is not None and certificates.requires_client_certificates
-        else " (TLS)"
-        if certificates is not None
-        else "",
+        tls,
         f", admin on {', '.join(daemon.admin_addresses)}" if daemon.admin_addresses else "",
         "redis" if config.redis.url else "embedded",
         config.fail_mode.value,

@@ -13,7 +13,6 @@ Connections already open keep the certificate they began with.
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import threading
 import time
@@ -22,14 +21,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from qosd.config import ServerTlsConfig
+from qosd.config import FileSignature, ServerTlsConfig, file_signature
 
 log = logging.getLogger(__name__)
 
 # How often a handshake may look at the files; rotations are hours apart.
 CHECK_INTERVAL_S = 1.0
 
-Signature = tuple[tuple[int, int, int, int], ...]
+Signature = tuple[FileSignature, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +56,7 @@ class ServerCertificates:
         self._on_reload = on_reload
         self._pair = self._load()  # at start, a bad file is an error: raise
         self._signature = self._read_signature()
+        self._failed: Signature | None = None  # a rotation that did not load, once
         self._checked_at = time.monotonic()
         self._generation = 0
 
@@ -65,20 +65,12 @@ class ServerCertificates:
         return len(self._paths) == 3
 
     @property
-    def pair(self) -> CertificatePair:
-        return self._pair
-
-    @property
     def generation(self) -> int:
         """How many rotations have been loaded since start."""
         return self._generation
 
     def _read_signature(self) -> Signature:
-        signature = []
-        for path in self._paths:
-            st = os.stat(path)
-            signature.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(signature)
+        return tuple(file_signature(path) for path in self._paths)
 
     def _load(self) -> CertificatePair:
         before = self._read_signature()
@@ -109,12 +101,13 @@ class ServerCertificates:
             except OSError as exc:
                 log.warning("TLS files unreadable, keeping the current certificate: %s", exc)
                 return False
-            if signature == self._signature:
-                return False
+            if signature in (self._signature, self._failed):
+                return False  # unchanged, or the same bad files: logged and counted once
             try:
                 pair = self._load()
                 signature = self._read_signature()
             except (OSError, ssl.SSLError, ValueError) as exc:
+                self._failed = signature
                 log.warning("TLS files changed but do not load, keeping the current ones: %s", exc)
                 if self._on_reload is not None:
                     self._on_reload(False)

@@ -152,6 +152,7 @@ async def test_a_rotation_that_does_not_load_keeps_the_old_certificate(
     assert certificates is not None
     (served / "tls.key").write_text("-----BEGIN PRIVATE KEY-----\nhalf written\n")
     assert not certificates.refresh(force=True)
+    assert not certificates.refresh(force=True)  # the same bad files: counted once
     async with client(daemon, ca) as qos:
         assert (await qos.acquire("P1", 10, max_wait_ms=0)).admitted
     assert 'qosd_tls_certificate_reloads_total{result="failed"} 1.0' in await _metrics(
