@@ -137,6 +137,7 @@ class Admission:
             lambda pool, waiter: self._store_down_decision(
                 self._policies[(pool.name, waiter.qos_class)], waiter.cost
             ),
+            store_patience_s=config.redis.retry_interval_ms / 1000,
         )
 
     @property

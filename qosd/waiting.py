@@ -9,9 +9,14 @@ waiting caller, a pump task per pool that asks the store every ``waiting.poll_ms
 Every waiter gets exactly one answer: admitted by a pump, QUEUE_TIMEOUT at its
 deadline (measured here, from when it was queued; LONG_PREFILL instead for a long
 prompt the store held for a gap in the top class's traffic), SHUTTING_DOWN on drain, or the
-fail-mode answer when the store is lost. Whatever the store does for a waiter after
-it was answered (a grant racing a timeout or a cancelled caller) is undone: the
-lease is refunded in full and the queue entry removed.
+fail-mode answer when the store is lost. One failed pump does not lose the store: a pump
+that times out on a busy machine (500 waiters' worth of arguments, a CPU-starved replica)
+is retried, and the waiters get the fail-mode answer only once pumps have failed for
+``store_patience_s`` (``redis.retry_interval_ms``), or at their own deadline if sooner.
+
+Whatever the store does for a waiter after it was answered (a grant racing a timeout
+or a cancelled caller) is undone: the lease is refunded in full and the queue entry
+removed.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class _PoolRoom:
     waiters: dict[str, _Local] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    failing_since: float | None = None  # loop time of the first of the pumps failing now
 
 
 class WaitingRoom:
@@ -63,11 +69,13 @@ class WaitingRoom:
         daemon_id: str,
         poll_s: float,
         store_down: Callable[[PoolPolicy, Waiter], BucketDecision],
+        store_patience_s: float = 0.0,
     ) -> None:
         self._store = store
         self._daemon_id = daemon_id
         self._poll_s = poll_s
         self._store_down = store_down
+        self._store_patience_s = store_patience_s
         self._rooms: dict[str, _PoolRoom] = {}
         self._cleanup: set[asyncio.Task[Any]] = set()
         self._draining = False
@@ -155,6 +163,10 @@ class WaitingRoom:
         return True
 
     def _expire(self, room: _PoolRoom, local: _Local) -> None:
+        if room.failing_since is not None:  # its wait ended while the store was away
+            if self._answer(room, local, self._store_down(room.policy, local.waiter)):
+                self._in_background(self._retry_cancel(room.policy, [local.waiter]))
+            return
         reason = Reason.LONG_PREFILL if local.held else Reason.QUEUE_TIMEOUT
         if self._answer(room, local, _rejected(local.waiter, reason)):
             self._in_background(self._store.cancel(room.policy, [local.waiter]))
@@ -168,19 +180,29 @@ class WaitingRoom:
                     room.policy, self._daemon_id, [local.waiter for local in asked]
                 )
             except StoreUnavailable as error:
-                self._store_lost(room, error)
-                return
+                now = asyncio.get_running_loop().time()
+                if room.failing_since is None:
+                    room.failing_since = now
+                if now - room.failing_since >= self._store_patience_s:
+                    room.failing_since = None
+                    self._store_lost(room, error)
+                    return
+                log.info("pump failed in pool %s, retrying: %s", room.policy.name, error)
+                results = [PumpResult(WaiterState.WAITING, None)] * len(asked)
             except Exception:
                 log.exception("pump failed in pool %s", room.policy.name)
                 results = [PumpResult(WaiterState.WAITING, None)] * len(asked)
+            else:
+                room.failing_since = None
             for local, result in zip(asked, results, strict=True):
                 try:
                     self._settle(room, local, result)
                 except Exception:  # one bad answer must not strand the others
                     log.exception("could not settle a waiter in pool %s", room.policy.name)
             if room.waiters:
+                pause = self._poll_s if room.failing_since is None else max(self._poll_s, 0.05)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(room.wake.wait(), self._poll_s)
+                    await asyncio.wait_for(room.wake.wait(), pause)
 
     def _settle(self, room: _PoolRoom, local: _Local, result: PumpResult) -> None:
         if result.state in (WaiterState.WAITING, WaiterState.HELD):

@@ -24,12 +24,12 @@ from qosd_client import LatencySample, QosdClient, Reason, Unavailable
 from tests.conftest import BASE_CONFIG, merge
 
 TIMEOUT_MS = 100
-RETRY_MS = 300
+RETRY_MS = 1_000
 # An answer may take the store timeout, plus scheduling noise on a busy 2-CPU machine
-# (thousands of calls answered at once: 182 ms was seen on a fresh clone). What the
+# (thousands of calls answered at once: 182 and 264 ms were seen on fresh clones). What the
 # bound tells apart is an answer after one timeout from one that waited for a retry
 # (TIMEOUT_MS + RETRY_MS) or hung: it stays well below that.
-ANSWER_BOUND_S = TIMEOUT_MS / 1000 + 0.15
+ANSWER_BOUND_S = TIMEOUT_MS / 1000 + 0.35
 assert ANSWER_BOUND_S < (TIMEOUT_MS + RETRY_MS) / 1000
 
 

@@ -143,6 +143,61 @@ async def test_waiters_joining_a_failed_pump_are_answered_too() -> None:
     await room.close()
 
 
+async def test_a_pump_that_fails_once_loses_no_waiter() -> None:
+    """One failed pump (a timeout on a CPU-starved replica) is retried: the waiters
+    stay queued and are admitted by the next pump, not answered by the fail mode."""
+
+    class FailsOnce(EmbeddedStore):
+        failures = 0
+
+        async def pump(self, *args: Any, **kwargs: Any) -> list[PumpResult]:
+            if not self.failures:
+                self.failures += 1
+                raise StoreUnavailable("redis: timed out")
+            return await super().pump(*args, **kwargs)
+
+    store = FailsOnce(tombstone_ms=60_000)
+    pool = pool_policy()
+    p1 = class_of(pool, "P1")
+    assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted  # drained
+    waiters = [Waiter("P1", 10, lease("P1")) for _ in range(3)]
+    for waiter in waiters:
+        assert (await store.acquire(pool, p1, 10, waiter.lease, 5_000, DAEMON)).queued
+    room = WaitingRoom(store, DAEMON, 0.005, no_store, store_patience_s=5.0)
+    answers = await asyncio.wait_for(
+        asyncio.gather(*(room.wait(pool, waiter, 5.0) for waiter in waiters)), 4.0
+    )
+    assert store.failures == 1
+    assert [answer.admitted for answer in answers] == [True] * 3
+    await room.close()
+
+
+async def test_waiters_get_the_fail_mode_answer_once_the_store_stays_away() -> None:
+    """Pumps failing for the whole patience answer every waiter by the fail mode, and a
+    waiter whose own deadline comes first while the store is away gets it too (not
+    QUEUE_TIMEOUT: the store, not the queue, kept it out)."""
+
+    class AlwaysFails(EmbeddedStore):
+        pumps = 0
+
+        async def pump(self, *args: Any, **kwargs: Any) -> list[PumpResult]:
+            self.pumps += 1
+            raise StoreUnavailable("redis: gone")
+
+    store = AlwaysFails(tombstone_ms=60_000)
+    pool = pool_policy()
+    room = WaitingRoom(store, DAEMON, 0.005, no_store, store_patience_s=0.3)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    short = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 0.1))
+    patient = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 30.0))
+    assert (await asyncio.wait_for(short, 5.0)).reason is Reason.BACKEND_UNAVAILABLE
+    assert (await asyncio.wait_for(patient, 5.0)).reason is Reason.BACKEND_UNAVAILABLE
+    assert loop.time() - began >= 0.3  # it sat through the patience first ...
+    assert store.pumps >= 2  # ... retrying the store meanwhile
+    await room.close()
+
+
 async def test_waiter_behind_many_tenant_blocked_ones_still_gets_in(store: BucketStore) -> None:
     """Waiters stepping aside for their tenant's ceiling are looked past (up to 64), so
     the waiter behind them is the class's head and is admitted in turn."""
