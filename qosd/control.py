@@ -365,6 +365,15 @@ class Controller:
         self.last_verdicts: dict[str, Verdict] = {}
         self._task: asyncio.Task[None] | None = None
 
+    def reconfigure(self, config: Config, pools: dict[str, PoolPolicy]) -> None:
+        """A reloaded config: the law's settings, objectives and pools apply from the
+        next turn (a turn in progress finishes under the old ones)."""
+        self._config = config
+        self._control = config.control
+        self._pools = pools
+        for name in pools:
+            self._memory.setdefault(name, _PoolMemory())
+
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -393,11 +402,10 @@ class Controller:
                 await self._store.lead(self._daemon_id, 0)
 
     async def _run(self) -> None:
-        lease_ms = int(self._control.leader_lease_s * 1000)
         store_down = False
         while True:
             try:
-                await self.tick(lease_ms)
+                await self.tick(int(self._control.leader_lease_s * 1000))
                 if store_down:
                     log.warning("SLO loop: the store answers again")
                 store_down = False

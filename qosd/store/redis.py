@@ -143,9 +143,10 @@ class RedisStore:
     # -- plumbing -------------------------------------------------------------------
 
     def _args_for(self, pool: PoolPolicy) -> _PoolArgs:
-        """Keys and policy of a pool's script calls, computed once per pool."""
+        """Keys and policy of a pool's script calls, computed once per pool policy (a
+        reload brings new PoolPolicy objects, and with them new arguments)."""
         cached = self._pool_args.get(pool.name)
-        if cached is None:
+        if cached is None or self._pools.get(pool.name) is not pool:
             prefix = f"{self._config.key_prefix}:{{{pool.name}}}:"
             keys = (
                 f"{prefix}state",
