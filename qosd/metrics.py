@@ -81,6 +81,34 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "qosd_config_reloads",
+            "Config reloads (SIGHUP or the file replaced) that were applied.",
+            registry=r,
+        )
+        self.config_reload_failures = Counter(
+            "qosd_config_reload_failures",
+            "Config reloads refused (the file did not load or validate; the running "
+            "config stays).",
+            registry=r,
+        )
+        self.config_last_reload_success = Gauge(
+            "qosd_config_last_reload_success_timestamp_seconds",
+            "When the running config was last loaded: at start, then each applied reload.",
+            registry=r,
+        )
+        self.config_last_reload_successful = Gauge(
+            "qosd_config_last_reload_successful",
+            "1 if the last reload was applied (or none was asked for), 0 if it was refused.",
+            registry=r,
+        )
+        self.config_restart_required = Gauge(
+            "qosd_config_restart_required",
+            "1 while the config file holds changes that take effect only at a restart.",
+            registry=r,
+        )
+        self.config_last_reload_success.set_to_current_time()
+        self.config_last_reload_successful.set(1)
         self.adjustments = Counter(
             "qosd_rate_adjustments",
             "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin.",
