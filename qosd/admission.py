@@ -108,23 +108,10 @@ class Admission:
         *,
         daemon_id: str | None = None,
     ) -> None:
-        self._config = config
         self._store = store
         self._tracer = tracer  # None: tracing off, no waiting-room spans
-        self._pools = resolve_pools(config)
-        self._policies = {
-            (pool.name, cls.name): cls for pool in self._pools.values() for cls in pool.classes
-        }
-        self._class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
-        self._pool_of: dict[str, str] = {name: name for name in config.pools}
-        for pool_name, pool in config.pools.items():
-            for model in pool.models:
-                self._pool_of[model] = pool_name
-        self._default_pool = config.default_pool
-        self._max_tokens = config.limits.max_request_tokens
+        self._configure(config)
         self._lease_ttl_ms = int(config.lease.ttl_s * 1000)
-        self._output_weight = config.cost.output_weight
-        self._fail_open = config.fail_mode is FailMode.OPEN
         self._retry_interval_ms = config.redis.retry_interval_ms
         self.guard = StoreGuard(config.redis.retry_interval_ms / 1000)
         self._draining = False
@@ -139,6 +126,32 @@ class Admission:
             ),
             store_patience_s=config.redis.retry_interval_ms / 1000,
         )
+
+    def _configure(self, config: Config) -> None:
+        """Derives the rules Acquire and Release read from ``config``. Synchronous, so
+        an event loop's calls see all of one config or all of the other; an Acquire
+        reads what it needs before its first await."""
+        self._config = config
+        self._pools = resolve_pools(config)
+        self._policies = {
+            (pool.name, cls.name): cls for pool in self._pools.values() for cls in pool.classes
+        }
+        self._class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
+        self._pool_of: dict[str, str] = {name: name for name in config.pools}
+        for pool_name, pool in config.pools.items():
+            for model in pool.models:
+                self._pool_of[model] = pool_name
+        self._default_pool = config.default_pool
+        self._max_tokens = config.limits.max_request_tokens
+        self._output_weight = config.cost.output_weight
+        self._fail_open = config.fail_mode is FailMode.OPEN
+
+    def reconfigure(self, config: Config) -> None:
+        """Takes a reloaded config (qosd.reload: every pool and class of the running
+        one is still in it, and the store, leases and listeners are unchanged). New
+        calls use it at once; waiters are pumped under their pool's new policy."""
+        self._configure(config)
+        self._waiting.reconfigure(self._pools, config.waiting.poll_ms / 1000)
 
     @property
     def store(self) -> BucketStore:

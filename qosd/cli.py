@@ -165,7 +165,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command == "serve":
         try:
-            uvloop.run(serve(config, ready_file=args.ready_file))
+            uvloop.run(
+                serve(
+                    config,
+                    ready_file=args.ready_file,
+                    reload=lambda: config_from_args(args),
+                    config_path=args.config,
+                )
+            )
         except StartupError as exc:
             print(f"qosd: {exc}", file=sys.stderr)
             return 1

@@ -50,10 +50,14 @@ class EnvoyRateLimitService:
         self, admission: Admission, metrics: Metrics, tracer: Tracer | None = None
     ) -> None:
         self._admission = admission
-        self._config: EnvoyRlsConfig = admission.config.envoy_rls
         self._metrics = metrics
         self._tracer = tracer
         self._counters: dict[tuple[str, str], Any] = {}
+
+    @property
+    def _config(self) -> EnvoyRlsConfig:
+        """Read per call: a reload may change the mapping (qosd.reload)."""
+        return self._admission.config.envoy_rls
 
     def _count(self, code: str, reason: str) -> None:
         """qosd_envoy_rls_requests_total, with label children cached as for Acquire."""

@@ -44,7 +44,8 @@ class HealthMonitor:
         services: Sequence[str],
     ) -> None:
         self._interval_s = config.server.health_check_interval_s
-        self._fail_open = config.fail_mode is FailMode.OPEN
+        # Public: a reload may change fail_mode (qosd.server.Daemon.apply).
+        self.fail_open = config.fail_mode is FailMode.OPEN
         self._store = store
         self._servicer = servicer
         self._services = tuple(services)
@@ -56,7 +57,7 @@ class HealthMonitor:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and (self.store_reachable or self._fail_open)
+        return not self.draining and (self.store_reachable or self.fail_open)
 
     async def start(self) -> None:
         await self.check()
@@ -79,7 +80,7 @@ class HealthMonitor:
                 log.warning("health: store unreachable (%s)", error)
             self.store_reachable = False
             self.reason = f"store unreachable: {error}"
-            if self._fail_open:
+            if self.fail_open:
                 self.reason += "; answering fail-open"
         else:
             if not self.store_reachable:

@@ -88,8 +88,7 @@ class Metrics:
         )
         self.config_reload_failures = Counter(
             "qosd_config_reload_failures",
-            "Config reloads refused (the file did not load or validate; the running "
-            "config stays).",
+            "Config reloads refused (the file did not load or validate; the running config stays).",
             registry=r,
         )
         self.config_last_reload_success = Gauge(

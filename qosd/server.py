@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import stat
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -24,12 +25,13 @@ from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
 from qosd.auth import Authorizer
-from qosd.config import Config, parse_listen_address
+from qosd.config import Config, FailMode, parse_listen_address
 from qosd.control import Controller
 from qosd.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.health import DaemonHttp, HealthMonitor
 from qosd.metrics import Metrics
 from qosd.model import StoreUnavailable, new_daemon_id
+from qosd.reload import ConfigReloader, ReloadPlan
 from qosd.service import AdminService, QoSService, add_to_server
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
@@ -85,9 +87,13 @@ class Daemon:
     certificates: ServerCertificates | None = None
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
+    reloader: ConfigReloader | None = None
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.server.drain_grace_s if grace_s is None else grace_s
+        if self.reloader is not None:
+            await self.reloader.stop()
         await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
         await self.controller.stop()
@@ -105,6 +111,43 @@ class Daemon:
         for path in self.unix_paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+    def apply(self, plan: ReloadPlan) -> None:
+        """Takes a reloaded config (qosd.reload): synchronously, so no call sees half
+        of it. Calls, waiters and leases in flight are kept; what needs a restart was
+        left at its running value by the plan."""
+        config = plan.config
+        self.admission.reconfigure(config)
+        self.controller.reconfigure(config, self.admission.pools)
+        self.monitor.fail_open = config.fail_mode is FailMode.OPEN
+        logging.getLogger().setLevel(config.logging.level)
+        if (
+            self.tracing is not None
+            and self.tracing.sampler is not None
+            and config.tracing.sample_ratio is not None
+        ):
+            self.tracing.sampler.set_ratio(config.tracing.sample_ratio)
+        if config.control.enabled and not self.controller.running:
+            self.controller.start()
+        elif not config.control.enabled and self.controller.running:
+            self._in_background(self.controller.stop())
+        self.config = config
+
+    def reload_result(self, applied: bool, plan: ReloadPlan | None) -> None:
+        """Counts a reload for /metrics."""
+        metrics = self.metrics
+        metrics.config_last_reload_successful.set(1 if applied else 0)
+        if not applied:
+            metrics.config_reload_failures.inc()
+            return
+        metrics.config_reloads.inc()
+        metrics.config_last_reload_success.set_to_current_time()
+        metrics.config_restart_required.set(1 if plan is not None and plan.restart else 0)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def metrics_page(self) -> bytes:
         """The Prometheus exposition: counters as they stand, state read now."""
@@ -285,15 +328,37 @@ def _bind(
     return bound
 
 
-async def serve(config: Config, ready_file: str | None = None) -> None:
-    """Runs the daemon until SIGTERM/SIGINT, then drains within the configured grace."""
+async def serve(
+    config: Config,
+    ready_file: str | None = None,
+    *,
+    reload: Callable[[], Config] | None = None,
+    config_path: str | None = None,
+) -> None:
+    """Runs the daemon until SIGTERM/SIGINT, then drains within the configured grace.
+
+    With ``reload`` (how the config was loaded: the file, the environment and the
+    command line's overrides), SIGHUP and a replaced ``config_path`` reload it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Before start: its "serving on" line may prompt a supervisor's (or a test's)
-    # SIGTERM at once, which must drain, not kill (exit -15).
+    # SIGTERM at once, which must drain, not kill (exit -15). SIGHUP, until the
+    # reloader takes it, changes nothing (its default would kill the daemon).
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)
     daemon = await start(config)
+    if reload is not None:
+        reloader = daemon.reloader = ConfigReloader(
+            reload,
+            lambda: daemon.config,
+            daemon.apply,
+            path=config_path,
+            sample_ratio_live=daemon.tracing is not None and daemon.tracing.sampler is not None,
+            on_result=daemon.reload_result,
+        )
+        loop.add_signal_handler(signal.SIGHUP, reloader.request, "SIGHUP")
+        reloader.start()
     if ready_file:
         http = daemon.http.address if daemon.http else None
         write_ready_file(

@@ -23,13 +23,14 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import (
     SERVICE_INSTANCE_ID,
@@ -40,9 +41,11 @@ from opentelemetry.sdk.resources import (
 )
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, SamplingResult, TraceIdRatioBased
 from opentelemetry.trace import Link, Span, SpanKind, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import TraceState
+from opentelemetry.util.types import Attributes
 
 from qosd.config import TracingConfig, TracingExporter
 from qosd.model import Reason
@@ -85,6 +88,8 @@ class Tracing:
 
     provider: TracerProvider
     tracer: Tracer
+    # Set when sampling follows tracing.sample_ratio, so that a reload can change it.
+    sampler: AdjustableRatioSampler | None = None
 
     async def shutdown(self) -> None:
         """Exports what is buffered, within ``SHUTDOWN_TIMEOUT_S``.
@@ -116,7 +121,7 @@ def start_tracing(
         return None
     sampler = None  # the SDK reads OTEL_TRACES_SAMPLER(_ARG) itself
     if config.sample_ratio is not None:
-        sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
+        sampler = AdjustableRatioSampler(config.sample_ratio)
     provider = TracerProvider(resource=_resource(config, daemon_id), sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(_exporter(config)))
     log.info(
@@ -125,7 +130,39 @@ def start_tracing(
         config.endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint",
     )  # fmt: skip
-    return Tracing(provider, provider.get_tracer(TRACER_NAME, _version()))
+    return Tracing(provider, provider.get_tracer(TRACER_NAME, _version()), sampler)
+
+
+class AdjustableRatioSampler(Sampler):
+    """Parent-based sampling at a ratio that a config reload can change.
+
+    The SDK fixes a provider's sampler when it is made; this one keeps the delegate it
+    asks, and swaps it whole (one reference, so a span sees one ratio or the other)."""
+
+    def __init__(self, ratio: float) -> None:
+        self._delegate = ParentBased(TraceIdRatioBased(ratio))
+        self.ratio = ratio
+
+    def set_ratio(self, ratio: float) -> None:
+        self._delegate = ParentBased(TraceIdRatioBased(ratio))
+        self.ratio = ratio
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        return self._delegate.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
+
+    def get_description(self) -> str:
+        return f"AdjustableRatioSampler({self.ratio})"
 
 
 def _exporter(config: TracingConfig) -> SpanExporter:

@@ -114,6 +114,14 @@ class WaitingRoom:
                 self._in_background(self._store.cancel(pool, [waiter]))
             raise
 
+    def reconfigure(self, pools: dict[str, PoolPolicy], poll_s: float) -> None:
+        """A reloaded config: each pool's waiters are pumped under its new policy from
+        the next pump on (one in flight finishes under the old one)."""
+        self._poll_s = poll_s
+        for name, room in self._rooms.items():
+            if name in pools:
+                room.policy = pools[name]
+
     def nudge(self, pool: str) -> None:
         """Tokens came back in this pool (a release): look for admissions now."""
         room = self._rooms.get(pool)
