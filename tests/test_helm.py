@@ -109,7 +109,9 @@ def test_standalone_with_redis_and_otel(helm: str, tmp_path: Path) -> None:
     (deployment,) = by_kind(documents, "Deployment")
     assert deployment["spec"]["replicas"] == 3
     pod = deployment["spec"]["template"]
-    assert pod["metadata"]["annotations"]["checksum/config"]
+    # configChange: reload (the default): a config change reaches the pods' volumes and
+    # qosd reloads it, so no checksum rolls them.
+    assert "checksum/config" not in pod["metadata"].get("annotations", {})
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["spec"]["containers"]
     env = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in container["env"]}
@@ -123,6 +125,20 @@ def test_standalone_with_redis_and_otel(helm: str, tmp_path: Path) -> None:
     (monitor,) = by_kind(documents, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_config_change_restart_rolls_the_pods_on_every_change(helm: str) -> None:
+    def checksum(*options: str) -> str:
+        (deployment,) = by_kind(render(helm, CHART, "--set", "configChange=restart", *options),
+                                "Deployment")  # fmt: skip
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["team"] == "inference"  # podAnnotations kept beside it
+        return str(annotations["checksum/config"])
+
+    first = checksum("--set", "podAnnotations.team=inference")
+    again = checksum("--set", "podAnnotations.team=inference")
+    changed = checksum("--set", "podAnnotations.team=inference", "--set", "config.fail_mode=open")
+    assert first == again != changed
 
 
 def test_tls_auth_and_the_admin_socket(helm: str, tmp_path: Path) -> None:
