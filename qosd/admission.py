@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
 MAX_LATENCY_MS = 86_400_000.0  # one day: anything longer is a unit mistake
+# A model server's own queue: far above any real one, far below int64 when summed.
+MAX_SERVER_WAITING = 10_000_000
 FAIL_OPEN_MARK = "open-"
 LONG_PREFILL_MESSAGE = (
     "its prefill would stall the pool's most urgent requests in flight for longer than "
@@ -458,8 +460,12 @@ class Admission:
         if not server:
             raise InvalidArgument("server is required: the loads of one server replace its last")
         self._identifier(server, "server")
-        if waiting is not None and waiting < 0:
-            raise InvalidArgument(f"waiting_requests must be at least 0 (got {waiting})")
+        if waiting is not None and not 0 <= waiting <= MAX_SERVER_WAITING:
+            # Bounded so that the pool's sum over its servers fits the int64 of
+            # PoolStatus.server_waiting_requests (2**63 from two servers did not).
+            raise InvalidArgument(
+                f"waiting_requests must be between 0 and {MAX_SERVER_WAITING} (got {waiting})"
+            )
         if kv_usage is not None and not (math.isfinite(kv_usage) and 0 <= kv_usage <= 1):
             raise InvalidArgument(f"kv_cache_usage must be between 0 and 1 (got {kv_usage})")
         return pool, ServerLoad(server, waiting, kv_usage)
