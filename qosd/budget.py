@@ -241,11 +241,16 @@ class PoolState:
     server_load_at_us: int = 0
 
 
-def fresh_state(pool: PoolPolicy, now_us: int) -> PoolState:
-    """A pool never touched (or expired from Redis) is full everywhere."""
+def fresh_state(pool: PoolPolicy, now_us: int, *, lost: bool = False) -> PoolState:
+    """A pool never touched is full everywhere. One whose state was ``lost`` (its
+    store came back empty) starts empty and refills at its rate: the lost state held
+    the charges of leases still running on the servers, and the rate an operator or
+    the SLO loop had set, which the leader restores only after the loss is seen; a
+    full burst at the configured rate would be handed out at once, to everyone.
+    _pool.lua restates it; the embedded store never loses its state."""
     return PoolState(
-        tokens={cls.name: cls.burst for cls in pool.classes},
-        shared=pool.shared_burst,
+        tokens={cls.name: 0.0 if lost else cls.burst for cls in pool.classes},
+        shared=0.0 if lost else pool.shared_burst,
         updated_us=now_us,
         capacity=pool.capacity,
     )

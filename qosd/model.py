@@ -170,6 +170,12 @@ class ControlRecord:
     last_good: float  # the rate before the last growth: where a failed probe returns
     direction: int  # of the last move: -1 down, 1 up, 0 none yet
     ceiling: float  # the rate a probe last failed at; 0: none known
+    # The pool state's epoch, set when the state was created ('' while it never was):
+    # a different one means the store lost the pool's state, and this record with it.
+    epoch: str = ""
+    # The state's epoch when this record was written ('' never): equal to ``epoch``
+    # when it was written since the state was last made anew.
+    record_epoch: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from qosd.model import (
     UsageReport,
     Waiter,
 )
+from qosd.store.epochs import ResetListener
 
 
 class BucketStore(Protocol):
@@ -128,4 +129,11 @@ class BucketStore(Protocol):
 
     async def ping(self) -> None:
         """Raises StoreUnavailable unless the store answers."""
+        ...
+
+    def add_reset_listener(self, listener: ResetListener) -> None:
+        """Tells ``listener(pool, old_epoch, new_epoch)`` when a reply shows that the
+        pool's state was lost and made anew (the store came back empty;
+        ``qosd.store.epochs``). Called on the event loop, from the reply's handling:
+        it must not block."""
         ...

@@ -48,7 +48,7 @@ class ScriptBatcher:
     keys in order; ``ARGV[1]`` is the number of calls, then the batch's own arguments
     (``batch_args(group)``, evaluated when the batch is sent), then each call's
     arguments in order. It returns ``header`` values for the batch (handed to
-    ``on_header``), then ``fields`` values per call.
+    ``on_header`` with the group), then ``fields`` values per call.
     """
 
     def __init__(
@@ -61,7 +61,7 @@ class ScriptBatcher:
         batch_keys: Callable[[str], Sequence[str]] | None = None,
         batch_args: Callable[[str], Sequence[Any]] | None = None,
         header: int = 0,
-        on_header: Callable[[list[Any]], None] | None = None,
+        on_header: Callable[[str, list[Any]], None] | None = None,
         on_orphan: Callable[[Sequence[Any], list[Any]], None] | None = None,
     ) -> None:
         self._run = run
@@ -128,7 +128,7 @@ class ScriptBatcher:
         try:
             reply = await self._run(keys, args)
             if self._on_header is not None:
-                self._on_header(reply[: self._header])
+                self._on_header(group_key, reply[: self._header])
             fields, start = self._fields, self._header
             for index, call in enumerate(batch):
                 values = reply[start + index * fields : start + (index + 1) * fields]

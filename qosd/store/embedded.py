@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from qosd.model import (
     Waiter,
     WaiterState,
 )
+from qosd.store.epochs import EpochWatch, ResetListener
 
 _SWEEP_INTERVAL_US = 1_000_000
 _LOOKAHEAD = 64  # as _pool.lua: blocked waiters looked past per class for a head
@@ -106,6 +108,9 @@ class _Pool:
     state: budget.PoolState
     # One FIFO per class: dicts keep insertion order.
     queues: dict[str, dict[str, _Queued]] = field(default_factory=dict)
+    # Set when the state is created, as _pool.lua's E; never lost here, so it never
+    # changes, and a pool's state always starts full (budget.fresh_state).
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class EmbeddedStore:
@@ -133,6 +138,7 @@ class EmbeddedStore:
         self._lease_order: deque[tuple[int, str]] = deque()
         self._request_order: deque[tuple[int, tuple[str, str]]] = deque()
         self._next_sweep_us = 0
+        self._epochs = EpochWatch()  # as the Redis store's; it never sees a change
 
     async def start(self) -> None:
         return None
@@ -142,6 +148,9 @@ class EmbeddedStore:
 
     async def ping(self) -> None:
         return None
+
+    def add_reset_listener(self, listener: ResetListener) -> None:
+        self._epochs.add_listener(listener)
 
     # -- shared parts (_pool.lua) ---------------------------------------------------
 
@@ -600,12 +609,16 @@ class EmbeddedStore:
     # -- control.lua, adjust.lua, lead.lua ------------------------------------------
 
     async def control(self, pool: PoolPolicy) -> ControlRecord:
+        existing = self._pools.get(pool.name)
+        epoch = existing.epoch if existing else ""  # control.lua: E, '' before any state
+        self._epochs.saw(pool.name, epoch)
         record = self._control.get(pool.name)
         if record is None:
-            existing = self._pools.get(pool.name)
             capacity = existing.state.capacity if existing else pool.capacity
-            return ControlRecord(capacity, False, 0, "", capacity, "", 0.0, 1, capacity, 0, 0.0)
-        return record
+            return ControlRecord(
+                capacity, False, 0, "", capacity, "", 0.0, 1, capacity, 0, 0.0, epoch
+            )
+        return dataclasses.replace(record, epoch=epoch)
 
     async def adjust(
         self, pool: PoolPolicy, update: ControlRecord, cooldown_ms: int, *, force: bool = False
@@ -625,7 +638,9 @@ class EmbeddedStore:
         for cls in effective.classes:
             record.state.tokens[cls.name] = min(record.state.tokens[cls.name], cls.burst)
         record.state.shared = min(record.state.shared, effective.shared_burst)
-        self._control[pool.name] = dataclasses.replace(update, changed_ms=now_ms, changed_from=old)
+        self._control[pool.name] = dataclasses.replace(
+            update, changed_ms=now_ms, changed_from=old, record_epoch=record.epoch
+        )
         history = self._history.setdefault(pool.name, deque(maxlen=100))
         history.appendleft(
             Adjustment(now_ms, old, update.capacity, update.reason, update.changed_by)

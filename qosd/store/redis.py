@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from qosd.model import (
     lease_field,
 )
 from qosd.store.batching import ScriptBatcher
+from qosd.store.epochs import EpochWatch, ResetListener
 from qosd.store.resp import RespClient, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,10 @@ class RedisStore:
         self._pool_args: dict[str, _PoolArgs] = {}
         self._pools: dict[str, PoolPolicy] = {}
         self._daemon_id = ""
+        # Each pool's epoch as last seen (qosd/store/epochs.py), and what this store
+        # adds to a new one: distinct even for two states made in the same microsecond.
+        self._epochs = EpochWatch()
+        self._epoch_nonce = uuid.uuid4().hex[:12]
         # Redis time minus this process's monotonic clock, in microseconds, learned
         # from every acquire reply; None until the first one.
         self._redis_clock_offset_us: float | None = None
@@ -122,21 +128,21 @@ class RedisStore:
             fields=8,
             batch_keys=self._group_keys,
             batch_args=self._acquire_batch_args,
-            header=1,
-            on_header=self._learn_redis_clock,
+            header=2,
+            on_header=self._acquire_header,
             on_orphan=self._undo_admission,
         )
         self._releases = ScriptBatcher(
             self._runner(self._scripts["release"]),
             fields=4,
             batch_keys=self._group_keys,
-            batch_args=self._group_policy,
+            batch_args=self._policy,
         )
         self._cancels = ScriptBatcher(
             self._runner(self._scripts["cancel"]),
             fields=1,
             batch_keys=self._group_keys,
-            batch_args=self._group_policy,
+            batch_args=self._policy,
         )
         self._orphans: set[asyncio.Task[Any]] = set()
 
@@ -192,11 +198,18 @@ class RedisStore:
     def _group_keys(self, pool_name: str) -> Sequence[str]:
         return self._pool_args[pool_name].keys
 
-    def _group_policy(self, pool_name: str) -> Sequence[Any]:
-        return self._pool_args[pool_name].policy
+    def _policy(self, pool_name: str) -> tuple[Any, ...]:
+        """The arguments _pool.lua reads: the pool's policy, then the epoch this store
+        last saw (a state found missing while one was known was lost: it starts
+        empty) and the nonce a new epoch takes."""
+        return (
+            *self._pool_args[pool_name].policy,
+            self._epochs.known(pool_name),
+            self._epoch_nonce,
+        )
 
     def _acquire_batch_args(self, pool_name: str) -> Sequence[Any]:
-        return (*self._pool_args[pool_name].policy, self._acquire_deadline(), self._daemon_id)
+        return (*self._policy(pool_name), self._acquire_deadline(), self._daemon_id)
 
     def _acquire_deadline(self) -> str:
         """The Redis time after which a batch (or pump) sent now must not charge anything.
@@ -211,8 +224,13 @@ class RedisStore:
             return "0"
         return f"{time.monotonic_ns() / 1000 + offset + self._deadline_budget_us:.0f}"
 
-    def _learn_redis_clock(self, header: list[Any]) -> None:
+    def _acquire_header(self, pool_name: str, header: list[Any]) -> None:
+        """An acquire batch's reply header: Redis time, then the pool's epoch."""
         self._redis_clock_offset_us = float(header[0]) - time.monotonic_ns() / 1000
+        self._epochs.saw(pool_name, header[1])
+
+    def add_reset_listener(self, listener: ResetListener) -> None:
+        self._epochs.add_listener(listener)
 
     @staticmethod
     def _lease_hash(prefix: str, lease_id: str) -> str:
@@ -352,7 +370,8 @@ class RedisStore:
         args_for = self._args_for(pool)
         classes = {cls.name: cls for cls in pool.classes}
         keys: list[str] = list(args_for.keys)
-        args: list[Any] = [len(waiters), *args_for.policy, daemon_id, self._acquire_deadline()]
+        args: list[Any] = [len(waiters), *self._policy(pool.name), daemon_id]
+        args.append(self._acquire_deadline())
         for waiter in waiters:
             lease = waiter.lease
             waiter_keys, has_request, has_tenant = self._request_keys(
@@ -442,7 +461,9 @@ class RedisStore:
 
     async def status(self, pool: PoolPolicy) -> PoolStatus:
         args_for = self._args_for(pool)
-        reply = await self._run(self._scripts["status"], args_for.keys, (0, *args_for.policy))
+        reply = await self._run(
+            self._scripts["status"], args_for.keys, (0, *self._policy(pool.name))
+        )
         now_us = int(reply[0])
         classes: dict[str, ClassStatus] = {}
         for index, cls in enumerate(pool.classes):
@@ -481,7 +502,8 @@ class RedisStore:
         control_key, _ = self._control_keys(pool)
         reply = await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
         (_now, capacity, written_under, pinned, changed, reason, old, by, probe, wait, good,
-         direction, ceiling, recorded_under) = reply  # fmt: skip
+         direction, ceiling, recorded_under, record_epoch, epoch) = reply  # fmt: skip
+        self._epochs.saw(pool.name, epoch)
         # Rates are kept relative to the configured capacity they were written under:
         # R under the state's K (rewritten by every budget call), the record's own
         # rates under its k (written by adjust.lua).
@@ -500,6 +522,8 @@ class RedisStore:
             last_good=float(good) * scale if good else rate,
             direction=int(direction) if direction else 0,
             ceiling=float(ceiling) * scale if ceiling else 0.0,
+            epoch=epoch,
+            record_epoch=record_epoch,
         )
 
     async def adjust(
@@ -512,7 +536,7 @@ class RedisStore:
             (*args_for.keys, control_key, history_key),
             (
                 0,
-                *args_for.policy,
+                *self._policy(pool.name),
                 cooldown_ms,
                 1 if force else 0,
                 repr(update.capacity),

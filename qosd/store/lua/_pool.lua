@@ -33,8 +33,17 @@
 --                none), max_kv_cache_usage (0: none), server_load_max_age_us, then per
 --                class in priority order: name,
 --                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
---                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share
+--                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share;
+--                then the pool's epoch as the calling daemon last saw it ('' when it
+--                saw none) and that daemon's nonce (see E below)
 -- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
+--
+-- E, the pool's epoch: "<Redis time, us>-<nonce>", written by save_state() when the
+-- state is first created and never changed. A store that comes back empty (restart
+-- without persistence, FLUSHALL, a failover to an empty replica) loses it with the
+-- rest: the next state written gets a new one. Daemons compare the epoch replies
+-- carry with the one they knew (qosd/store/redis.py), and the SLO loop's leader then
+-- restores the rates and pins it knew (qosd/control.py).
 
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
@@ -79,7 +88,9 @@ do
     a = a + 12
   end
 end
-local NEXT_ARG = 15 + 12 * class_count
+local known_epoch = ARGV[15 + 12 * class_count]
+local epoch_nonce = ARGV[16 + 12 * class_count]
+local NEXT_ARG = 17 + 12 * class_count
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]
@@ -153,11 +164,12 @@ local function parse_expiring(value)
   end
   return entry
 end
-local HEADER = 15  -- fields read before the per-class ones
+local HEADER = 16  -- fields read before the per-class ones
+local values_fresh = false  -- no state was found: it is made now
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt'}
+    'Sw', 'Sk', 'St', 'Bt', 'E'}
   for i = 1, class_count do
     local name = classes[i].name
     fields[#fields + 1] = 't:' .. name
@@ -190,6 +202,7 @@ do
     state.server_kv = tonumber(values[13])
   end
   allocate(state.capacity)
+  state.epoch = values[16]
   if values[1] then
     state.updated = tonumber(values[1])
     state.shared = tonumber(values[2])
@@ -201,10 +214,14 @@ do
       state.in_c[i] = tonumber(values[at + 4]) or 0
     end
   else
+    -- qosd/budget.py: fresh_state. A new pool starts full; one whose state the caller
+    -- saw before (known_epoch) was lost with its store, and starts empty.
+    values_fresh = true
+    local lost = known_epoch ~= nil and known_epoch ~= ''
     state.updated = now
-    state.shared = shared_burst
+    state.shared = lost and 0 or shared_burst
     for i = 1, class_count do
-      state.tokens[i] = classes[i].burst
+      state.tokens[i] = lost and 0 or classes[i].burst
       state.waiting[i] = 0
       state.in_n[i] = 0
       state.in_c[i] = 0
@@ -225,7 +242,10 @@ do
     state.updated = now
   end
 end
-local state_changed = false
+-- A state made just now is written even by a call that changes nothing else: it
+-- holds the epoch, and a lost pool's empty buckets must refill from now, not start
+-- empty again at every call that finds nothing.
+local state_changed = values_fresh
 
 -- Leases in flight (qosd/budget.py: InFlight). A lease counts from its admission
 -- until it is released or the second of Redis time its expiry falls in has passed.
@@ -321,8 +341,11 @@ local function save_state()
   if not state_changed then
     return
   end
+  if not state.epoch then  -- created now (or by a version before epochs)
+    state.epoch = string.format('%.0f', now) .. '-' .. (epoch_nonce or '')
+  end
   local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared),
-    'a', num(state.admitted), 'R', num(state.capacity), 'K', num(capacity)}
+    'a', num(state.admitted), 'R', num(state.capacity), 'K', num(capacity), 'E', state.epoch}
   for i = 1, class_count do
     local name = classes[i].name
     fields[#fields + 1] = 't:' .. name

@@ -11,11 +11,12 @@
 -- Keys per request: lease hash, then the request-id key and the tenant bucket if any.
 -- Request-id string: "lease_id|charged|expiry_us".
 --
--- Returns Redis time (us, string), then 8 values per request: status (0 rejected,
+-- Returns Redis time (us, string), the pool's epoch ('' while its state was never
+-- written; _pool.lua), then 8 values per request: status (0 rejected,
 -- 1 admitted, 2 queued), reason, lease_id, charged, remaining, retry_after_ms
 -- (when queued: none), lease_ttl_ms, replayed.
-local reply = {string.format('%.0f', now)}
-local n = 1
+local reply = {string.format('%.0f', now), state.epoch or ''}
+local n = 2
 local function answer(status, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
   reply[n + 1] = status
   reply[n + 2] = reason
@@ -159,4 +160,5 @@ end
 save_leases()
 save_tenants()
 save_state()
+reply[2] = state.epoch or ''  -- written by save_state() if the state was new
 return reply

@@ -12,7 +12,9 @@
 -- then the new record: capacity, reason, by, probe_step, probe_wait, last_good,
 -- direction, pinned, ceiling.
 -- Control hash: p pinned, c changed_ms, r reason, f from, b by, s probe_step,
--- w probe_wait, g last_good, d direction, h ceiling, k configured capacity.
+-- w probe_wait, g last_good, d direction, h ceiling, k configured capacity, e the pool
+-- state's epoch it was written under (_pool.lua: E): a record whose e is not the
+-- state's epoch was not written since the state was last made anew.
 -- Returns {1, changed_ms} when applied, {0, 'pinned' | 'cooldown'} when refused.
 local control_key = KEYS[NEXT_KEY]
 local history_key = KEYS[NEXT_KEY + 1]
@@ -41,7 +43,7 @@ save_state()
 -- R does with K in the state hash).
 redis.call('HSET', control_key, 'p', ARGV[a + 9], 'c', now_ms, 'r', ARGV[a + 3],
   'f', num(old), 'b', ARGV[a + 4], 's', ARGV[a + 5], 'w', ARGV[a + 6], 'g', ARGV[a + 7],
-  'd', ARGV[a + 8], 'h', ARGV[a + 10], 'k', num(capacity))
+  'd', ARGV[a + 8], 'h', ARGV[a + 10], 'k', num(capacity), 'e', state.epoch)
 redis.call('LPUSH', history_key, string.format('%.0f', now_ms) .. '|' .. num(old) .. '|' ..
   ARGV[a + 2] .. '|' .. ARGV[a + 4] .. '|' .. ARGV[a + 3])
 redis.call('LTRIM', history_key, 0, 99)
