@@ -110,8 +110,16 @@ class Metrics:
         self.config_last_reload_successful.set(1)
         self.adjustments = Counter(
             "qosd_rate_adjustments",
-            "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin.",
+            "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin, "
+            "restore (written back after the store came back empty).",
             ["pool", "kind"],
+            registry=r,
+        )
+        self.store_resets = Counter(
+            "qosd_store_resets",
+            "Pools whose state this daemon saw lost and made anew: the store came back "
+            "empty (a new epoch; docs/design.md).",
+            ["pool"],
             registry=r,
         )
         self.pool_rate = self._gauge(

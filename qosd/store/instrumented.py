@@ -1,5 +1,6 @@
 """A transparent store wrapper that measures every call: a Prometheus histogram of its
-latency and a counter of failures, and, inside a traced RPC, a child span.
+latency and a counter of failures, and, inside a traced RPC, a child span; and counts
+the pools it sees come back empty (``qosd_store_resets_total``).
 
 One wrapper rather than code in each store, so that Redis, the cluster and the
 embedded store are measured the same way and no store class carries telemetry.
@@ -39,6 +40,8 @@ class InstrumentedStore:
         self._metrics = metrics
         self._tracer = tracer
         self._system = system  # db.system.name: "redis", or "" for the embedded store
+        # Counted here, like failures: every daemon counts the resets it sees.
+        store.add_reset_listener(lambda pool, old, new: metrics.store_resets.labels(pool).inc())
 
     def __getattr__(self, name: str) -> Any:
         # Called only on the first lookup of a name: the wrapper is then set on the
