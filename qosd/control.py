@@ -281,12 +281,35 @@ def _near(a: float, b: float) -> bool:
 
 @dataclass
 class _PoolMemory:
-    """What the leader remembers between evaluations (lost on failover: harmless)."""
+    """What a daemon remembers of a pool between turns. All but ``record`` is the
+    leader's, and losing it on failover is harmless."""
 
     admitted: float | None = None
     at_ms: int = 0
     long_prefill: float | None = None  # the threshold last told to the store
     prefill_model: PrefillModel | None = None  # and the prefill model
+    # The last control record read while the pool's state existed, in every daemon:
+    # what the leader writes back when the store comes back empty. Every daemon keeps
+    # it because the loss takes the controller lease too, and whichever daemon takes
+    # the lease next is the one that restores.
+    record: ControlRecord | None = None
+
+
+def _restorable(known: ControlRecord | None, record: ControlRecord) -> ControlRecord | None:
+    """The record to write back if the pool's state was lost since ``known`` was
+    read, and nothing was written since; None otherwise.
+
+    The state's epoch tells (``qosd.store.epochs``): a new one (or none) means the
+    state was lost and made anew. A record written since then (a restore by another
+    daemon, an operator's pin, a change) carries the new epoch as ``record_epoch``,
+    and stands: it is newer than what this daemon remembers. Comparing epochs, not
+    times, keeps the rule right across a failover to a node whose clock is behind.
+    """
+    if known is None or not known.epoch or record.epoch == known.epoch:
+        return None
+    if record.epoch and record.record_epoch == record.epoch:
+        return None
+    return known
 
 
 def gather_evidence(
@@ -364,6 +387,10 @@ class Controller:
         self.leader = ""
         self.last_verdicts: dict[str, Verdict] = {}
         self._task: asyncio.Task[None] | None = None
+        # Set when the store shows a pool's state lost: the next turn comes at once,
+        # so a leader restores rates and pins within a round trip or two, not a turn.
+        self._wake = asyncio.Event()
+        store.add_reset_listener(lambda pool, old, new: self._wake.set())
 
     def reconfigure(self, config: Config, pools: dict[str, PoolPolicy]) -> None:
         """A reloaded config: the law's settings, objectives and pools apply from the
@@ -416,7 +443,9 @@ class Controller:
                 self.leader = ""  # unknown until the store answers again
             except Exception:
                 log.exception("SLO loop failed a turn")
-            await asyncio.sleep(self._control.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._control.interval_s)
+            self._wake.clear()
 
     async def tick(self, lease_ms: int) -> None:
         """One turn: hold (or take) the lease, and if ours, judge every pool."""
@@ -426,6 +455,8 @@ class Controller:
                      " (this daemon)" if leader == self._daemon_id else "")  # fmt: skip
             self.leader = leader
         if leader != self._daemon_id:
+            for pool in self._pools.values():  # what a new leader would have to restore
+                self._remember(pool, await self._store.control(pool))
             return
         for pool in self._pools.values():
             try:  # one pool's trouble must not stop the others' control
@@ -462,9 +493,54 @@ class Controller:
             max_age_ms=None if max_age is None else int(max_age * 1000),
         )
 
+    def _remember(self, pool: PoolPolicy, record: ControlRecord) -> ControlRecord | None:
+        """Keeps ``record`` as the pool's last known one, unless it shows the state
+        lost with nothing written since: then returns what was known before, for the
+        leader to restore (until then, what was known is kept)."""
+        memory = self._memory[pool.name]
+        lost = _restorable(memory.record, record)
+        if lost is None and record.epoch:
+            memory.record = record
+        return lost
+
+    async def _restore(self, pool: PoolPolicy, lost: ControlRecord, record: ControlRecord) -> None:
+        """Writes back the rate (and pin, and probe state) the pool had before its
+        store came back empty. A pool never changed has nothing to write back: it runs
+        at the configured rate either way."""
+        memory = self._memory[pool.name]
+        memory.admitted = None  # the lost state's admitted-tokens count restarts at 0
+        memory.long_prefill = memory.prefill_model = None  # told to the store again
+        memory.record = None  # the next record read is the one to keep
+        new = record.epoch or "none yet"
+        if lost.changed_ms == 0 and not lost.pinned:
+            log.warning(
+                "pool %s: store came back empty (epoch %s -> %s); it ran at its "
+                "configured rate, nothing to restore", pool.name, lost.epoch, new,
+            )  # fmt: skip
+            return
+        how = "pinned" if lost.pinned else "set by the SLO loop"
+        log.warning(
+            "pool %s: store came back empty (epoch %s -> %s); restoring rate %.0f tokens/s (%s)",
+            pool.name, lost.epoch, new, lost.capacity, how,
+        )  # fmt: skip
+        update = dataclasses.replace(
+            lost,
+            reason=f"restored after the store came back empty: {lost.reason}",
+            changed_by=self._daemon_id,
+            changed_from=record.capacity,
+        )
+        await self._store.adjust(pool, update, 0, force=True)
+        self._on_change(pool.name, "restore")
+        self.last_verdicts[pool.name] = Verdict(HOLD, update.reason)
+
     async def evaluate(self, pool: PoolPolicy) -> ControlRecord | None:
-        """Judges one pool and moves its rate if the law says so; returns the change."""
+        """Judges one pool and moves its rate if the law says so; returns the change.
+        A pool whose state was lost gets its last known record back instead."""
         record = await self._store.control(pool)
+        lost = self._remember(pool, record)
+        if lost is not None:
+            await self._restore(pool, lost, record)
+            return None
         status = await self._store.status(pool)
         memory = self._memory[pool.name]
         utilization = None
@@ -525,6 +601,10 @@ class Controller:
         )
         if not await self._store.adjust(pool, update, cooldown_ms):
             return None  # cooling down (or pinned meanwhile)
+        if record.epoch:  # known at once, not only at the next turn's read
+            memory.record = dataclasses.replace(
+                update, changed_ms=status.now_ms, record_epoch=record.epoch
+            )
         self._on_change(pool.name, kind.split()[0])
         log.info(
             "pool %s admitted rate %.0f -> %.0f tokens/s (%s)",
@@ -582,6 +662,8 @@ class Controller:
                 changed_by=self._daemon_id, changed_from=record.capacity,
             )  # fmt: skip
         await self._store.adjust(pool, update, 0, force=True)
+        # Remembered at once, as written (a loss right after the pin must not undo it).
+        self._remember(pool, await self._store.control(pool))
         self._on_change(pool.name, "pin" if update.pinned else "unpin")
         self.last_verdicts[pool.name] = Verdict(HOLD, update.reason)
         log.info("pool %s: %s", pool.name, update.reason)
