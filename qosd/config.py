@@ -47,6 +47,7 @@ class FailMode(StrEnum):
 class RedisMode(StrEnum):
     STANDALONE = "standalone"
     CLUSTER = "cluster"
+    SENTINEL = "sentinel"  # the master that Redis Sentinel names, followed on failover
 
 
 class _Strict(BaseModel):
@@ -233,6 +234,8 @@ class RedisConfig(_Strict):
     # Wins over a password in the URL; from a Kubernetes Secret through
     # $QOSD_REDIS_PASSWORD, so the URL in a ConfigMap carries none. Never printed.
     password: SecretStr | None = None
+    # A Redis 6+ ACL user; wins over a user in the URL. None: the URL's, or "default".
+    username: str | None = None
     mode: RedisMode = RedisMode.STANDALONE
     key_prefix: str = "qosd"
     timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 100
@@ -247,12 +250,32 @@ class RedisConfig(_Strict):
     # Cluster mode: more nodes ("host:port") to read the topology from when the URL's
     # node is down, e.g. at a start after a failover; asked in this order.
     cluster_seeds: list[str] = Field(default_factory=list)
+    # Sentinel mode: the sentinels ("host:port"), asked in this order for the master
+    # named sentinel_master. The url then gives only the master's scheme (TLS),
+    # credentials and db; its host is not used.
+    sentinels: list[str] = Field(default_factory=list)
+    sentinel_master: str | None = None
+    # The sentinels' own credentials (sentinel requirepass or an ACL user there);
+    # None: sentinels that ask for none.
+    sentinel_username: str | None = None
+    sentinel_password: SecretStr | None = None
+    # How often the sentinels are asked whether the master moved, besides at once on
+    # a lost connection or a READONLY; 0: only then. Off the request path.
+    sentinel_check_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 1_000
 
-    @field_validator("cluster_seeds")
+    @field_validator("cluster_seeds", "sentinels")
     @classmethod
     def _seeds(cls, value: list[str]) -> list[str]:
         for seed in value:
             parse_host_port(seed)
+        return value
+
+    @field_validator("sentinel_master", "username", "sentinel_username")
+    @classmethod
+    def _no_blanks(cls, value: str | None) -> str | None:
+        # Sentinel names and ACL user names are single words in the protocol.
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ValueError("must be non-empty, without whitespace")
         return value
 
     @field_validator("url")
@@ -275,6 +298,23 @@ class RedisConfig(_Strict):
     def _seeds_need_cluster(self) -> RedisConfig:
         if self.cluster_seeds and self.mode is not RedisMode.CLUSTER:
             raise ValueError("cluster_seeds: only with mode: cluster")
+        return self
+
+    @model_validator(mode="after")
+    def _sentinel_settings(self) -> RedisConfig:
+        sentinel = self.mode is RedisMode.SENTINEL
+        if not sentinel:
+            for name in ("sentinels", "sentinel_master", "sentinel_username",
+                         "sentinel_password"):  # fmt: skip
+                if getattr(self, name):
+                    raise ValueError(f"{name}: only with mode: sentinel")
+            return self
+        if not self.sentinels:
+            raise ValueError("sentinels: mode: sentinel needs at least one HOST:PORT")
+        if self.sentinel_master is None:
+            raise ValueError("sentinel_master: mode: sentinel needs the master's name")
+        if (self.url or "").startswith("unix://"):
+            raise ValueError("url: mode: sentinel needs redis:// or rediss://")
         return self
 
     @field_validator("key_prefix")
@@ -874,6 +914,7 @@ def parse_listen_address(address: str) -> ListenAddress:
 ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_REDIS_URL": ("redis", "url"),
     "QOSD_REDIS_PASSWORD": ("redis", "password"),
+    "QOSD_REDIS_USERNAME": ("redis", "username"),
     "QOSD_REDIS_MODE": ("redis", "mode"),
     "QOSD_REDIS_TIMEOUT_MS": ("redis", "timeout_ms"),
     "QOSD_REDIS_KEY_PREFIX": ("redis", "key_prefix"),
@@ -881,6 +922,10 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_REDIS_TLS_CERT_FILE": ("redis", "tls", "cert_file"),
     "QOSD_REDIS_TLS_KEY_FILE": ("redis", "tls", "key_file"),
     "QOSD_REDIS_CLUSTER_SEEDS": ("redis", "cluster_seeds"),  # comma-separated
+    "QOSD_REDIS_SENTINELS": ("redis", "sentinels"),  # comma-separated
+    "QOSD_REDIS_SENTINEL_MASTER": ("redis", "sentinel_master"),
+    "QOSD_REDIS_SENTINEL_USERNAME": ("redis", "sentinel_username"),
+    "QOSD_REDIS_SENTINEL_PASSWORD": ("redis", "sentinel_password"),
     "QOSD_FAIL_MODE": ("fail_mode",),
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
@@ -900,7 +945,12 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
 
 # The overrides whose value is a comma-separated list.
 LIST_OVERRIDES = frozenset(
-    {("server", "listen"), ("server", "admin_listen"), ("redis", "cluster_seeds")}
+    {
+        ("server", "listen"),
+        ("server", "admin_listen"),
+        ("redis", "cluster_seeds"),
+        ("redis", "sentinels"),
+    }
 )
 
 

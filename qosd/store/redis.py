@@ -46,7 +46,7 @@ from qosd.model import (
 )
 from qosd.store.batching import ScriptBatcher
 from qosd.store.epochs import EpochWatch, ResetListener
-from qosd.store.resp import RespClient, TlsFiles
+from qosd.store.resp import AuthFailed, RespClient, SentinelOptions, TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,10 @@ class RedisStore:
             connect_timeout_s=config.connect_timeout_ms / 1000,
             connections_per_node=config.connections_per_node,
             password=config.password.get_secret_value() if config.password else None,
+            username=config.username,
             tls=None if config.tls is None else TlsFiles(**config.tls.model_dump()),
             seeds=[parse_host_port(seed) for seed in config.cluster_seeds],
+            sentinel=_sentinel_options(config),
         )
         names = (
             "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",
@@ -242,6 +244,17 @@ class RedisStore:
         try:
             for script in self._scripts.values():
                 await self._client.execute_on_primaries("SCRIPT", "LOAD", script.source)
+        except AuthFailed as exc:
+            # Not an outage that passes: say so plainly (requests still fail per
+            # fail_mode, and a corrected Secret is used by the next connection).
+            log.error(
+                "redis refused qosd's credentials (%s); check redis.username and "
+                "redis.password ($QOSD_REDIS_USERNAME, $QOSD_REDIS_PASSWORD)%s",
+                exc,
+                ", redis.sentinel_username and redis.sentinel_password"
+                if self._config.mode is RedisMode.SENTINEL
+                else "",
+            )
         except StoreUnavailable as exc:
             log.warning("redis not reachable at start (%s); will retry on demand", exc)
 
@@ -611,6 +624,21 @@ class RedisStore:
         key = f"{self._config.key_prefix}:{{{pool}}}:window:{qos_class}"
         raw = await self._client.execute(key, "LRANGE", key, 0, -1)
         return [StoredSample.decode(item) for item in raw]
+
+
+def _sentinel_options(config: RedisConfig) -> SentinelOptions | None:
+    if config.mode is not RedisMode.SENTINEL:
+        return None
+    assert config.sentinel_master is not None  # checked at load
+    return SentinelOptions(
+        addresses=[parse_host_port(address) for address in config.sentinels],
+        master=config.sentinel_master,
+        username=config.sentinel_username,
+        password=(
+            config.sentinel_password.get_secret_value() if config.sentinel_password else None
+        ),
+        check_interval_s=config.sentinel_check_interval_ms / 1000,
+    )
 
 
 def _lease_stub(lease_id: str) -> LeaseSpec:

@@ -1,4 +1,4 @@
-"""A small pipelined Redis client for the hot path, standalone or cluster.
+"""A small pipelined Redis client for the hot path: standalone, cluster or Sentinel.
 
 Why not redis-py's asyncio client: inside a grpc.aio server on our hardware, one
 redis-py call costs about 100 us of CPU, more than the RPC itself, and halves the
@@ -7,7 +7,8 @@ every command of a connection in one pipeline, matches replies to callers in ord
 parses with hiredis (the C parser redis-py itself uses), and packs commands with
 ``hiredis.pack_command``. It takes URL parsing, slot hashing and exception classes
 from redis-py. It does only what the store needs: send a command to the node that
-owns a key, or to every primary, with a deadline; follow MOVED and ASK redirects.
+owns a key, or to every primary, with a deadline; follow MOVED and ASK redirects;
+under Sentinel, find the master and follow it through failovers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import itertools
 import logging
 import ssl
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,9 +32,11 @@ from qosd.model import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-# Replies that mean "not now" rather than "your command is wrong".
+# Replies that mean "not now" rather than "your command is wrong". NOREPLICAS: a
+# master configured with min-replicas-to-write that lost its replicas, as an old
+# master does the moment Sentinel promotes its replica.
 _UNAVAILABLE_CODES = frozenset(
-    {"LOADING", "READONLY", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "OOM", "BUSY"}
+    {"LOADING", "READONLY", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "OOM", "BUSY", "NOREPLICAS"}
 )
 _MAX_REDIRECTS = 3
 
@@ -67,6 +70,14 @@ def error_from_reply(reply: hiredis.ReplyError) -> Exception:
     return redis_errors.ResponseError(message)
 
 
+class AuthFailed(StoreUnavailable):
+    """Redis refused the credentials (AUTH answered WRONGPASS or an error like it).
+
+    Still a StoreUnavailable, so requests fail per ``fail_mode`` and a fixed password
+    is picked up by the next connection; apart, so that start-up can say plainly that
+    the credentials are wrong rather than that Redis is down."""
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionSettings:
     username: str | None = None
@@ -79,11 +90,15 @@ class ConnectionSettings:
 class _Protocol(asyncio.Protocol):
     """One connection: replies arrive in the order commands were written."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
         self._reader = hiredis.Reader(encoding="utf-8")
+        self._on_lost = on_lost
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self._transport: asyncio.Transport | None = None
         self.closed = False
+        # Set once AUTH and SELECT passed: only a connection that was in use reports
+        # its loss, so a refused AUTH cannot start a reconnect-and-rediscover loop.
+        self.ready = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -106,6 +121,8 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(StoreUnavailable(f"redis connection lost: {exc or 'closed by server'}"))
+        if self._on_lost is not None and self.ready:
+            self._on_lost()
 
     def fail(self, error: Exception) -> None:
         self.closed = True
@@ -131,9 +148,12 @@ class NodeClient:
 
     def __init__(
         self, host: str, port: int, settings: ConnectionSettings, *, unix_path: str | None = None,
-        size: int = 2,
+        size: int = 2, on_lost: Callable[[NodeClient], None] | None = None,
     ) -> None:  # fmt: skip
+        """``on_lost`` is called when one of the node's connections closes (a Sentinel
+        failover closes the old master's client connections)."""
         self.address = (host, port)
+        self._on_lost = on_lost
         self._unix_path = unix_path
         self._settings = settings
         self._slots: list[_Protocol | None] = [None] * size
@@ -144,13 +164,18 @@ class NodeClient:
         loop = asyncio.get_running_loop()
         settings = self._settings
         protocol: _Protocol | None = None
+        on_lost = self._on_lost
+
+        def factory() -> _Protocol:
+            return _Protocol(None if on_lost is None else lambda: on_lost(self))
+
         try:
             async with asyncio.timeout(settings.connect_timeout_s):
                 if self._unix_path is not None:
-                    _, protocol = await loop.create_unix_connection(_Protocol, self._unix_path)
+                    _, protocol = await loop.create_unix_connection(factory, self._unix_path)
                 else:
                     _, protocol = await loop.create_connection(
-                        _Protocol, self.address[0], self.address[1], ssl=settings.ssl_context
+                        factory, self.address[0], self.address[1], ssl=settings.ssl_context
                     )
                 setup: list[tuple[Any, ...]] = []
                 if settings.password is not None:
@@ -161,7 +186,9 @@ class NodeClient:
                     [future] = protocol.send(pack(*command))
                     reply = await future
                     if isinstance(reply, hiredis.ReplyError):
-                        raise StoreUnavailable(f"redis {command[0]} failed: {reply}")
+                        failed = AuthFailed if command[0] == "AUTH" else StoreUnavailable
+                        raise failed(f"redis {command[0]} at {self.describe()} failed: {reply}")
+                protocol.ready = True
         except (OSError, TimeoutError, StoreUnavailable) as exc:
             if protocol is not None:  # opened, but not usable: do not leak the socket
                 protocol.fail(StoreUnavailable("redis connection setup failed"))
@@ -264,21 +291,43 @@ def tls_context(options: Mapping[str, Any], tls: TlsFiles | None) -> ssl.SSLCont
     return context
 
 
+@dataclass(frozen=True, slots=True)
+class SentinelOptions:
+    """Where to find the master under Redis Sentinel (qosd.config.RedisConfig)."""
+
+    addresses: Sequence[tuple[str, int]]
+    master: str
+    username: str | None = None
+    password: str | None = None
+    # How often the sentinels are asked whether the master moved, besides asking at
+    # once on a lost connection or a READONLY; 0: only then.
+    check_interval_s: float = 1.0
+
+
+# Rediscoveries that errors ask for are this far apart at least, so that a master
+# that hangs (each ROLE times out, closing the connection) is not asked in a loop.
+_DISCOVERY_MIN_GAP_S = 0.1
+
+
 class RespClient:
-    """Routes commands to the right node of a standalone server or a cluster."""
+    """Routes commands to the right node of a standalone server, a cluster, or the
+    master that Redis Sentinel names."""
 
     def __init__(
         self, url: str, *, cluster: bool, timeout_s: float, connect_timeout_s: float,
         connections_per_node: int = 2, password: str | None = None,
-        tls: TlsFiles | None = None, seeds: Sequence[tuple[str, int]] = (),
+        username: str | None = None, tls: TlsFiles | None = None,
+        seeds: Sequence[tuple[str, int]] = (), sentinel: SentinelOptions | None = None,
     ) -> None:  # fmt: skip
-        """``password`` wins over one in ``url``, and ``tls``'s files over its
-        ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``. ``seeds``: more cluster
-        nodes to ask for the topology when the URL's node does not answer."""
+        """``password`` and ``username`` win over those in ``url``, and ``tls``'s files
+        over its ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``. ``seeds``: more
+        cluster nodes to ask for the topology when the URL's node does not answer.
+        ``sentinel``: the URL's host is not used; the master is the one the sentinels
+        name (reached with the URL's credentials, db and TLS)."""
         options = parse_url(url)
         context = tls_context(options, tls) if url.startswith("rediss://") else None
         self._settings = ConnectionSettings(
-            username=options.get("username"),
+            username=username if username is not None else options.get("username"),
             password=password if password is not None else options.get("password"),
             db=int(options.get("db", 0) or 0),
             ssl_context=context,
@@ -297,16 +346,158 @@ class RespClient:
         self._slot_owner: list[NodeClient | None] = [None] * 16384
         self._refreshing: asyncio.Task[None] | None = None
         self._closed = False
+        # Sentinel mode: the sentinels (one connection each, their own credentials, TLS
+        # as the master's), the master they last named, and the task that keeps asking.
+        self._sentinel = sentinel
+        self._sentinels: list[NodeClient] = []
+        if sentinel is not None:
+            sentinel_settings = ConnectionSettings(
+                username=sentinel.username,
+                password=sentinel.password,
+                ssl_context=context,
+                connect_timeout_s=connect_timeout_s,
+            )
+            self._sentinels = [
+                NodeClient(host, port, sentinel_settings, size=1)
+                for host, port in sentinel.addresses
+            ]
+        self._master: NodeClient | None = None
+        self._discovering: asyncio.Task[NodeClient] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
 
     def _node(self, host: str, port: int, unix_path: str | None = None) -> NodeClient:
         node = self._nodes.get((host, port))
         if node is None:
-            node = NodeClient(host, port, self._settings, unix_path=unix_path, size=self._per_node)
+            node = NodeClient(
+                host, port, self._settings, unix_path=unix_path, size=self._per_node,
+                on_lost=self._lost,
+            )  # fmt: skip
             self._nodes[(host, port)] = node
         return node
 
+    # -- Sentinel -------------------------------------------------------------------
+
+    @property
+    def master(self) -> tuple[str, int] | None:
+        """The master's address under Sentinel, once found (None before, or not Sentinel)."""
+        return None if self._master is None else self._master.address
+
+    def _lost(self, node: NodeClient) -> None:
+        """A connection closed: under Sentinel, if it was the master's, ask the
+        sentinels at once (a failover closes the old master's client connections)."""
+        if node is self._master:
+            self._wake.set()
+
+    async def _primary(self) -> NodeClient:
+        """The node that takes every command outside a cluster. Under Sentinel, the
+        known master without any I/O; the sentinels are asked only when none is known
+        yet (at start, or while none could be found), never on the per-request path."""
+        if self._sentinel is None:
+            return self._seed
+        if self._watcher is None and not self._closed:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        master = self._master
+        if master is not None:
+            return master
+        return await self._discover()
+
+    async def _discover(self) -> NodeClient:
+        """Asks the sentinels for the master, one discovery at a time, shared."""
+        if self._discovering is None or self._discovering.done():
+            self._discovering = asyncio.get_running_loop().create_task(self._ask_sentinels())
+            self._discovering.add_done_callback(_quiet)
+        return await asyncio.shield(self._discovering)
+
+    async def _ask_sentinels(self) -> NodeClient:
+        """The master as the first sentinel that answers names it, once ROLE on that
+        address says master: a sentinel may name an old master for a while during a
+        failover (and until it is promoted, the new one is still a replica)."""
+        assert self._sentinel is not None
+        name = self._sentinel.master
+        errors: list[str] = []
+        auth_failed = False
+        for sentinel in self._sentinels:
+            where = f"sentinel {sentinel.describe()}"
+            try:
+                reply = await sentinel.execute(
+                    pack("SENTINEL", "get-master-addr-by-name", name), self._timeout_s
+                )
+            except (StoreUnavailable, redis_errors.ResponseError) as exc:
+                auth_failed |= isinstance(exc, AuthFailed)
+                errors.append(f"{where}: {exc}")
+                continue
+            if not reply:
+                errors.append(f"{where} monitors no master named {name!r}")
+                continue
+            node = self._node(str(reply[0]), int(reply[1]))
+            try:
+                role = await node.execute(pack("ROLE"), self._timeout_s)
+            except (StoreUnavailable, redis_errors.ResponseError) as exc:
+                auth_failed |= isinstance(exc, AuthFailed)
+                errors.append(f"{node.describe()}, named by {where}: {exc}")
+                continue
+            if not role or role[0] != "master":
+                what = role[0] if role else "server that gave no ROLE"
+                errors.append(f"{node.describe()}, named by {where}, is a {what}")
+                continue
+            self._use_master(node)
+            return node
+        failed = AuthFailed if auth_failed else StoreUnavailable
+        raise failed(f"no sentinel named a usable master {name!r}: " + "; ".join(errors))
+
+    def _use_master(self, node: NodeClient) -> None:
+        old = self._master
+        if old is node:
+            return
+        self._master = node
+        if old is not None:
+            log.warning(
+                "redis sentinel: master %r moved from %s to %s",
+                self._sentinel.master if self._sentinel else "",
+                old.describe(),
+                node.describe(),
+            )
+            # Replies already on their way from the old master still reach their
+            # callers; after that its connections go.
+            self._nodes.pop(old.address, None)
+            asyncio.get_running_loop().call_later(self._timeout_s, old.close)
+        else:
+            log.info("redis sentinel: master is %s", node.describe())
+
+    async def _watch(self) -> None:
+        """Asks the sentinels every check interval, and at once when a command to the
+        master failed or its connection closed, so that a failover is followed
+        without a restart and without waiting for a request to fail on it."""
+        assert self._sentinel is not None
+        interval = self._sentinel.check_interval_s or None
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            started = loop.time()
+            self._wake.clear()
+            try:
+                await self._discover()
+            except StoreUnavailable as exc:
+                log.warning("redis sentinel: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
+            gap = started + _DISCOVERY_MIN_GAP_S - loop.time()
+            if gap > 0:
+                await asyncio.sleep(gap)
+
+    def _failed_on(self, node: NodeClient) -> None:
+        """A command failed as unavailable (lost connection, timeout, READONLY,
+        NOREPLICAS...): the topology may have changed."""
+        if self._cluster:
+            self._schedule_refresh()  # a primary may have moved
+        elif node is self._master:
+            self._wake.set()
+
+    # -- cluster --------------------------------------------------------------------
+
     async def refresh_topology(self) -> None:
-        """Reads CLUSTER SLOTS from any reachable node (no-op for a standalone server)."""
+        """Reads CLUSTER SLOTS from any reachable node (no-op outside a cluster)."""
         if not self._cluster:
             return
         if self._refreshing is None or self._refreshing.done():
@@ -334,7 +525,7 @@ class RespClient:
 
     async def _owner(self, key: str) -> NodeClient:
         if not self._cluster:
-            return self._seed
+            return await self._primary()
         slot = key_slot(key.encode())
         node = self._slot_owner[slot]
         if node is None:
@@ -373,8 +564,7 @@ class RespClient:
                 await node.execute(pack("SCRIPT", "LOAD", script_source), self._timeout_s)
                 script_source = None
             except StoreUnavailable:
-                if self._cluster:
-                    self._schedule_refresh()  # a primary may have moved
+                self._failed_on(node)
                 raise
         raise StoreUnavailable("redis cluster: too many redirects")
 
@@ -382,7 +572,12 @@ class RespClient:
         """Runs one command on every primary (SCRIPT LOAD), or on the one server."""
         packed = pack(*args)
         if not self._cluster:
-            return [await self._seed.execute(packed, self._timeout_s)]
+            node = await self._primary()
+            try:
+                return [await node.execute(packed, self._timeout_s)]
+            except StoreUnavailable:
+                self._failed_on(node)
+                raise
         await self.refresh_topology()
         primaries = {id(node): node for node in self._slot_owner if node is not None}
         return list(
@@ -398,17 +593,21 @@ class RespClient:
 
     async def close(self) -> None:
         self._closed = True
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(BaseException):
-                await self._refreshing
-        for node in self._nodes.values():
+        for task in (self._refreshing, self._watcher, self._discovering):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        for node in [*self._nodes.values(), *self._sentinels]:
             node.close()
+        if self._master is not None:
+            self._master.close()
 
     def nodes(self) -> Sequence[NodeClient]:
         return list(self._nodes.values())
 
 
-def _quiet(task: asyncio.Task[None]) -> None:
+def _quiet(task: asyncio.Task[Any]) -> None:
+    """Retrieves a background task's failure (its awaiters, if any, see it raised)."""
     if not task.cancelled() and task.exception() is not None:
-        log.debug("cluster topology refresh failed: %s", task.exception())
+        log.debug("redis topology refresh failed: %s", task.exception())
