@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hiredis
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from qosd.store.resp import pack
 
 
 def free_port() -> int:
@@ -82,6 +85,23 @@ class RedisServer:
                 "--dir", str(self.directory),
                 "--logfile", str(self.directory / "redis.log"),
                 *self.extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        _wait_for_port(self.port, self.process)
+        return self
+
+    def start_sentinel(self) -> RedisServer:
+        """Starts ``redis-server CONFIG --sentinel`` (the config file and the flag in
+        ``extra_args``): a sentinel takes none of a data server's persistence flags."""
+        self.process = subprocess.Popen(
+            [
+                redis_server_binary(), *self.extra_args,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--dir", str(self.directory),
+                "--logfile", str(self.directory / "redis.log"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -175,6 +195,159 @@ def _wait_for_cluster_ok(cli: str, cluster: RedisCluster, timeout_s: float = 15.
             return
         time.sleep(0.1)
     raise RuntimeError("redis cluster did not reach cluster_state:ok")
+
+
+def redis_command(port: int, *args: str, timeout_s: float = 2.0) -> Any:
+    """One command to the local server on ``port``, for harness code that must not
+    depend on a client library's sentinel support; returns the decoded reply (an
+    error reply as a ``hiredis.ReplyError``)."""
+    reader = hiredis.Reader(encoding="utf-8")
+    with socket.create_connection(("127.0.0.1", port), timeout_s) as sock:
+        sock.sendall(pack(*args))
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"127.0.0.1:{port} closed the connection")
+            reader.feed(chunk)
+            reply = reader.gets()
+            if reply is not False:
+                return reply
+
+
+def _role(port: int) -> str:
+    with contextlib.suppress(OSError):
+        reply = redis_command(port, "ROLE")
+        if isinstance(reply, list):
+            return str(reply[0])
+    return "down"
+
+
+@dataclass
+class RedisSentinel:
+    """A master, one replica of it and sentinels that monitor it as ``name``.
+
+    The master refuses writes once it has no replica (``min-replicas-to-write 1``),
+    the guard a Sentinel deployment should have: an old master still running after
+    its replica was promoted then accepts nothing that the failover would lose. The
+    replica has no such rule, so that once promoted it takes writes alone."""
+
+    directory: Path
+    name: str = "qosd-master"
+    master: RedisServer | None = None
+    replica: RedisServer | None = None
+    sentinels: list[RedisServer] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def sentinel_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{sentinel.port}" for sentinel in self.sentinels]
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [server for server in (self.master, self.replica) if server is not None]
+
+    def master_port(self, sentinel: int = 0) -> int | None:
+        """The master's port as a sentinel names it now (None: it names none)."""
+        reply = redis_command(
+            self.sentinels[sentinel].port, "SENTINEL", "get-master-addr-by-name", self.name
+        )
+        return int(reply[1]) if reply else None
+
+    def role(self, server: RedisServer) -> str:
+        """``master``, ``slave``, or ``down`` when it does not answer."""
+        return _role(server.port)
+
+    def replica_known(self) -> bool:
+        """Whether every sentinel sees the replica linked to the master, so that a
+        SENTINEL FAILOVER has a replica to promote."""
+        assert self.replica is not None
+        for sentinel in self.sentinels:
+            replicas = redis_command(sentinel.port, "SENTINEL", "replicas", self.name)
+            fields = [dict(zip(r[::2], r[1::2], strict=True)) for r in replicas or []]
+            if not any(
+                f.get("port") == str(self.replica.port)
+                and f.get("master-link-status") == "ok"
+                and "s_down" not in f.get("flags", "")
+                for f in fields
+            ):
+                return False
+        return True
+
+    def failover(self, timeout_s: float = 30.0) -> int:
+        """Asks the first sentinel for a failover and waits until it names the other
+        server and that server says it is the master; returns the new master's port."""
+        assert self.master is not None and self.replica is not None
+        old = self.master_port()
+        target = self.replica if old == self.master.port else self.master
+        deadline = time.monotonic() + timeout_s
+        while True:  # NOGOODSLAVE until the sentinel has seen the replica's link up
+            reply = redis_command(self.sentinels[0].port, "SENTINEL", "FAILOVER", self.name)
+            if reply == "OK":
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SENTINEL FAILOVER kept answering {reply}")
+            time.sleep(0.05)
+        while self.master_port() != target.port or self.role(target) != "master":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no failover to port {target.port} within {timeout_s}s")
+            time.sleep(0.02)
+        return target.port
+
+    def kill(self) -> None:
+        for server in [*self.sentinels, *self.servers]:
+            server.kill()
+
+
+def _replica_linked(port: int) -> bool:
+    with contextlib.suppress(OSError):
+        info = redis_command(port, "INFO", "replication")
+        return "master_link_status:up" in str(info)
+    return False
+
+
+@contextlib.contextmanager
+def redis_sentinel(
+    sentinels: int = 1, *, down_after_ms: int = 1_000, master_args: Sequence[str] = ()
+) -> Iterator[RedisSentinel]:
+    """A master, a replica and ``sentinels`` sentinels (quorum 1), on free ports with
+    their configs in a temporary directory; all killed afterwards. Yields once the
+    replica is linked and every sentinel sees it."""
+    with tempfile.TemporaryDirectory(prefix="qosd-sentinel-") as directory:
+        group = RedisSentinel(Path(directory))
+        try:
+            master = RedisServer(
+                free_port(),
+                group.directory / "master",
+                ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "10", *master_args),
+            )
+            group.master = master.start()
+            replica = RedisServer(
+                free_port(),
+                group.directory / "replica",
+                ("--replicaof", "127.0.0.1", str(master.port), *master_args),
+            )
+            group.replica = replica.start()
+            for index in range(sentinels):
+                sentinel_dir = group.directory / f"sentinel{index}"
+                sentinel_dir.mkdir()
+                config = sentinel_dir / "sentinel.conf"
+                config.write_text(
+                    f"sentinel monitor {group.name} 127.0.0.1 {master.port} 1\n"
+                    f"sentinel down-after-milliseconds {group.name} {down_after_ms}\n"
+                    f"sentinel failover-timeout {group.name} 10000\n"
+                    f"sentinel parallel-syncs {group.name} 1\n"
+                )
+                # A sentinel rewrites its config file: it must be writable, its own.
+                sentinel = RedisServer(free_port(), sentinel_dir, (str(config), "--sentinel"))
+                group.sentinels.append(sentinel.start_sentinel())
+            deadline = time.monotonic() + 30
+            while not (_replica_linked(replica.port) and group.replica_known()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the sentinels did not see the replica linked")
+                time.sleep(0.05)
+            yield group
+        finally:
+            group.kill()
 
 
 @dataclass
