@@ -30,7 +30,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         help="HOST:PORT or unix:PATH; repeat for several (overrides server.listen)",
     )
     parser.add_argument("--redis-url", help="redis://HOST:PORT/DB; omit for the embedded store")
-    parser.add_argument("--redis-mode", choices=["standalone", "cluster"])
+    parser.add_argument("--redis-mode", choices=["standalone", "cluster", "sentinel"])
     parser.add_argument("--fail-mode", choices=["open", "closed"])
     parser.add_argument("--http-listen", metavar="HOST:PORT", help="serve /healthz and /readyz")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (overrides logging.level)")

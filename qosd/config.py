@@ -178,8 +178,11 @@ class PoolConfig(_Strict):
 class WaitingConfig(_Strict):
     # How often a daemon with waiters looks for grants (and admits heads itself).
     poll_ms: Annotated[int, Field(ge=1, le=1_000)] = 5
-    # Waiters of a daemon not heard from for this long are dropped (a dead replica).
-    stale_after_ms: Annotated[int, Field(ge=50, le=600_000)] = 2_000
+    # Waiters of a daemon not heard from for this long are dropped (a dead replica):
+    # 100 missed polls. As long as redis.retry_interval_ms, the waiting room's patience
+    # with a failing store, so a daemon cut off from Redis loses its waiters no sooner
+    # than it answers them by the fail mode anyway.
+    stale_after_ms: Annotated[int, Field(ge=50, le=600_000)] = 500
 
 
 def readable_file(value: str | None) -> str | None:

@@ -366,16 +366,17 @@ def rss_bytes(pid: int) -> int:
 
 def test_a_dead_daemons_waiters_expire_by_themselves(fleet_redis: dict[str, Any]) -> None:
     """Daemon A dies (SIGKILL) with a waiter at the head of P2's queue; daemon B's later
-    waiter is held up only until A's entry goes stale (waiting.stale_after_ms)."""
+    waiter is held up only until A's entry goes stale (waiting.stale_after_ms, 500 ms by
+    default: it was 2 s, and a killed replica held the fleet's queue that long)."""
     config = merge(
         FLEET_CONFIG,
         {
             "redis": fleet_redis,
             "classes": {"P2": {"share": 0.0005, "burst_s": 100, "can_borrow": False,
                                "max_wait_ms": 60_000}},
-            "waiting": {"poll_ms": 5, "stale_after_ms": 500},
         },
     )  # fmt: skip
+    assert Config.model_validate(config).waiting.stale_after_ms == 500  # the default
     pool = resolve_pools(Config.model_validate(config))["default"]
 
     async def scenario(daemon_a: DaemonProcess, daemon_b: DaemonProcess) -> tuple[Any, ...]:

@@ -117,7 +117,7 @@ class EmbeddedStore:
     def __init__(
         self,
         tombstone_ms: int,
-        stale_after_ms: int = 2_000,
+        stale_after_ms: int = 500,
         clock: Callable[[], int] = monotonic_us,
     ) -> None:
         self._tombstone_us = tombstone_ms * 1000

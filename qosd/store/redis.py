@@ -83,7 +83,7 @@ class RedisStore:
         self,
         config: RedisConfig,
         tombstone_ms: int,
-        stale_after_ms: int = 2_000,
+        stale_after_ms: int = 500,
         lease_ttl_ms: int = 300_000,
     ) -> None:
         """``lease_ttl_ms`` is the usual lease TTL: its expiry second is read with the
