@@ -16,8 +16,8 @@
 -- Every call also proves this daemon alive, so its waiters are not taken for stale.
 --
 -- Script arguments: daemon id, deadline in us of Redis time (0: none; a pump that
--- runs later was given up by its daemon, which answered its waiters already: it
--- changes nothing), then per waiter of this daemon (11): lease field
+-- runs later was given up by its daemon, which told its callers nothing of it: it
+-- admits nobody, and only records the daemon as alive), then per waiter of this daemon (11): lease field
 -- (the waiter id), class, cost, lease_id, ttl_ms, keep_ms, weight, input_tokens,
 -- output_tokens, has_request_id, has_tenant_key.
 -- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
@@ -26,6 +26,10 @@
 -- traffic), reason, lease_id, charged, remaining, 0, ttl_ms, 0.
 local daemon = ARGV[NEXT_ARG]
 local deadline = tonumber(ARGV[NEXT_ARG + 1])
+-- Even a late pump proves its daemon alive: it still holds its waiters (it retries a
+-- failed pump before it gives them up), so their entries must not go stale.
+redis.call('HSET', DAEMONS, daemon, now)
+daemon_seen[daemon] = now
 if deadline > 0 and now > deadline then
   local late = {}
   for j = 1, tonumber(ARGV[1]) do
@@ -36,8 +40,6 @@ if deadline > 0 and now > deadline then
   end
   return late
 end
-redis.call('HSET', DAEMONS, daemon, now)
-daemon_seen[daemon] = now
 -- Every restart brings a new daemon id: forget those silent for long.
 if redis.call('HLEN', DAEMONS) > 32 then
   local seen = redis.call('HGETALL', DAEMONS)
