@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
-from qosd.config import Config, ConfigError, load_config
+from qosd.config import ClassPolicy, Config, ConfigError, PoolPolicy, load_config, resolve_pools
+from qosd.model import LeaseSpec, new_lease_token
 from qosd.reload import ConfigReloader, plan_reload
 from qosd.server import Daemon, start
+from qosd.store.redis import RedisStore
 from qosd.testing import RedisServer, free_port
 from qosd_client import InvalidRequest, QosdClient, Reason
 from tests.conftest import BASE_CONFIG, merge
@@ -359,3 +361,56 @@ async def test_replicas_on_two_configs_share_one_budget_within_both(
             await client.close()
         for daemon in daemons:
             await daemon.stop(0)
+
+
+async def test_a_replica_without_a_new_class_keeps_its_leases_in_flight_counted(
+    redis_standalone: RedisServer,
+) -> None:
+    """Mid-way through a rollout that adds class P3, an old replica's calls rewrite the
+    pool's lease-expiry records (per second, per class name). They keep P3's part,
+    which they cannot read, and their sweep ends P3's expired leases by name: the
+    in-flight count of a GPU-gated pool must not keep leases that ended."""
+    prefix = f"t{os.getpid()}{time.monotonic_ns()}"
+    redis_settings = {"url": redis_standalone.url, "key_prefix": prefix}
+    gated = {"pools": {"default": {"max_in_flight": 100}}}
+    old = config_of(merge(gated, {"redis": redis_settings}))
+    new = config_of(
+        merge(
+            gated,
+            {
+                "redis": redis_settings,
+                "classes": {"P2": {"share": 0.05}, "P3": {"priority": 3, "share": 0.05}},
+            },
+        )
+    )
+    old_pool, new_pool = resolve_pools(old)["default"], resolve_pools(new)["default"]
+
+    def class_of(pool: PoolPolicy, name: str) -> ClassPolicy:
+        return next(cls for cls in pool.classes if cls.name == name)
+
+    def lease(qos_class: str, ttl_ms: int = 1_000) -> LeaseSpec:
+        return LeaseSpec(f"default:{qos_class}:{new_lease_token()}", "", "", 10, 0, 1.0, ttl_ms)
+
+    stores = [RedisStore(old.redis, tombstone_ms=1_000), RedisStore(new.redis, tombstone_ms=1_000)]
+    for store in stores:
+        await store.start()
+    old_store, new_store = stores
+    try:
+        p1, p2 = class_of(old_pool, "P1"), class_of(old_pool, "P2")
+        # A long lease keeps the pool's leases in flight past the others' expiry, so
+        # the sweep ends them second by second (not all at once).
+        assert (await old_store.acquire(old_pool, p2, 10, lease("P2", 60_000), 0, "old")).admitted
+        p3 = await new_store.acquire(new_pool, class_of(new_pool, "P3"), 10, lease("P3"), 0, "new")
+        assert p3.admitted
+        for _ in range(3):  # the old replica's leases, in the same expiry seconds
+            assert (await old_store.acquire(old_pool, p1, 10, lease("P1"), 0, "old")).admitted
+        assert (await new_store.status(new_pool)).classes["P3"].in_flight == 1  # kept
+        # Past the TTL, the old replica's own calls end the expired leases, P3's too.
+        ended = await eventually(
+            lambda: old_store.status(old_pool), lambda s: s.classes["P1"].in_flight == 0
+        )
+        assert ended.classes["P2"].in_flight == 1  # the long one
+        assert (await new_store.status(new_pool)).classes["P3"].in_flight == 0
+    finally:
+        for store in stores:
+            await store.close()

@@ -152,17 +152,35 @@ local state = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 local expiring = {}      -- second -> {class index -> {count, tokens}}
 local expiring_dirty = {} -- second -> true when changed
 local expiring_gone = {}  -- 'x:<second>' fields to delete
-local function parse_expiring(value)
+-- Classes this caller's config does not have (a replica on another config, mid-way
+-- through a rollout that adds a class): their "name|count|tokens" parts of a second,
+-- kept as they are and written back with it, and ended by the sweep by name.
+local expiring_other = {}  -- second -> {part, ...}
+local function parse_expiring(value, second)
   local entry = {}
+  local other = {}
   if value then
     for name, count, tokens in string.gmatch(value, '([^|]+)|([^|]+)|([^|]+)') do
       local i = class_index[name]
       if i then
         entry[i] = {tonumber(count), tonumber(tokens)}
+      else
+        other[#other + 1] = {name, tonumber(count), tonumber(tokens)}
       end
     end
   end
-  return entry
+  if second then
+    expiring_other[second] = other
+  end
+  return entry, other
+end
+-- A class of another config: its leases in flight, ended without its policy.
+local function end_other(name, count, tokens)
+  local n, c = unpack(redis.call('HMGET', STATE, 'n:' .. name, 'c:' .. name))
+  if n then
+    redis.call('HSET', STATE, 'n:' .. name, math.max(0, tonumber(n) - count),
+      'c:' .. name, num(math.max(0, (tonumber(c) or 0) - tokens)))
+  end
 end
 local HEADER = 16  -- fields read before the per-class ones
 local values_fresh = false  -- no state was found: it is made now
@@ -188,7 +206,7 @@ do
   end
   state.expiry_from = tonumber(values[6])
   state.expiry_to = tonumber(values[7])
-  expiring[default_second] = parse_expiring(values[8])
+  expiring[default_second] = parse_expiring(values[8], default_second)
   state.long_prefill = tonumber(values[9]) or 0
   if values[10] then
     local c, a, b = string.match(values[10], '^([^|]*)|([^|]*)|([^|]*)$')
@@ -252,7 +270,7 @@ local state_changed = values_fresh
 local function expiring_at(second)
   local entry = expiring[second]
   if entry == nil then
-    entry = parse_expiring(redis.call('HGET', STATE, 'x:' .. second))
+    entry = parse_expiring(redis.call('HGET', STATE, 'x:' .. second), second)
     expiring[second] = entry
   end
   return entry
@@ -307,11 +325,15 @@ do
       end
       local fields = redis.call('HKEYS', STATE)
       for _, name in ipairs(fields) do
-        if string.sub(name, 1, 2) == 'x:' then
+        local kind = string.sub(name, 1, 2)
+        if kind == 'x:' then
           expiring_gone[#expiring_gone + 1] = name
+        elseif (kind == 'n:' or kind == 'c:') and not class_index[string.sub(name, 3)] then
+          redis.call('HSET', STATE, name, 0)  -- another config's class: none left either
         end
       end
       expiring = {}
+      expiring_other = {}
       state.expiry_from = nil
       state.expiry_to = nil
     else
@@ -322,14 +344,19 @@ do
       end
       local due = redis.call('HMGET', STATE, unpack(names))
       for j = 1, #names do
-        for i, counts in pairs(parse_expiring(due[j])) do
+        local entry, other = parse_expiring(due[j])
+        for i, counts in pairs(entry) do
           state.in_n[i] = math.max(0, state.in_n[i] - counts[1])
           state.in_c[i] = math.max(0, state.in_c[i] - counts[2])
+        end
+        for _, part in ipairs(other) do
+          end_other(part[1], part[2], part[3])
         end
         if due[j] then
           expiring_gone[#expiring_gone + 1] = names[j]
         end
         expiring[from + j - 1] = nil
+        expiring_other[from + j - 1] = nil
       end
       state.expiry_from = last + 1
     end
@@ -369,6 +396,9 @@ local function save_state()
       if counts[1] > 0 then
         parts[#parts + 1] = classes[i].name .. '|' .. counts[1] .. '|' .. num(counts[2])
       end
+    end
+    for _, part in ipairs(expiring_other[second] or {}) do
+      parts[#parts + 1] = part[1] .. '|' .. part[2] .. '|' .. num(part[3])
     end
     if #parts > 0 then
       fields[#fields + 1] = 'x:' .. second
