@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import random
 import shutil
 import subprocess
 import time
@@ -20,15 +19,17 @@ from typing import Any
 import grpc
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qosd.config import Config
 from qosd.server import start
-from qosd.testing import RedisServer, free_port
+from qosd.testing import DaemonProcess, RedisServer, daemon_processes, free_port
 from qosd.v1 import envoy_rls_pb2 as rls
 from qosd.v1 import qosd_pb2 as pb
 from qosd_client import QosdClient
 from tests.conftest import BASE_CONFIG, merge
-from tests.fuzz import mutated, random_message
+from tests.fuzz import messages, mutations
 from tests.waiting import eventually
 
 # -- hostile input ------------------------------------------------------------------
@@ -54,7 +55,6 @@ ALLOWED = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-CALLS = 3_000
 # Valid requests, for the half of the calls that mutate one to three of their fields.
 TEMPLATES: dict[str, Any] = {
     "Acquire": pb.AcquireRequest(
@@ -84,64 +84,110 @@ TEMPLATES: dict[str, Any] = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["embedded", "redis"], indirect=True)
-async def test_random_and_extreme_inputs_get_an_answer_or_a_clear_status(
-    make_daemon: Any,
-) -> None:
-    """Seeded random messages, with edge values in every field, at all 8 methods (the
-    control calls on the admin socket, where they are served): each gets an answer
-    or a client-side status, with a message; none INTERNAL, UNKNOWN or a hang; and
-    the daemon serves a plain Acquire afterwards."""
-    running = await make_daemon({"pools": {"default": {"capacity_tokens_s": 10_000_000}}})
-    rng = random.Random(13)
-    codes: collections.Counter[tuple[str, str]] = collections.Counter()
-    bad: list[str] = []
-    async with (
-        grpc.aio.insecure_channel(running.address) as shared,
-        grpc.aio.insecure_channel(running.admin_address) as admin,
-    ):
-        limit = asyncio.Semaphore(32)
-        leases: list[str] = []
+EXAMPLES_PER_METHOD = 400
 
-        async def one(index: int) -> None:
-            path, request_type, response_type = METHODS[index % len(METHODS)]
+
+@pytest.fixture(params=["embedded", "redis"])
+def fuzzed_daemon(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[DaemonProcess, str]]:
+    """``qosd serve`` (a process of its own, so its memory can be read), with an admin
+    socket for the control calls."""
+    admin = f"{tmp_path}/admin.sock"
+    config = merge(
+        BASE_CONFIG,
+        {
+            "server": {"listen": [f"127.0.0.1:{free_port()}"], "admin_listen": [f"unix:{admin}"]},
+            "pools": {"default": {"capacity_tokens_s": 10_000_000}},
+        },
+    )
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_standalone")
+        config["redis"] = {"url": server.url, "key_prefix": f"t{uuid.uuid4().hex[:12]}"}
+    daemon = DaemonProcess(config, tmp_path / "daemon").start()
+    try:
+        yield daemon, f"unix:{admin}"
+    finally:
+        daemon.kill()
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_random_and_extreme_inputs_get_an_answer_or_a_clear_status(
+    fuzzed_daemon: tuple[DaemonProcess, str],
+) -> None:
+    """Hypothesis drives all 8 methods (the control calls on the admin socket, where
+    they are served) with random messages and with valid ones whose fields it
+    replaces: each call gets an answer or a client-side status with a message; none
+    gets INTERNAL, UNKNOWN or no answer in 10 s; the daemon's memory stays flat; and it
+    serves a plain Acquire afterwards. Derandomized: the same cases every run."""
+    daemon, admin_address = fuzzed_daemon
+    assert daemon.process is not None
+    codes: collections.Counter[tuple[str, str]] = collections.Counter()
+    leases: list[str] = []
+    with (
+        grpc.insecure_channel(daemon.address) as shared,
+        grpc.insecure_channel(admin_address) as admin,
+    ):
+
+        def fuzz(path: str, request_type: type[Any], response_type: type[Any], count: int) -> None:
             method = path.rsplit("/", 1)[1]
-            template = TEMPLATES[method]
-            if method == "Release" and leases:  # a real lease, so that some settle
-                template = pb.ReleaseRequest(
-                    lease_id=rng.choice(leases), actual_input_tokens=90, actual_output_tokens=5
-                )
-            if index % 2:
-                request = random_message(request_type, rng)
-            elif method == "Release" and index % 4 == 0:
-                request = template  # as it is: a real settlement
-            else:
-                request = mutated(template, rng)
-            channel = admin if "/qosd.v1.Admin/" in path else shared
-            call = channel.unary_unary(
+            call = (admin if "/qosd.v1.Admin/" in path else shared).unary_unary(
                 path,
                 request_serializer=request_type.SerializeToString,
                 response_deserializer=response_type.FromString,
             )
-            async with limit:
+            valid = mutations(TEMPLATES[method])
+            if method == "Release":  # a real lease, so that some settle
+                valid = valid | st.sampled_from(leases or ["default:P1:0"]).map(
+                    lambda lease_id: pb.ReleaseRequest(lease_id=lease_id, actual_input_tokens=90)
+                )
+
+            @settings(max_examples=count, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @given(messages(request_type) | valid)
+            def one(request: Any) -> None:
                 try:
-                    response = await call(request, timeout=10)
+                    response = call(request, timeout=10)
                     code = grpc.StatusCode.OK
                     if method == "Acquire" and response.lease_id:
                         leases.append(response.lease_id)
-                except grpc.aio.AioRpcError as error:
+                except grpc.RpcError as error:
                     code = error.code()
-                    if code in ALLOWED and not error.details():
-                        bad.append(f"{path}: {code.name} with no message")
-            codes[(path.rsplit("/", 1)[1], code.name)] += 1
-            if code not in ALLOWED:
-                bad.append(f"{path}: {code.name} for {request!r:.300}")
+                    assert code in ALLOWED, f"{path}: {code.name} {error.details()}"
+                    assert error.details(), f"{path}: {code.name} with no message"
+                codes[(method, code.name)] += 1
 
-        await asyncio.gather(*(one(index) for index in range(CALLS)))
-    print(f"\n{CALLS} calls: " + ", ".join(f"{m} {c}: {n}" for (m, c), n in sorted(codes.items())))
-    assert not bad, "\n".join(bad[:10])
-    assert sum(codes.values()) == CALLS
-    assert (await running.client.acquire("P0", 10, max_wait_ms=0)).admitted
+            one()
+
+        for path, request_type, response_type in METHODS:  # warm-up: caches, connections
+            fuzz(path, request_type, response_type, 30)
+        before = rss_bytes(daemon.process.pid)
+        for path, request_type, response_type in METHODS:
+            fuzz(path, request_type, response_type, EXAMPLES_PER_METHOD)
+        after = rss_bytes(daemon.process.pid)
+    calls = sum(codes.values())
+    print(
+        f"\n{calls} calls; RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB; "
+        + ", ".join(f"{m} {c}: {n}" for (m, c), n in sorted(codes.items()))
+    )
+    assert calls >= len(METHODS) * EXAMPLES_PER_METHOD
+    assert after - before < 20 * 2**20  # flat: no growth with the number of calls
+    with grpc.insecure_channel(daemon.address) as channel:
+        answer = pb.AcquireResponse.FromString(
+            channel.unary_unary("/qosd.v1.QoS/Acquire")(
+                pb.AcquireRequest(
+                    qos_class="P0", input_tokens=10, max_wait_ms=0
+                ).SerializeToString()
+            )
+        )
+    assert answer.decision == pb.DECISION_ADMITTED
 
 
 # -- keys that pile up -----------------------------------------------------------------
@@ -331,3 +377,42 @@ async def test_a_cluster_primary_killed_fails_over_without_a_restart(tmp_path: P
         # Replication is asynchronous: the writes of the last moment before the kill may
         # be lost, which can hand back at most a burst.
         assert admitted <= 3_000 * took + 2 * 1_500
+
+
+# -- a daemon killed mid-lease ------------------------------------------------------------
+
+
+def test_a_daemon_killed_mid_lease_gives_its_room_back_within_the_lease_ttl(
+    redis_standalone: RedisServer, tmp_path: Path
+) -> None:
+    """A GPU-gated pool (two batch slots): daemon A takes both and is SIGKILLed, so it
+    never releases them. Daemon B's request waits, and is admitted once A's leases
+    end by their TTL (2 s), at the latest one second later (leases end by the
+    second of Redis time their expiry falls in)."""
+    ttl_s = 2.0
+    config = merge(
+        BASE_CONFIG,
+        {
+            "redis": {"url": redis_standalone.url, "key_prefix": f"t{uuid.uuid4().hex[:12]}"},
+            "pools": {"default": {"max_in_flight": 2, "top_reserve": 0}},
+            "lease": {"ttl_s": ttl_s},
+            "classes": {"P1": {"max_wait_ms": 10_000}},
+        },
+    )
+
+    async def scenario(a_address: str, b_address: str, kill_a: Any) -> tuple[float, Any]:
+        async with QosdClient(a_address) as a, QosdClient(b_address) as b:
+            for _ in range(2):
+                assert (await a.acquire("P1", 10, max_wait_ms=0)).admitted
+            refused = await b.acquire("P1", 10, max_wait_ms=0)
+            assert not refused.admitted  # the room is full
+            kill_a()
+            killed = time.monotonic()
+            result = await b.acquire("P1", 10, max_wait_ms=10_000)
+            return time.monotonic() - killed, result
+
+    with daemon_processes(config, count=2) as (daemon_a, daemon_b):
+        took, result = asyncio.run(scenario(daemon_a.address, daemon_b.address, daemon_a.kill))
+    print(f"\nB admitted={result.admitted} {took:.2f} s after A was killed (lease TTL {ttl_s} s)")
+    assert result.admitted
+    assert took <= ttl_s + 1.5

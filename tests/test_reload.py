@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,14 +245,14 @@ async def test_new_pools_and_models_are_served_after_a_reload(tmp_path: Path) ->
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, str, Path]]:
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, str, Path, str]]:
     """``qosd serve`` on a ConfigMap-shaped volume: qosd.yaml -> ..data/qosd.yaml, and
     ..data -> a timestamped directory that an update replaces with a new one."""
     volume = tmp_path / "volume"
     volume.mkdir()
     first = volume / "..2026_12_01_00_00_00.1"
     first.mkdir()
-    write_config(first / "qosd.yaml", {})
+    write_config(first / "qosd.yaml", HTTP)
     os.symlink(first.name, volume / "..data")
     os.symlink("..data/qosd.yaml", volume / "qosd.yaml")
     ready = tmp_path / "ready.json"
@@ -268,18 +269,22 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, str,
             assert process.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "qosd did not start"
             time.sleep(0.02)
-        yield process, volume, json.loads(ready.read_text())["addresses"][0], log_path
+        where = json.loads(ready.read_text())
+        yield process, volume, where["addresses"][0], log_path, where["http"]
     finally:
         if process.poll() is None:
             process.kill()
         process.wait()
 
 
+HTTP = {"server": {"http_listen": "127.0.0.1:0"}}
+
+
 def swap_configmap(volume: Path, extra: dict[str, Any], generation: int) -> None:
     """What the kubelet does: a new directory, then ..data renamed onto it."""
     directory = volume / f"..2026_12_01_00_00_00.{generation}"
     directory.mkdir()
-    write_config(directory / "qosd.yaml", extra)
+    write_config(directory / "qosd.yaml", merge(HTTP, extra))
     os.symlink(directory.name, volume / "..data_tmp")
     os.replace(volume / "..data_tmp", volume / "..data")
 
@@ -293,9 +298,9 @@ async def p1_rate(address: str) -> float:
 
 
 async def test_sighup_and_a_configmap_swap_reload_a_running_daemon(
-    served: tuple[subprocess.Popen[bytes], Path, str, Path],
+    served: tuple[subprocess.Popen[bytes], Path, str, Path, str],
 ) -> None:
-    process, volume, address, log_path = served
+    process, volume, address, log_path, http = served
     assert await p1_rate(address) == 3_000
     # The kubelet's swap alone: the watch sees it (no signal).
     swap_configmap(volume, {"classes": {"P1": {"share": 0.2}}}, 2)
@@ -315,10 +320,21 @@ async def test_sighup_and_a_configmap_swap_reload_a_running_daemon(
     )
     assert process.poll() is None  # SIGHUP no longer kills it
     assert await p1_rate(address) == 2_000
-    # A good file in place (no swap) and SIGHUP.
-    write_config(volume / "..data" / "qosd.yaml", {"classes": {"P1": {"share": 0.25}}})
+    # A good file in place (no swap) and SIGHUP: a new capacity, on /metrics too.
+    bigger = {
+        "classes": {"P1": {"share": 0.25}},
+        "pools": {"default": {"capacity_tokens_s": 20_000}},
+    }
+    write_config(volume / "..data" / "qosd.yaml", merge(HTTP, bigger))
     os.kill(process.pid, signal.SIGHUP)
-    await eventually(lambda: p1_rate(address), lambda rate: rate == 2_500, timeout_s=20)
+    await eventually(lambda: p1_rate(address), lambda rate: rate == 5_000, timeout_s=20)
+    metrics = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    )
+    assert 'qosd_pool_configured_capacity_tokens_per_second{pool="default"} 20000.0' in metrics
+    assert "qosd_config_reloads_total 2.0" in metrics  # the swap, then this one
+    assert "qosd_config_reload_failures_total 2.0" in metrics
+    assert process.poll() is None
     process.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(process.wait, 30) == 0
 

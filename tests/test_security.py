@@ -3,9 +3,13 @@ what (docs/security.md), and certificates and tokens rotated on disk with no res
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -274,3 +278,64 @@ def test_configuration_errors_name_the_field(tmp_path: Path, served: Path) -> No
         path.write_text(text)
         with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
             load_config(str(path), env={})
+
+
+async def test_a_daemon_on_defaults_refuses_an_anonymous_pin_rate_over_tcp(
+    daemons: list[Daemon],
+) -> None:
+    """The built-in defaults (only the port changed, to a free one): a control call
+    from anyone who can reach the TCP port is refused, and changes nothing."""
+    daemon = await started(daemons, {"server": {"listen": ["127.0.0.1:0"]}})
+    async with QosdClient(daemon.addresses[0]) as anonymous:
+        with pytest.raises(PermissionDenied, match=r"server\.admin_listen"):
+            await anonymous.pin_rate("default", 1)
+        with pytest.raises(PermissionDenied):
+            await anonymous.unpin_rate("default")
+        assert not (await anonymous.status()).pool("default").pinned
+        assert (await anonymous.acquire("P1", 10, max_wait_ms=0)).admitted  # QoS is open
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    binary = str(Path(sys.executable).parent / "grpcurl")
+    return subprocess.run(
+        [binary, "-max-time", "10", *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+ACQUIRE = ("-d", '{"qos_class": "P1", "input_tokens": 10, "max_wait_ms": 0}')
+
+
+async def test_grpcurl_and_the_client_over_tls_and_mtls(
+    daemons: list[Daemon], served: Path, ca: Authority, tmp_path: Path
+) -> None:
+    """grpcurl (with reflection) and QosdClient reach a TLS listener with the CA, and an
+    mTLS one with a certificate that CA signed; a certificate another CA signed, or
+    none, is turned away at the handshake."""
+    tls_only = await started(daemons, tls_config(served))
+    address = tls_only.addresses[0]
+    answer = await asyncio.to_thread(
+        grpcurl, "-cacert", str(ca.cert), *ACQUIRE, address, "qosd.v1.QoS/Acquire"
+    )
+    assert answer.returncode == 0, answer.stderr
+    assert json.loads(answer.stdout)["decision"] == "DECISION_ADMITTED"
+    plain = await asyncio.to_thread(grpcurl, "-plaintext", *ACQUIRE, address, "qosd.v1.QoS/Acquire")
+    assert plain.returncode != 0
+
+    mutual = await started(daemons, tls_config(served, ca))
+    address = mutual.addresses[0]
+    trusted = ca.issue(tmp_path, "gateway", server=False, uri=GATEWAY)
+    (tmp_path / "elsewhere").mkdir()
+    stranger_ca = authority(tmp_path / "elsewhere", "another-ca")
+    untrusted = stranger_ca.issue(tmp_path / "elsewhere", "impostor", server=False, uri=GATEWAY)
+    for pem, works in ((trusted, True), (untrusted, False), (None, False)):
+        identity = ("-cert", str(pem.cert), "-key", str(pem.key)) if pem else ()
+        answer = await asyncio.to_thread(
+            grpcurl, "-cacert", str(ca.cert), *identity, *ACQUIRE, address, "qosd.v1.QoS/Acquire"
+        )
+        assert (answer.returncode == 0) is works, (pem, answer.stderr)
+        async with client(mutual, ca, pem) as qos:
+            if works:
+                assert (await qos.acquire("P1", 10, max_wait_ms=0)).admitted
+            else:
+                with pytest.raises(Unavailable):
+                    await qos.acquire("P1", 10, max_wait_ms=0)
