@@ -9,16 +9,16 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvloop
+from qosd import ctl
 
-from qosd import ctl, logs
-from qosd.config import Config, ConfigError, load_config
-from qosd.server import StartupError, serve, write_ready_file
-from qosd_client import QosdClient, ServerLoad
-from qosd_client.reporter import LatencyReporter
-from qosd_client.triton_metrics import TritonMetricsScraper
+if TYPE_CHECKING:
+    from qosd.config import Config
+    from qosd_client import ServerLoad
+
+# Only argparse and the parser's own modules at import: each command imports what it
+# runs (grpc, the config schema, the server), so `qosd --help` is quick.
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    from qosd.config import load_config
+
     overrides: dict[tuple[str, ...], Any] = {}
     if args.listen:
         overrides[("server", "listen")] = args.listen
@@ -150,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         return ctl.check_config(args.path)
 
+    from qosd import logs
+    from qosd.config import ConfigError
+
     if args.command == "sim-triton":
         logs.configure(args.log_level)
         return _sim_triton(args)
@@ -164,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(config.logging.level, config.logging.format)
 
     if args.command == "serve":
+        import uvloop
+
+        from qosd.server import StartupError, serve
+
         try:
             uvloop.run(
                 serve(
@@ -179,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     try:
-        from qosd.demo import run_demo  # noqa: PLC0415 - needs the optional [sim] extra
+        from qosd.demo import run_demo  # needs the optional [sim] extra
     except ImportError as exc:
         print(f"qosd demo needs the [sim] extra ({exc}): pip install 'qosd[sim]'")
         return 2
@@ -195,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _sim_triton(args: argparse.Namespace) -> int:
     try:
-        from qosd.sim.gpu import GpuModel  # noqa: PLC0415 - the optional [sim] extra
-        from qosd.sim.server import (  # noqa: PLC0415
+        from qosd.sim.gpu import GpuModel  # the optional [sim] extra
+        from qosd.sim.server import (
             SimulatorSettings,
             serve_until_signalled,
         )
@@ -236,6 +245,13 @@ def _triton_scrape(args: argparse.Namespace) -> int:
     if args.interval <= 0 or args.max_samples < 1:
         print("qosd triton-scrape: --interval > 0 and --max-samples >= 1", file=sys.stderr)
         return 2
+
+    import uvloop
+
+    from qosd.server import write_ready_file
+    from qosd_client import QosdClient
+    from qosd_client.reporter import LatencyReporter
+    from qosd_client.triton_metrics import TritonMetricsScraper
 
     def baseline_read() -> None:
         """Tells a supervisor (or a test) that requests finishing from now on count."""

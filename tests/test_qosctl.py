@@ -57,6 +57,16 @@ def test_status_watch_leases_pin_unpin(tmp_path: Path) -> None:
         assert "PINNED" not in qosctl("unpin", *address, "default").stdout
         unknown = qosctl("pin", *address, "nope", "8000")
         assert unknown.returncode == 1 and "nope" in unknown.stderr
+        # `qosctl watch | head -1`: the reader leaves, and qosctl ends quietly.
+        with subprocess.Popen(
+            [*QOSCTL, "watch", *address, "--interval", "0.05"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        ) as piped:  # fmt: skip
+            assert piped.stdout is not None and piped.stderr is not None
+            assert piped.stdout.readline()  # the first line of the first redraw
+            piped.stdout.close()
+            assert piped.wait(timeout=30) == 1
+            assert b"Traceback" not in piped.stderr.read()
         healthy = qosctl("health", *address)
         assert healthy.returncode == 0 and healthy.stdout.strip() == "SERVING"
         no_such = qosctl("health", *address, "--service", "nope.Service")
