@@ -1,0 +1,116 @@
+"""The waiting room's fleet-wide order, at the store, on the embedded store with a
+clock the test moves: FIFO within a class across daemons, priority and aging across
+classes, and a silent daemon's entries dropped after ``stale_after_ms``. Part of
+``make test-fast``: no sockets, no sleeps, the same answers every run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qosd.config import ClassPolicy, Config, PoolPolicy, resolve_pools
+from qosd.model import LeaseSpec, Waiter, new_lease_token
+from qosd.store.embedded import EmbeddedStore
+from tests.conftest import BASE_CONFIG, merge
+
+pytestmark = pytest.mark.fast
+
+A, B = "daemon-a", "daemon-b"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_us = 1_000_000_000_000
+
+    def __call__(self) -> int:
+        return self.now_us
+
+    def advance(self, ms: float) -> None:
+        self.now_us += int(ms * 1000)
+
+
+def setup(extra: dict[str, Any] | None = None) -> tuple[EmbeddedStore, Clock, PoolPolicy]:
+    clock = Clock()
+    config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
+    store = EmbeddedStore(tombstone_ms=60_000, stale_after_ms=500, clock=clock)
+    return store, clock, resolve_pools(config)["default"]
+
+
+def of(pool: PoolPolicy, name: str) -> ClassPolicy:
+    return next(cls for cls in pool.classes if cls.name == name)
+
+
+def lease(qos_class: str, cost: int) -> LeaseSpec:
+    return LeaseSpec(f"default:{qos_class}:{new_lease_token()}", "", "", cost, 0, 1.0, 60_000)
+
+
+async def queue(
+    store: EmbeddedStore, pool: PoolPolicy, qos_class: str, cost: int, daemon: str
+) -> Waiter:
+    spec = lease(qos_class, cost)
+    decision = await store.acquire(pool, of(pool, qos_class), cost, spec, 30_000, daemon)
+    assert decision.queued, decision
+    return Waiter(qos_class, float(cost), spec)
+
+
+async def states(
+    store: EmbeddedStore, pool: PoolPolicy, daemon: str, *waiters: Waiter
+) -> list[str]:
+    return [r.state.name for r in await store.pump(pool, daemon, list(waiters))]
+
+
+async def test_within_a_class_the_first_to_queue_goes_first_whichever_daemon_asks() -> None:
+    store, clock, pool = setup()
+    p1 = of(pool, "P1")
+    assert (await store.acquire(pool, p1, 1_500, lease("P1", 1_500), 0, A)).admitted  # drained
+    first = await queue(store, pool, "P1", 600, A)
+    second = await queue(store, pool, "P1", 300, B)
+    clock.advance(150)  # 450 tokens: enough for B's 300, not for A's 600 ahead of it
+    assert await states(store, pool, B, second) == ["WAITING"]  # held behind A's head
+    clock.advance(50)  # 600
+    assert await states(store, pool, B, second) == ["WAITING"]  # A's, for A to take
+    assert await states(store, pool, A, first) == ["ADMITTED"]
+    clock.advance(100)  # 300 more
+    assert await states(store, pool, B, second) == ["ADMITTED"]
+
+
+async def test_a_higher_class_goes_before_an_earlier_lower_one_for_shared_tokens() -> None:
+    """Each class is assured 500 tokens/s and the 8,500 left refill the shared tokens,
+    which every class may borrow. A P2 request queues first, a P0 one later, both
+    needing shared tokens: when there are enough for one, it is P0's, even when the
+    daemon holding the P2 request asks first."""
+    shares = {
+        name: {"share": 0.05, "can_borrow": True, "max_cost_tokens": 1_000}
+        for name in ("P0", "P1", "P2")
+    }
+    store, clock, pool = setup({"classes": shares})
+    p0, p2 = of(pool, "P0"), of(pool, "P2")
+    assert [c.rate for c in pool.classes] == [500, 500, 500] and pool.free_rate == 8_500
+    # Drain P0's and P2's own tokens (250 each), then the shared ones, borrowed by P0.
+    for cls, cost in ((p0, 250), (p2, 250), *[(p0, 250)] * int(pool.shared_burst // 250)):
+        assert (await store.acquire(pool, cls, cost, lease(cls.name, cost), 0, A)).admitted
+    assert (await store.status(pool)).shared_tokens == 0
+    low = await queue(store, pool, "P2", 400, A)
+    high = await queue(store, pool, "P0", 400, B)
+    clock.advance(50)  # own 25 each; shared 425 (free) + 25 (P1 overflows): P0 is covered
+    assert await states(store, pool, A, low) == ["WAITING"]  # asks first, but P0 goes first
+    assert await states(store, pool, B, high) == ["ADMITTED"]
+    assert await states(store, pool, A, low) == ["WAITING"]  # 25 own + 75 shared left
+    clock.advance(40)  # own 45; shared 75 + 340 + 20
+    assert await states(store, pool, A, low) == ["ADMITTED"]
+
+
+async def test_a_silent_daemons_entries_stop_holding_the_queue_after_stale_after() -> None:
+    store, clock, pool = setup()
+    p1 = of(pool, "P1")
+    assert (await store.acquire(pool, p1, 1_500, lease("P1", 1_500), 0, A)).admitted
+    await queue(store, pool, "P1", 1_200, A)  # A's head, then A goes silent (killed)
+    mine = await queue(store, pool, "P1", 100, B)
+    clock.advance(100)  # 300 tokens: B's would fit, A's head holds it
+    assert await states(store, pool, B, mine) == ["WAITING"]
+    clock.advance(300)  # A silent for 400 ms: still alive by the rule
+    assert await states(store, pool, B, mine) == ["WAITING"]
+    clock.advance(150)  # 550 ms: A's entry is dropped, B's goes
+    assert await states(store, pool, B, mine) == ["ADMITTED"]
+    assert (await store.status(pool)).classes["P1"].waiting == 0
