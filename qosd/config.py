@@ -977,6 +977,15 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What is wrong and where (line, column), without the file's text."""
+    problem = getattr(error, "problem", None) or type(error).__name__
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -995,7 +1004,10 @@ def load_config(
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {source} is not valid YAML: {exc}") from exc
+            # Not str(exc): it quotes the offending line, which may hold a password.
+            raise ConfigError(
+                f"config file {source} is not valid YAML: {_yaml_problem(exc)}"
+            ) from exc
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

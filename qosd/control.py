@@ -394,7 +394,7 @@ class Controller:
 
     def reconfigure(self, config: Config, pools: dict[str, PoolPolicy]) -> None:
         """A reloaded config: the law's settings, objectives and pools apply from the
-        next turn (a turn in progress finishes under the old ones)."""
+        next read of them (a turn in progress may judge its later pools by them)."""
         self._config = config
         self._control = config.control
         self._pools = pools
@@ -510,9 +510,9 @@ class Controller:
         memory = self._memory[pool.name]
         memory.admitted = None  # the lost state's admitted-tokens count restarts at 0
         memory.long_prefill = memory.prefill_model = None  # told to the store again
-        memory.record = None  # the next record read is the one to keep
         new = record.epoch or "none yet"
         if lost.changed_ms == 0 and not lost.pinned:
+            memory.record = None  # the next record read is the one to keep
             log.warning(
                 "pool %s: store came back empty (epoch %s -> %s); it ran at its "
                 "configured rate, nothing to restore", pool.name, lost.epoch, new,
@@ -529,7 +529,10 @@ class Controller:
             changed_by=self._daemon_id,
             changed_from=record.capacity,
         )
+        # Forgotten only once written: a write that fails (the store still settling)
+        # leaves the record to restore at the next turn.
         await self._store.adjust(pool, update, 0, force=True)
+        memory.record = None  # the next record read is the one to keep
         self._on_change(pool.name, "restore")
         self.last_verdicts[pool.name] = Verdict(HOLD, update.reason)
 

@@ -44,6 +44,7 @@ RESTART = (
     "waiting.stale_after_ms",
     "envoy_rls.enabled",
     "logging.format",
+    "limits.max_message_bytes",  # the gRPC servers' options, set when they are made
 )
 # Inside RESTART sections, what a running daemon takes all the same: the sampler's
 # ratio, when tracing runs with one (it cannot switch to or from the OTEL_* sampler).
@@ -69,11 +70,18 @@ class ReloadPlan:
         return bool(self.live or self.restart)
 
 
+Path = tuple[str, ...]
+
+
 def plan_reload(running: Config, new: Config, *, sample_ratio_live: bool) -> ReloadPlan:
     """Splits the difference between ``running`` and ``new``; raises ConfigError when
     the new file, with its restart-only parts left as they run, does not validate (for
-    example, shares that add up to more than 1 with a removed class kept)."""
-    changed = sorted(_differences(_flatten(running.model_dump()), _flatten(new.model_dump())))
+    example, shares that add up to more than 1 with a removed class kept).
+
+    Paths are tuples of keys inside (a key may hold a dot: a resource attribute such
+    as ``deployment.environment``), and dotted only to be shown."""
+    old_tree, tree = running.model_dump(), new.model_dump()
+    changed = sorted(_differences(dict(_flatten(old_tree)), dict(_flatten(tree))))
     ratio_live = (
         sample_ratio_live
         and running.tracing.sample_ratio is not None
@@ -82,25 +90,24 @@ def plan_reload(running: Config, new: Config, *, sample_ratio_live: bool) -> Rel
     restart = [
         path
         for path in changed
-        if _under(path, RESTART) and not (ratio_live and _under(path, LIVE_INSIDE_RESTART))
+        if _under(path, _RESTART) and not (ratio_live and _under(path, _LIVE_INSIDE_RESTART))
     ]
-    removed = [f"classes.{name}" for name in running.classes if name not in new.classes]
-    removed += [f"pools.{name}" for name in running.pools if name not in new.pools]
-    added = [f"classes.{name}" for name in new.classes if name not in running.classes]
-    added += [f"pools.{name}" for name in new.pools if name not in running.pools]
+    removed: list[Path] = [("classes", name) for name in running.classes if name not in new.classes]
+    removed += [("pools", name) for name in running.pools if name not in new.pools]
+    added: list[Path] = [("classes", name) for name in new.classes if name not in running.classes]
+    added += [("pools", name) for name in new.pools if name not in running.pools]
     live = added + [
         path
         for path in changed
         if path not in restart and not _under(path, removed) and not _under(path, added)
     ]
-    tree = new.model_dump()
-    old_tree = running.model_dump()
     for path in restart:
         _copy_path(old_tree, tree, path)
     for name in running.classes:
         tree["classes"].setdefault(name, old_tree["classes"][name])
     for name in running.pools:
         tree["pools"].setdefault(name, old_tree["pools"][name])
+    held = [_shown(path) for path in restart + removed]
     try:
         applied = Config.model_validate(tree)
     except ValidationError as exc:
@@ -110,44 +117,50 @@ def plan_reload(running: Config, new: Config, *, sample_ratio_live: bool) -> Rel
             for item in exc.errors()
         )
         raise ConfigError(
-            f"with the changes that need a restart ({', '.join(restart + removed)}) left as "
+            f"with the changes that need a restart ({', '.join(held)}) left as "
             f"they run, the new config does not validate: {details}"
         ) from exc
-    return ReloadPlan(applied, tuple(live), tuple(restart + removed))
+    return ReloadPlan(applied, tuple(_shown(path) for path in live), tuple(held))
 
 
-def _under(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
-    return any(path == prefix or path.startswith(prefix + ".") for prefix in prefixes)
+_RESTART: list[Path] = [tuple(prefix.split(".")) for prefix in RESTART]
+_LIVE_INSIDE_RESTART: list[Path] = [tuple(prefix.split(".")) for prefix in LIVE_INSIDE_RESTART]
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted path, leaf value) of a config dump; a mapping's keys become path parts,
-    lists and secrets are leaves (a secret compared by value, never shown)."""
+def _shown(path: Path) -> str:
+    return ".".join(path)
+
+
+def _under(path: Path, prefixes: list[Path]) -> bool:
+    return any(path[: len(prefix)] == prefix for prefix in prefixes)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """(path, leaf value) of a config dump; a mapping's keys become path parts, lists
+    and secrets are leaves (a secret compared by value, never shown)."""
     for key, value in tree.items():
-        path = f"{prefix}{key}"
+        path = (*prefix, str(key))
         if isinstance(value, Mapping) and value:
-            yield from _flatten(value, path + ".")
+            yield from _flatten(value, path)
         else:
             yield path, value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
-def _differences(old: Iterator[tuple[str, Any]], new: Iterator[tuple[str, Any]]) -> set[str]:
-    before, after = dict(old), dict(new)
+def _differences(before: dict[Path, Any], after: dict[Path, Any]) -> set[Path]:
     return {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
 
 
-def _copy_path(source: dict[str, Any], target: dict[str, Any], path: str) -> None:
+def _copy_path(source: dict[str, Any], target: dict[str, Any], path: Path) -> None:
     """Sets ``target``'s value at ``path`` to ``source``'s (removing it where
     ``source`` has none)."""
-    parts = path.split(".")
     src: Any = source
     dst: Any = target
-    for part in parts[:-1]:
+    for part in path[:-1]:
         src = src.get(part, {}) if isinstance(src, dict) else {}
         if not isinstance(dst.get(part), dict):
             dst[part] = {}
         dst = dst[part]
-    last = parts[-1]
+    last = path[-1]
     if isinstance(src, dict) and last in src:
         dst[last] = src[last]
     else:
@@ -185,12 +198,16 @@ class ConfigReloader:
         self._task: asyncio.Task[None] | None = None
         self._pending: asyncio.Task[None] | None = None
         self._again: str | None = None  # asked for during a reload
+        self._stopped = False
 
     def start(self) -> None:
         if self._path is not None:
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def stop(self) -> None:
+        """No reload from now on (a SIGHUP during the drain must not start, say, an
+        SLO loop against a store about to close), and none left running."""
+        self._stopped = True
         for task in (self._task, self._pending):
             if task is not None:
                 task.cancel()
@@ -199,6 +216,9 @@ class ConfigReloader:
 
     def request(self, trigger: str) -> None:
         """Reloads soon (from a signal handler); during a reload, once more after it."""
+        if self._stopped:
+            log.info("config reload (%s) ignored: the daemon is stopping", trigger)
+            return
         if self._pending is not None and not self._pending.done():
             self._again = trigger
             return
@@ -223,7 +243,16 @@ class ConfigReloader:
             log.error("config reload (%s) refused, the running config stays: %s", trigger, exc)
             self._on_result(False, None)
             return None
-        self._apply(plan)
+        except Exception:  # a bug: refused too, and said so, rather than a dead task
+            log.exception("config reload (%s) failed, the running config stays", trigger)
+            self._on_result(False, None)
+            return None
+        try:
+            self._apply(plan)
+        except Exception:
+            log.exception("config reload (%s) failed while it was applied", trigger)
+            self._on_result(False, None)
+            return None
         if plan.live:
             log.info("config reloaded (%s) from %s: applied %s", trigger, source,
                      ", ".join(plan.live))  # fmt: skip

@@ -94,6 +94,8 @@ class Daemon:
         grace = self.config.server.drain_grace_s if grace_s is None else grace_s
         if self.reloader is not None:
             await self.reloader.stop()
+        if self._background:  # what a reload started (an SLO loop stopping)
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
         await self.controller.stop()

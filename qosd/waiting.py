@@ -76,6 +76,7 @@ class WaitingRoom:
         self._poll_s = poll_s
         self._store_down = store_down
         self._store_patience_s = store_patience_s
+        self._pools: dict[str, PoolPolicy] = {}  # the newest policies, once reconfigured
         self._rooms: dict[str, _PoolRoom] = {}
         self._cleanup: set[asyncio.Task[Any]] = set()
         self._draining = False
@@ -96,7 +97,9 @@ class WaitingRoom:
         loop = asyncio.get_running_loop()
         room = self._rooms.get(pool.name)
         if room is None:
-            room = self._rooms[pool.name] = _PoolRoom(pool)
+            # The newest policy: the caller's was read before its store call, and a
+            # reload may have come in between.
+            room = self._rooms[pool.name] = _PoolRoom(self._pools.get(pool.name, pool))
         local = _Local(waiter, loop.create_future())
         local.timer = loop.call_later(wait_s, self._expire, room, local)
         room.waiters[waiter.id] = local
@@ -118,6 +121,7 @@ class WaitingRoom:
         """A reloaded config: each pool's waiters are pumped under its new policy from
         the next pump on (one in flight finishes under the old one)."""
         self._poll_s = poll_s
+        self._pools = pools
         for name, room in self._rooms.items():
             if name in pools:
                 room.policy = pools[name]
@@ -180,18 +184,19 @@ class WaitingRoom:
             self._in_background(self._store.cancel(room.policy, [local.waiter]))
 
     async def _pump_loop(self, room: _PoolRoom) -> None:
+        loop = asyncio.get_running_loop()
         while room.waiters and not self._draining:
             asked = list(room.waiters.values())
             room.wake.clear()  # a nudge during this pump asks for the next one at once
+            began = loop.time()
             try:
                 results = await self._store.pump(
                     room.policy, self._daemon_id, [local.waiter for local in asked]
                 )
             except StoreUnavailable as error:
-                now = asyncio.get_running_loop().time()
                 if room.failing_since is None:
-                    room.failing_since = now
-                if now - room.failing_since >= self._store_patience_s:
+                    room.failing_since = began  # the store was away from this pump on
+                if loop.time() - room.failing_since >= self._store_patience_s:
                     room.failing_since = None
                     self._store_lost(room, error)
                     return

@@ -128,3 +128,14 @@ def test_the_prefill_backlog_bound_defaults_to_the_top_objective_less_its_max_wa
     # Set: as set; chunked prefill: no bound.
     assert _backlog_ms({"max_prefill_backlog_ms": 700}) == 700
     assert _backlog_ms({"chunked_prefill": True}) == 0
+
+
+def test_a_file_that_is_not_yaml_is_named_without_its_text(tmp_path: Path) -> None:
+    """PyYAML's message quotes the bad line, which may hold a password: the error says
+    what and where, never the text (it is logged at every refused reload)."""
+    path = write(tmp_path, 'redis:\n  url: "redis://:s3cret@redis:6379/0\n  mode: cluster\n')
+    with pytest.raises(
+        ConfigError, match=r"is not valid YAML: .* at line \d+, column \d+"
+    ) as raised:
+        load_config(path, env={})
+    assert "s3cret" not in str(raised.value)

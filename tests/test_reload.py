@@ -91,6 +91,39 @@ def test_a_change_that_does_not_fit_the_running_parts_is_refused_naming_them() -
         plan_reload(running, Config.model_validate(tree), sample_ratio_live=False)
 
 
+def test_keys_that_hold_dots_are_keys_not_paths() -> None:
+    """A resource attribute such as deployment.environment is one key: a change to it
+    is one field (tracing: a restart), and the plan still validates."""
+    running = config_of({"tracing": {"resource_attributes": {"deployment.environment": "dev"}}})
+    new = config_of({"tracing": {"resource_attributes": {"deployment.environment": "prod"}},
+                     "limits": {"max_message_bytes": 1_000_000}})  # fmt: skip
+    plan = plan_reload(running, new, sample_ratio_live=False)
+    assert plan.restart == (
+        "limits.max_message_bytes",  # the gRPC servers' option, set when they were made
+        "tracing.resource_attributes.deployment.environment",
+    )
+    assert plan.config.tracing.resource_attributes == {"deployment.environment": "dev"}
+
+
+async def test_no_reload_once_the_daemon_is_stopping() -> None:
+    """A SIGHUP during the drain must not apply a config (it could start an SLO loop
+    against a store about to close)."""
+    loads: list[int] = []
+
+    def load() -> Config:
+        loads.append(1)
+        return config_of({})
+
+    reloader = ConfigReloader(
+        load, lambda: config_of({}), lambda plan: None, path=None, sample_ratio_live=False,
+        on_result=lambda applied, plan: None,
+    )  # fmt: skip
+    await reloader.stop()
+    reloader.request("SIGHUP")
+    await asyncio.sleep(0)  # a task it started would have run its first step by now
+    assert loads == []
+
+
 def test_an_unchanged_file_changes_nothing() -> None:
     plan = plan_reload(config_of({}), config_of({}), sample_ratio_live=True)
     assert not plan.changed
