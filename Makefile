@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint unit bench proto check-image clean
+.PHONY: demo test lint unit bench proto contract check-image clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "qosd needs Python 3.11+"'
@@ -24,6 +24,7 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh --check
+	$(BIN)/python scripts/gen_lua_contract.py --check
 
 unit: $(BIN)/.installed
 	$(BIN)/pytest
@@ -36,6 +37,9 @@ check-image: $(BIN)/.installed  ## hadolint, then the Dockerfile's steps without
 
 proto: $(BIN)/.installed
 	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh
+
+contract: $(BIN)/.installed  ## regenerate lua/_contract.lua and docs/design.md's tables
+	$(BIN)/python scripts/gen_lua_contract.py
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache results
