@@ -50,7 +50,6 @@ import time
 from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ import redis
 import redis.asyncio as aioredis
 import uvloop
 
+from qosd.store.redis import SCRIPTS, script_source
 from qosd.testing import daemon_processes, free_port, redis_server
 from qosd_client import QosdClient, QosdError
 
@@ -87,19 +87,9 @@ def summary_ms(values: list[float]) -> dict[str, float]:
 
 
 def script_names() -> dict[str, str]:
-    """SHA1 -> script name, for every script the daemon may load (with or without the
-    pool prelude prepended, as qosd/store/redis.py loads them)."""
-    folder = resources.files("qosd.store").joinpath("lua")
-    prelude = folder.joinpath("_pool.lua").read_text("utf-8")
-    names: dict[str, str] = {}
-    for entry in folder.iterdir():
-        if not entry.name.endswith(".lua") or entry.name.startswith("_"):
-            continue
-        source = entry.read_text("utf-8")
-        name = entry.name.removesuffix(".lua")
-        for text in (source, prelude + source):
-            names[hashlib.sha1(text.encode("utf-8")).hexdigest()] = name
-    return names
+    """SHA1 -> script name, for every script the daemon loads (as qosd/store/redis.py
+    assembles them: the contract's constants and the pool prelude prepended)."""
+    return {hashlib.sha1(script_source(name).encode("utf-8")).hexdigest(): name for name in SCRIPTS}
 
 
 # -- Redis: what the store holds, and what Redis saw --------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import time
 import uuid
 from collections import defaultdict
@@ -44,15 +45,45 @@ from qosd.model import (
     WaiterState,
     lease_field,
 )
+from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
+from qosd.store.contract import Settled, Status
 from qosd.store.epochs import EpochWatch, ResetListener
 from qosd.store.resp import AuthFailed, RespClient, SentinelOptions, TlsFiles
 
 log = logging.getLogger(__name__)
 
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
-# Scripts that start with the shared pool prelude, _pool.lua.
-_POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status", "adjust"})
+#: Scripts that start with the shared pool prelude, _pool.lua.
+POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status", "adjust"})
+#: Every script qosd loads.
+SCRIPTS = (
+    "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead", "report",
+    "load",
+)  # fmt: skip
+_CONSTANT = re.compile(r"local ([A-Z][A-Z0-9_]*) = ")
+_NAME = re.compile(r"\b[A-Z][A-Z0-9_]*\b")
+
+
+def script_source(name: str) -> str:
+    """What qosd loads as script ``name``: the constants of _contract.lua it names,
+    then _pool.lua for a pool script, then the script.
+
+    Only the constants a script names: a Lua function holds at most 200 locals, and
+    the prelude has most of them already (a table of constants instead would cost
+    every call microseconds to build).
+    """
+    folder = resources.files("qosd.store").joinpath("lua")
+    source = folder.joinpath(f"{name}.lua").read_text("utf-8")
+    if name in POOL_SCRIPTS:
+        source = folder.joinpath("_pool.lua").read_text("utf-8") + source
+    used = set(_NAME.findall(source))
+    constants = [
+        line
+        for line in folder.joinpath("_contract.lua").read_text("utf-8").splitlines()
+        if (match := _CONSTANT.match(line)) and match.group(1) in used
+    ]
+    return "\n".join(constants) + "\n" + source
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +93,7 @@ class _Script:
 
     @classmethod
     def load(cls, name: str) -> _Script:
-        folder = resources.files("qosd.store").joinpath("lua")
-        source = folder.joinpath(f"{name}.lua").read_text("utf-8")
-        if name in _POOL_SCRIPTS:
-            source = folder.joinpath("_pool.lua").read_text("utf-8") + source
+        source = script_source(name)
         return cls(source=source, sha=hashlib.sha1(source.encode("utf-8")).hexdigest())
 
 
@@ -107,11 +135,7 @@ class RedisStore:
             seeds=[parse_host_port(seed) for seed in config.cluster_seeds],
             sentinel=_sentinel_options(config),
         )
-        names = (
-            "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead",
-            "report", "load",
-        )  # fmt: skip
-        self._scripts = {name: _Script.load(name) for name in names}
+        self._scripts = {name: _Script.load(name) for name in SCRIPTS}
         self._pool_args: dict[str, _PoolArgs] = {}
         self._pools: dict[str, PoolPolicy] = {}
         self._daemon_id = ""
@@ -127,22 +151,22 @@ class RedisStore:
         self._deadline_budget_us = max(config.timeout_ms * 1000 - 10_000, config.timeout_ms * 500)
         self._acquires = ScriptBatcher(
             self._runner(self._scripts["acquire"]),
-            fields=8,
+            fields=contract.size(contract.Decision),
             batch_keys=self._group_keys,
             batch_args=self._acquire_batch_args,
-            header=2,
+            header=contract.size(contract.AcquireHeader),
             on_header=self._acquire_header,
             on_orphan=self._undo_admission,
         )
         self._releases = ScriptBatcher(
             self._runner(self._scripts["release"]),
-            fields=4,
+            fields=contract.size(contract.Settlement),
             batch_keys=self._group_keys,
             batch_args=self._policy,
         )
         self._cancels = ScriptBatcher(
             self._runner(self._scripts["cancel"]),
-            fields=1,
+            fields=contract.size(contract.Cancelled),
             batch_keys=self._group_keys,
             batch_args=self._policy,
         )
@@ -162,36 +186,38 @@ class RedisStore:
                 f"{prefix}waiters",
                 f"{prefix}daemons",
             )
-            policy: list[Any] = [
-                repr(pool.capacity),
-                repr(pool.burst_s),
-                self._stale_after_ms,
-                len(pool.classes),
-                self._lease_ttl_ms,
-                repr(pool.max_in_flight),
-                repr(pool.max_in_flight_tokens),
-                repr(pool.top_reserve),
-                repr(pool.prefill_backlog_us),
-                repr(pool.prefill_share),
-                pool.max_server_waiting,
-                repr(pool.max_kv_cache_usage),
-                pool.server_load_max_age_us,
-            ]
+            policy: list[Any] = list(
+                contract.PoolArgs(
+                    capacity=repr(pool.capacity),
+                    burst_s=repr(pool.burst_s),
+                    stale_after_ms=self._stale_after_ms,
+                    class_count=len(pool.classes),
+                    lease_ttl_ms=self._lease_ttl_ms,
+                    max_in_flight=repr(pool.max_in_flight),
+                    max_in_flight_tokens=repr(pool.max_in_flight_tokens),
+                    top_reserve=repr(pool.top_reserve),
+                    prefill_backlog_us=repr(pool.prefill_backlog_us),
+                    prefill_share=repr(pool.prefill_share),
+                    max_server_waiting=pool.max_server_waiting,
+                    max_kv_cache_usage=repr(pool.max_kv_cache_usage),
+                    server_load_max_age_us=pool.server_load_max_age_us,
+                )
+            )
             for cls in pool.classes:
-                policy += [
-                    cls.name,
-                    repr(cls.rate),
-                    repr(cls.burst),
-                    repr(cls.max_cost),
-                    1 if cls.can_borrow else 0,
-                    cls.max_queue,
-                    cls.aging_ms,
-                    repr(cls.tenant_rate),
-                    repr(cls.tenant_burst),
-                    repr(cls.floor_rate),
-                    repr(cls.burst_s),
-                    repr(cls.tenant_share),
-                ]
+                policy += contract.ClassArgs(
+                    name=cls.name,
+                    rate=repr(cls.rate),
+                    burst=repr(cls.burst),
+                    max_cost=repr(cls.max_cost),
+                    can_borrow=1 if cls.can_borrow else 0,
+                    max_queue=cls.max_queue,
+                    aging_ms=cls.aging_ms,
+                    tenant_rate=repr(cls.tenant_rate),
+                    tenant_burst=repr(cls.tenant_burst),
+                    floor_rate=repr(cls.floor_rate),
+                    burst_s=repr(cls.burst_s),
+                    tenant_share=repr(cls.tenant_share),
+                )
             cached = _PoolArgs(prefix, keys, tuple(policy))
             self._pool_args[pool.name] = cached
             self._pools[pool.name] = pool
@@ -204,14 +230,12 @@ class RedisStore:
         """The arguments _pool.lua reads: the pool's policy, then the epoch this store
         last saw (a state found missing while one was known was lost: it starts
         empty) and the nonce a new epoch takes."""
-        return (
-            *self._pool_args[pool_name].policy,
-            self._epochs.known(pool_name),
-            self._epoch_nonce,
-        )
+        epoch = contract.EpochArgs(known=self._epochs.known(pool_name), nonce=self._epoch_nonce)
+        return (*self._pool_args[pool_name].policy, *epoch)
 
     def _acquire_batch_args(self, pool_name: str) -> Sequence[Any]:
-        return (*self._policy(pool_name), self._acquire_deadline(), self._daemon_id)
+        own = contract.AcquireArgs(deadline_us=self._acquire_deadline(), daemon=self._daemon_id)
+        return (*self._policy(pool_name), *own)
 
     def _acquire_deadline(self) -> str:
         """The Redis time after which a batch (or pump) sent now must not charge anything.
@@ -226,10 +250,11 @@ class RedisStore:
             return "0"
         return f"{time.monotonic_ns() / 1000 + offset + self._deadline_budget_us:.0f}"
 
-    def _acquire_header(self, pool_name: str, header: list[Any]) -> None:
+    def _acquire_header(self, pool_name: str, values: list[Any]) -> None:
         """An acquire batch's reply header: Redis time, then the pool's epoch."""
-        self._redis_clock_offset_us = float(header[0]) - time.monotonic_ns() / 1000
-        self._epochs.saw(pool_name, header[1])
+        header = contract.AcquireHeader._make(values)
+        self._redis_clock_offset_us = float(header.now_us) - time.monotonic_ns() / 1000
+        self._epochs.saw(pool_name, header.epoch)
 
     def add_reset_listener(self, listener: ResetListener) -> None:
         self._epochs.add_listener(listener)
@@ -308,34 +333,33 @@ class RedisStore:
         self._daemon_id = daemon_id
         args_for = self._args_for(pool)
         keys, has_request, has_tenant = self._request_keys(args_for.prefix, cls, lease)
-        args = (
-            cls.name,
-            repr(cost),
-            lease.lease_id,
-            lease_field(lease.lease_id),
-            lease.ttl_ms,
-            lease.ttl_ms + self._keep_extra_ms,
-            repr(lease.weight),
-            lease.input_tokens,
-            lease.output_tokens,
-            wait_ms,
-            has_request,
-            has_tenant,
+        args = contract.RequestArgs(
+            qos_class=cls.name,
+            cost=repr(cost),
+            lease_id=lease.lease_id,
+            field=lease_field(lease.lease_id),
+            ttl_ms=lease.ttl_ms,
+            keep_ms=lease.ttl_ms + self._keep_extra_ms,
+            weight=repr(lease.weight),
+            input_tokens=lease.input_tokens,
+            output_tokens=lease.output_tokens,
+            wait_ms=wait_ms,
+            has_request=has_request,
+            has_tenant=has_tenant,
         )
-        reply = await self._acquires.submit(pool.name, keys, args)
-        status, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed = reply
-        if reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
+        reply = contract.Decision._make(await self._acquires.submit(pool.name, keys, args))
+        if reply.reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
             raise StoreUnavailable("redis ran the request after its timeout; nothing charged")
         return BucketDecision(
-            admitted=status == 1,
-            reason=Reason(reason),
-            lease_id=lease_id,
-            charged=float(charged),
-            remaining=float(remaining),
-            retry_after_ms=retry_ms,
-            lease_ttl_ms=ttl_ms,
-            replayed=replayed == 1,
-            queued=status == 2,
+            admitted=reply.status == Status.ADMITTED,
+            reason=Reason(reply.reason),
+            lease_id=reply.lease_id,
+            charged=float(reply.charged),
+            remaining=float(reply.remaining),
+            retry_after_ms=reply.retry_after_ms,
+            lease_ttl_ms=reply.lease_ttl_ms,
+            replayed=reply.replayed == 1,
+            queued=reply.status == Status.QUEUED,
         )
 
     def _undo_admission(self, args: Sequence[Any], reply: list[Any]) -> None:
@@ -346,18 +370,19 @@ class RedisStore:
         so an admission with a request id: its caller will retry, and the retry must
         find the admission it was charged for (unused, it expires with its estimate).
         """
-        status, lease_id, replayed = reply[0], reply[2], reply[7]
-        qos_class, has_request = args[0], args[10]
+        decision = contract.Decision._make(reply)
+        request = contract.RequestArgs._make(args)
+        lease_id = decision.lease_id
         pool_name = lease_id.partition(":")[0] if lease_id else ""
         pool = self._pools.get(pool_name)
-        if pool is None or replayed == 1:
+        if pool is None or decision.replayed == 1:
             return
-        cls = next(c for c in pool.classes if c.name == qos_class)
-        if status == 1 and has_request != 1:
+        cls = next(c for c in pool.classes if c.name == request.qos_class)
+        if decision.status == Status.ADMITTED and request.has_request != 1:
             usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)
             coroutine: Any = self.release(pool, cls, lease_id, usage, exact=True)
-        elif status == 2:
-            waiter = Waiter(qos_class, float(args[1]), _lease_stub(lease_id))
+        elif decision.status == Status.QUEUED:
+            waiter = Waiter(request.qos_class, float(request.cost), _lease_stub(lease_id))
             coroutine = self.cancel(pool, [waiter])
         else:
             return
@@ -383,53 +408,52 @@ class RedisStore:
         args_for = self._args_for(pool)
         classes = {cls.name: cls for cls in pool.classes}
         keys: list[str] = list(args_for.keys)
-        args: list[Any] = [len(waiters), *self._policy(pool.name), daemon_id]
-        args.append(self._acquire_deadline())
+        own = contract.PumpArgs(daemon=daemon_id, deadline_us=self._acquire_deadline())
+        args: list[Any] = [len(waiters), *self._policy(pool.name), *own]
         for waiter in waiters:
             lease = waiter.lease
             waiter_keys, has_request, has_tenant = self._request_keys(
                 args_for.prefix, classes[waiter.qos_class], lease
             )
             keys += waiter_keys
-            args += [
-                waiter.id,
-                waiter.qos_class,
-                repr(waiter.cost),
-                lease.lease_id,
-                lease.ttl_ms,
-                lease.ttl_ms + self._keep_extra_ms,
-                repr(lease.weight),
-                lease.input_tokens,
-                lease.output_tokens,
-                has_request,
-                has_tenant,
-            ]
+            args += contract.WaiterArgs(
+                field=waiter.id,
+                qos_class=waiter.qos_class,
+                cost=repr(waiter.cost),
+                lease_id=lease.lease_id,
+                ttl_ms=lease.ttl_ms,
+                keep_ms=lease.ttl_ms + self._keep_extra_ms,
+                weight=repr(lease.weight),
+                input_tokens=lease.input_tokens,
+                output_tokens=lease.output_tokens,
+                has_request=has_request,
+                has_tenant=has_tenant,
+            )
         reply = await self._run(self._scripts["pump"], keys, args)
         results: list[PumpResult] = []
-        for index in range(len(waiters)):
-            status, _reason, lease_id, charged, remaining, _retry, ttl_ms, _ = reply[
-                index * 8 : index * 8 + 8
-            ]
-            if status == 1:
+        for answer in contract.records(contract.Decision, reply, len(waiters)):
+            if answer.status == Status.ADMITTED:
                 decision = BucketDecision(
                     admitted=True,
                     reason=Reason.NONE,
-                    lease_id=lease_id,
-                    charged=float(charged),
-                    remaining=float(remaining),
+                    lease_id=answer.lease_id,
+                    charged=float(answer.charged),
+                    remaining=float(answer.remaining),
                     retry_after_ms=0,
-                    lease_ttl_ms=ttl_ms,
+                    lease_ttl_ms=answer.lease_ttl_ms,
                 )
                 results.append(PumpResult(WaiterState.ADMITTED, decision))
             else:
-                results.append(PumpResult(WaiterState(status), None))
+                results.append(PumpResult(WaiterState(answer.status), None))
         return results
 
     async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
         self._args_for(pool)
         await asyncio.gather(
             *(
-                self._cancels.submit(pool.name, (), (waiter.id, waiter.qos_class))
+                self._cancels.submit(
+                    pool.name, (), contract.CancelArgs(field=waiter.id, qos_class=waiter.qos_class)
+                )
                 for waiter in waiters
             )
         )
@@ -446,28 +470,29 @@ class RedisStore:
         exact: bool = False,
     ) -> Settlement:
         args_for = self._args_for(pool)
-        status, charged, adjustment, remaining = await self._releases.submit(
+        reply = await self._releases.submit(
             pool.name,
             (self._lease_hash(args_for.prefix, lease_id),),
-            (
-                cls.name,
-                lease_field(lease_id),
-                "" if usage.input_tokens is None else usage.input_tokens,
-                "" if usage.output_tokens is None else usage.output_tokens,
-                repr(usage.output_weight),
-                int(usage.outcome),
-                1 if exact else 0,
+            contract.ReleaseArgs(
+                qos_class=cls.name,
+                field=lease_field(lease_id),
+                input_tokens="" if usage.input_tokens is None else usage.input_tokens,
+                output_tokens="" if usage.output_tokens is None else usage.output_tokens,
+                output_weight=repr(usage.output_weight),
+                outcome=int(usage.outcome),
+                exact=1 if exact else 0,
             ),
         )
-        if status == "unknown":
+        settled = contract.Settlement._make(reply)
+        if settled.status == Settled.UNKNOWN:
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
-        if status == "expired":
-            raise LeaseExpired(lease_id, float(charged))
+        if settled.status == Settled.EXPIRED:
+            raise LeaseExpired(lease_id, float(settled.charged))
         return Settlement(
-            already_released=status == "again",
-            charged=float(charged),
-            adjustment=float(adjustment),
-            remaining=float(remaining),
+            already_released=settled.status == Settled.AGAIN,
+            charged=float(settled.charged),
+            adjustment=float(settled.adjustment),
+            remaining=float(settled.remaining),
         )
 
     # -- status, report, admin ------------------------------------------------------
@@ -475,33 +500,38 @@ class RedisStore:
     async def status(self, pool: PoolPolicy) -> PoolStatus:
         args_for = self._args_for(pool)
         reply = await self._run(
-            self._scripts["status"], args_for.keys, (0, *self._policy(pool.name))
+            self._scripts["status"],
+            args_for.keys,
+            (0, *self._policy(pool.name)),  # 0: no calls
         )
-        now_us = int(reply[0])
+        head = contract.record(contract.StatusHead, reply)
+        now_us = int(head.now_us)
+        count = len(pool.classes)
+        start = contract.size(contract.StatusHead)
         classes: dict[str, ClassStatus] = {}
-        for index, cls in enumerate(pool.classes):
-            tokens, waiting, oldest, rate, burst, in_flight, in_flight_tokens = reply[
-                5 + 7 * index : 12 + 7 * index
-            ]
+        rows = contract.records(contract.StatusClass, reply, count, start)
+        for cls, row in zip(pool.classes, rows, strict=True):
             classes[cls.name] = ClassStatus(
-                tokens=float(tokens),
-                waiting=int(waiting),
-                oldest_wait_ms=(now_us - int(float(oldest))) // 1000 if oldest else 0,
-                rate=float(rate),
-                burst=float(burst),
-                in_flight=int(in_flight),
-                in_flight_tokens=float(in_flight_tokens),
+                tokens=float(row.tokens),
+                waiting=int(row.waiting),
+                oldest_wait_ms=(now_us - int(float(row.oldest_us))) // 1000 if row.oldest_us else 0,
+                rate=float(row.rate),
+                burst=float(row.burst),
+                in_flight=int(row.in_flight),
+                in_flight_tokens=float(row.in_flight_tokens),
             )
-        waiting, kv_usage = reply[5 + 7 * len(pool.classes) :]
+        servers = contract.record(
+            contract.StatusServers, reply, start + count * contract.size(contract.StatusClass)
+        )
         return PoolStatus(
-            shared_tokens=float(reply[1]),
+            shared_tokens=float(head.shared),
             classes=classes,
-            capacity=float(reply[2]),
-            admitted_tokens=float(reply[3]),
+            capacity=float(head.capacity),
+            admitted_tokens=float(head.admitted),
             now_ms=now_us // 1000,
-            long_prefill_tokens=float(reply[4]),
-            server_waiting=int(waiting) if waiting else None,
-            server_kv_usage=float(kv_usage) if kv_usage else None,
+            long_prefill_tokens=float(head.long_prefill),
+            server_waiting=int(servers.waiting) if servers.waiting else None,
+            server_kv_usage=float(servers.kv_usage) if servers.kv_usage else None,
         )
 
     # -- the SLO loop's state -------------------------------------------------------
@@ -513,30 +543,30 @@ class RedisStore:
     async def control(self, pool: PoolPolicy) -> ControlRecord:
         args_for = self._args_for(pool)
         control_key, _ = self._control_keys(pool)
-        reply = await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
-        (_now, capacity, written_under, pinned, changed, reason, old, by, probe, wait, good,
-         direction, ceiling, recorded_under, record_epoch, epoch) = reply  # fmt: skip
-        self._epochs.saw(pool.name, epoch)
+        reply = contract.ControlReply._make(
+            await self._run(self._scripts["control"], (args_for.keys[0], control_key), ())
+        )
+        self._epochs.saw(pool.name, reply.epoch)
         # Rates are kept relative to the configured capacity they were written under:
         # R under the state's K (rewritten by every budget call), the record's own
         # rates under its k (written by adjust.lua).
-        scale = pool.capacity / float(written_under) if written_under else 1.0
-        rate = float(capacity) * scale if capacity else pool.capacity
-        scale = pool.capacity / float(recorded_under) if recorded_under else scale
+        scale = pool.capacity / float(reply.written_under) if reply.written_under else 1.0
+        rate = float(reply.rate) * scale if reply.rate else pool.capacity
+        scale = pool.capacity / float(reply.recorded_under) if reply.recorded_under else scale
         return ControlRecord(
             capacity=rate,
-            pinned=pinned == "1",
-            changed_ms=int(float(changed)) if changed else 0,
-            reason=reason,
-            changed_from=float(old) * scale if old else rate,
-            changed_by=by,
-            probe_step=float(probe) if probe else 0.0,
-            probe_wait=int(wait) if wait else 1,
-            last_good=float(good) * scale if good else rate,
-            direction=int(direction) if direction else 0,
-            ceiling=float(ceiling) * scale if ceiling else 0.0,
-            epoch=epoch,
-            record_epoch=record_epoch,
+            pinned=reply.pinned == "1",
+            changed_ms=int(float(reply.changed_ms)) if reply.changed_ms else 0,
+            reason=reply.reason,
+            changed_from=float(reply.changed_from) * scale if reply.changed_from else rate,
+            changed_by=reply.changed_by,
+            probe_step=float(reply.probe_step) if reply.probe_step else 0.0,
+            probe_wait=int(reply.probe_wait) if reply.probe_wait else 1,
+            last_good=float(reply.last_good) * scale if reply.last_good else rate,
+            direction=int(reply.direction) if reply.direction else 0,
+            ceiling=float(reply.ceiling) * scale if reply.ceiling else 0.0,
+            epoch=reply.epoch,
+            record_epoch=reply.record_epoch,
         )
 
     async def adjust(
@@ -544,26 +574,25 @@ class RedisStore:
     ) -> bool:
         args_for = self._args_for(pool)
         control_key, history_key = self._control_keys(pool)
-        applied, _detail = await self._run(
+        own = contract.AdjustArgs(
+            cooldown_ms=cooldown_ms,
+            force=1 if force else 0,
+            capacity=repr(update.capacity),
+            reason=update.reason,
+            changed_by=update.changed_by,
+            probe_step=repr(update.probe_step),
+            probe_wait=update.probe_wait,
+            last_good=repr(update.last_good),
+            direction=update.direction,
+            pinned=1 if update.pinned else 0,
+            ceiling=repr(update.ceiling),
+        )
+        reply = await self._run(
             self._scripts["adjust"],
             (*args_for.keys, control_key, history_key),
-            (
-                0,
-                *self._policy(pool.name),
-                cooldown_ms,
-                1 if force else 0,
-                repr(update.capacity),
-                update.reason,
-                update.changed_by,
-                repr(update.probe_step),
-                update.probe_wait,
-                repr(update.last_good),
-                update.direction,
-                1 if update.pinned else 0,
-                repr(update.ceiling),
-            ),
+            (0, *self._policy(pool.name), *own),  # 0: no calls, as status
         )
-        return bool(applied == 1)
+        return bool(contract.Adjusted._make(reply).applied == 1)
 
     async def set_prefill(
         self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
@@ -581,13 +610,18 @@ class RedisStore:
 
     async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
         args_for = self._args_for(pool)
-        args: list[Any] = [pool.server_load_max_age_us, 10 * pool.server_load_max_age_us // 1000]
+        args: list[Any] = list(
+            contract.LoadArgs(
+                max_age_us=pool.server_load_max_age_us,
+                expire_ms=10 * pool.server_load_max_age_us // 1000,
+            )
+        )
         for load in loads:
-            args += [
-                load.server,
-                "" if load.waiting is None else load.waiting,
-                "" if load.kv_usage is None else repr(float(load.kv_usage)),
-            ]
+            args += contract.ServerLoadArgs(
+                server=load.server,
+                waiting="" if load.waiting is None else load.waiting,
+                kv_usage="" if load.kv_usage is None else repr(float(load.kv_usage)),
+            )
         keys = (args_for.keys[0], f"{args_for.prefix}servers")
         await self._run(self._scripts["load"], keys, args)
 
@@ -604,7 +638,8 @@ class RedisStore:
 
     async def lead(self, daemon_id: str, lease_ms: int) -> str:
         key = f"{self._config.key_prefix}:{{control}}:leader"
-        return str(await self._run(self._scripts["lead"], (key,), (daemon_id, lease_ms)))
+        args = contract.LeadArgs(daemon=daemon_id, lease_ms=lease_ms)
+        return str(await self._run(self._scripts["lead"], (key,), args))
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
         by_pool: dict[str, list[Sample]] = defaultdict(list)
@@ -613,10 +648,12 @@ class RedisStore:
         for pool, pool_samples in by_pool.items():
             prefix = f"{self._config.key_prefix}:{{{pool}}}:"
             key_index: dict[str, int] = {}
-            args: list[Any] = [window_size, _WINDOW_EXPIRE_MS]
+            args: list[Any] = list(
+                contract.ReportArgs(window_size=window_size, expire_ms=_WINDOW_EXPIRE_MS)
+            )
             for sample in pool_samples:
                 index = key_index.setdefault(sample.qos_class, len(key_index) + 1)
-                args.extend((index, sample.encode()))
+                args += contract.SampleArgs(key_index=index, sample=sample.encode())
             keys = [f"{prefix}window:{name}" for name in key_index]
             await self._run(self._scripts["report"], keys, args)
 

@@ -1,42 +1,24 @@
 -- Shared by every pool script: qosd prepends this file to acquire.lua, pump.lua,
--- cancel.lua, release.lua and status.lua when it loads them (a script cannot import
--- another). It restates qosd/budget.py; the conformance suite holds them equal.
+-- cancel.lua, release.lua, status.lua and adjust.lua when it loads them (a script
+-- cannot import another), after the constants of _contract.lua they use. It restates
+-- qosd/budget.py; the conformance suite holds them equal.
 --
--- KEYS[1]        pool state hash: u (updated, us of Redis TIME), s (shared tokens),
---                R (admitted rate the SLO loop set; absent: as configured), K (the
---                configured capacity R was written under), a (tokens admitted so
---                far), t:<class> (class tokens), w:<class> (waiters queued),
---                n:<class> and c:<class> (leases in flight: admitted, neither
---                released nor expired, and their estimated prompt plus output
---                tokens, i.e. KV cache), x:<second> (of those,
---                the ones whose lease expires in that second of Redis time:
---                "class|count|tokens|class|count|tokens..."), xo and xn (the
---                oldest and newest such second; the sweep below ends them), P (the
---                long-prefill threshold the SLO loop learned, prompt tokens: a longer
---                prompt waits for a gap in the top class's traffic; absent: none), M
---                (its prefill model "c|a|b": c + a n + b n^2 ms), B and Bt (when, by
---                M, the prompts admitted so far are prefilled, us: at the prefill
---                share's pace, and in real prefill time), Sw, Sk and St (the servers'
---                own load: waiting requests, KV cache usage, when read; load.lua)
+-- What the arguments and replies hold, in order, and the state hash's fields, are
+-- declared once in qosd/store/contract.py; _contract.lua (generated from it) names
+-- their positions and codes, and docs/design.md ("Redis layout") shows them.
+--
+-- KEYS[1]        pool state hash (contract.py: STATE_HASH)
 -- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
 --                (lease fields "<class>:<token>") scored by enqueue time, us
 -- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
 --                tenant_blocked_until|input_tokens|kv_tokens" (times in us; kv:
 --                prompt plus expected output)
 -- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
--- ARGV[1]        number of calls in the batch
--- ARGV[2..]      the pool's policy as configured: capacity, burst_s (of the shared
---                tokens), stale_after_ms, n, the default lease TTL in ms (its expiry
---                second is read with the state), max_in_flight and max_in_flight_tokens
---                (0: none; either makes the pool GPU-gated), top_reserve,
---                prefill_backlog_us (0: none), prefill_share, max_server_waiting (-1:
---                none), max_kv_cache_usage (0: none), server_load_max_age_us, then per
---                class in priority order: name,
---                rate, burst, max_cost, can_borrow, max_queue, aging_ms, tenant_rate,
---                tenant_burst, floor_rate, burst_s (0: burst is fixed), tenant_share;
---                then the pool's epoch as the calling daemon last saw it ('' when it
---                saw none) and that daemon's nonce (see E below)
--- Then the script's own arguments, from index NEXT_ARG; its keys from NEXT_KEY.
+-- ARGV[ARG_CALLS] number of calls in the batch, then the pool's policy as
+--                configured (POOL_ARGS), then per class in priority order
+--                (CLASS_ARGS), then the pool's epoch as the calling daemon last saw
+--                it and that daemon's nonce (EPOCH_ARGS; see E below)
+-- Then the script's own arguments, after ARGS_BEFORE; its keys from KEYS[NEXT_KEY].
 --
 -- E, the pool's epoch: "<Redis time, us>-<nonce>", written by save_state() when the
 -- state is first created and never changed. A store that comes back empty (restart
@@ -54,43 +36,50 @@ local function num(x)
   return string.format('%.17g', x)
 end
 
-local capacity = tonumber(ARGV[2])
-local pool_burst_s = tonumber(ARGV[3])
-local stale_after_us = tonumber(ARGV[4]) * 1000
-local class_count = tonumber(ARGV[5])
-local default_ttl_us = tonumber(ARGV[6]) * 1000
-local max_in_flight = tonumber(ARGV[7])
-local max_in_flight_tokens = tonumber(ARGV[8])
-local top_reserve = tonumber(ARGV[9])
-local prefill_backlog_us = tonumber(ARGV[10])
-local prefill_share = tonumber(ARGV[11])
-local max_server_waiting = tonumber(ARGV[12])
-local max_kv_cache_usage = tonumber(ARGV[13])
-local server_load_max_age_us = tonumber(ARGV[14])
+local p = ARG_CALLS  -- the pool's policy follows the number of calls
+local capacity = tonumber(ARGV[p + ARG_POOL_CAPACITY])
+local pool_burst_s = tonumber(ARGV[p + ARG_POOL_BURST_S])
+local stale_after_us = tonumber(ARGV[p + ARG_POOL_STALE_AFTER_MS]) * 1000
+local class_count = tonumber(ARGV[p + ARG_POOL_CLASS_COUNT])
+local default_ttl_us = tonumber(ARGV[p + ARG_POOL_LEASE_TTL_MS]) * 1000
+local max_in_flight = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT])
+local max_in_flight_tokens = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT_TOKENS])
+local top_reserve = tonumber(ARGV[p + ARG_POOL_TOP_RESERVE])
+local prefill_backlog_us = tonumber(ARGV[p + ARG_POOL_PREFILL_BACKLOG_US])
+local prefill_share = tonumber(ARGV[p + ARG_POOL_PREFILL_SHARE])
+local max_server_waiting = tonumber(ARGV[p + ARG_POOL_MAX_SERVER_WAITING])
+local max_kv_cache_usage = tonumber(ARGV[p + ARG_POOL_MAX_KV_CACHE_USAGE])
+local server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US])
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = 15
+  local a = p + POOL_ARGS
   for i = 1, class_count do
     local c = {
-      name = ARGV[a], rate = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]),
-      max_cost = tonumber(ARGV[a + 3]), can_borrow = ARGV[a + 4] == '1',
-      max_queue = tonumber(ARGV[a + 5]), aging_us = tonumber(ARGV[a + 6]) * 1000,
-      tenant_rate = tonumber(ARGV[a + 7]), tenant_burst = tonumber(ARGV[a + 8]),
-      floor_rate = tonumber(ARGV[a + 9]), burst_s = tonumber(ARGV[a + 10]),
-      tenant_share = tonumber(ARGV[a + 11]),
+      name = ARGV[a + ARG_CLASS_NAME], rate = tonumber(ARGV[a + ARG_CLASS_RATE]),
+      burst = tonumber(ARGV[a + ARG_CLASS_BURST]),
+      max_cost = tonumber(ARGV[a + ARG_CLASS_MAX_COST]),
+      can_borrow = ARGV[a + ARG_CLASS_CAN_BORROW] == '1',
+      max_queue = tonumber(ARGV[a + ARG_CLASS_MAX_QUEUE]),
+      aging_us = tonumber(ARGV[a + ARG_CLASS_AGING_MS]) * 1000,
+      tenant_rate = tonumber(ARGV[a + ARG_CLASS_TENANT_RATE]),
+      tenant_burst = tonumber(ARGV[a + ARG_CLASS_TENANT_BURST]),
+      floor_rate = tonumber(ARGV[a + ARG_CLASS_FLOOR_RATE]),
+      burst_s = tonumber(ARGV[a + ARG_CLASS_BURST_S]),
+      tenant_share = tonumber(ARGV[a + ARG_CLASS_TENANT_SHARE]),
       rank = i - 1, queue = KEYS[i + 1],
     }
     c.nominal_rate, c.nominal_burst, c.nominal_tenant_burst = c.rate, c.burst, c.tenant_burst
     classes[i] = c
     class_index[c.name] = i
-    a = a + 12
+    a = a + CLASS_ARGS
   end
 end
-local known_epoch = ARGV[15 + 12 * class_count]
-local epoch_nonce = ARGV[16 + 12 * class_count]
-local NEXT_ARG = 17 + 12 * class_count
+local e = p + POOL_ARGS + CLASS_ARGS * class_count  -- arguments before the epoch's
+local known_epoch = ARGV[e + ARG_EPOCH_KNOWN]
+local epoch_nonce = ARGV[e + ARG_EPOCH_NONCE]
+local ARGS_BEFORE = e + EPOCH_ARGS  -- the arguments before the script's own
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]

@@ -2,63 +2,64 @@
 -- One request is a batch of one. Mirrors qosd/store/embedded.py (acquire).
 -- The pool state, policy, budget functions and waiter helpers come from _pool.lua.
 --
--- Script arguments: deadline in us of Redis time (0: none; a batch that runs later
--- was given up by its callers and changes nothing), the daemon's id, then per
--- request (12): class, cost, lease_id, lease field ("<class>:<token>", also the
--- waiter id), ttl_ms, keep_ms (how long the lease hash must live), weight,
--- input_tokens, output_tokens, wait_ms (0: answer now), has_request_id,
--- has_tenant_key.
+-- Script arguments (qosd/store/contract.py): ACQUIRE (the deadline in us of Redis
+-- time, 0: none, a batch that runs later was given up by its callers and changes
+-- nothing; the daemon's id), then REQUEST per request (the lease field
+-- "<class>:<token>" is also the waiter id; keep_ms is how long the lease hash must
+-- live; wait_ms 0: answer now).
 -- Keys per request: lease hash, then the request-id key and the tenant bucket if any.
 -- Request-id string: "lease_id|charged|expiry_us".
 --
--- Returns Redis time (us, string), the pool's epoch ('' while its state was never
--- written; _pool.lua), then 8 values per request: status (0 rejected,
--- 1 admitted, 2 queued), reason, lease_id, charged, remaining, retry_after_ms
--- (when queued: none), lease_ttl_ms, replayed.
-local reply = {string.format('%.0f', now), state.epoch or ''}
-local n = 2
+-- Returns HEADER (Redis time, us, string; the pool's epoch, '' while its state was
+-- never written: _pool.lua), then a DECISION per request: status (STATUS_REJECTED,
+-- STATUS_ADMITTED or STATUS_QUEUED), reason, lease_id, charged, remaining,
+-- retry_after_ms (when queued: none), lease_ttl_ms, replayed.
+local reply = {}
+reply[REPLY_HEADER_NOW_US] = string.format('%.0f', now)
+reply[REPLY_HEADER_EPOCH] = state.epoch or ''
+local n = HEADER_FIELDS
 local function answer(status, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
-  reply[n + 1] = status
-  reply[n + 2] = reason
-  reply[n + 3] = lease_id
-  reply[n + 4] = charged
-  reply[n + 5] = remaining
-  reply[n + 6] = retry_ms
-  reply[n + 7] = ttl_ms
-  reply[n + 8] = replayed
-  n = n + 8
+  reply[n + REPLY_DECISION_STATUS] = status
+  reply[n + REPLY_DECISION_REASON] = reason
+  reply[n + REPLY_DECISION_LEASE_ID] = lease_id
+  reply[n + REPLY_DECISION_CHARGED] = charged
+  reply[n + REPLY_DECISION_REMAINING] = remaining
+  reply[n + REPLY_DECISION_RETRY_AFTER_MS] = retry_ms
+  reply[n + REPLY_DECISION_LEASE_TTL_MS] = ttl_ms
+  reply[n + REPLY_DECISION_REPLAYED] = replayed
+  n = n + DECISION_FIELDS
 end
 
-local count = tonumber(ARGV[1])
-local deadline = tonumber(ARGV[NEXT_ARG])
-local daemon = ARGV[NEXT_ARG + 1]
+local count = tonumber(ARGV[ARG_CALLS])
+local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_ACQUIRE_DEADLINE_US])
+local daemon = ARGV[ARGS_BEFORE + ARG_ACQUIRE_DAEMON]
 if deadline > 0 and now > deadline then
   for _ = 1, count do
-    answer(0, 4, '', '0', '0', 0, 0, 0)
+    answer(STATUS_REJECTED, REASON_BACKEND_UNAVAILABLE, '', '0', '0', 0, 0, 0)
   end
   return reply
 end
 
 local k = NEXT_KEY
-local a = NEXT_ARG + 2
+local a = ARGS_BEFORE + ACQUIRE_ARGS  -- arguments before this request's
 local enqueued_at = now
 for _ = 1, count do
-  local i = class_index[ARGV[a]]
+  local i = class_index[ARGV[a + ARG_REQUEST_QOS_CLASS]]
   local c = classes[i]
-  local cost = tonumber(ARGV[a + 1])
-  local lease_id = ARGV[a + 2]
-  local field = ARGV[a + 3]
-  local ttl_ms = tonumber(ARGV[a + 4])
-  local wait_ms = tonumber(ARGV[a + 9])
+  local cost = tonumber(ARGV[a + ARG_REQUEST_COST])
+  local lease_id = ARGV[a + ARG_REQUEST_LEASE_ID]
+  local field = ARGV[a + ARG_REQUEST_FIELD]
+  local ttl_ms = tonumber(ARGV[a + ARG_REQUEST_TTL_MS])
+  local wait_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_MS])
   local lease_key = KEYS[k]
   k = k + 1
   local request_key = nil
-  if ARGV[a + 10] == '1' then
+  if ARGV[a + ARG_REQUEST_HAS_REQUEST] == '1' then
     request_key = KEYS[k]
     k = k + 1
   end
   local tenant_key = nil
-  if ARGV[a + 11] == '1' then
+  if ARGV[a + ARG_REQUEST_HAS_TENANT] == '1' then
     tenant_key = KEYS[k]
     k = k + 1
   end
@@ -70,7 +71,8 @@ for _ = 1, count do
       local prior_id, prior_charged, prior_expiry = string.match(prior, '^(.*)|([^|]*)|([^|]*)$')
       local left_ms = math.floor((tonumber(prior_expiry) - now) / 1000)
       if left_ms > 0 then
-        answer(1, 0, prior_id, prior_charged, num(state.tokens[i]), 0, left_ms, 1)
+        answer(STATUS_ADMITTED, REASON_NONE, prior_id, prior_charged, num(state.tokens[i]), 0,
+          left_ms, 1)
         replayed = true
       end
     end
@@ -78,11 +80,12 @@ for _ = 1, count do
 
   if not replayed then
     if cost > c.max_cost then
-      answer(0, 2, '', ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
+      answer(STATUS_REJECTED, REASON_COST_EXCEEDS_BURST, '', ARGV[a + ARG_REQUEST_COST],
+        num(state.tokens[i]), 0, 0, 0)
     else
       local how = 0
-      local input = tonumber(ARGV[a + 7])
-      local kv = input + tonumber(ARGV[a + 8])
+      local input = tonumber(ARGV[a + ARG_REQUEST_INPUT_TOKENS])
+      local kv = input + tonumber(ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
       local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic
@@ -107,13 +110,16 @@ for _ = 1, count do
           tenant[1] = tenant[1] - cost
           tenant[5] = true
         end
-        local expiry = add_lease(i, lease_key, field, cost, ttl_ms, ARGV[a + 5], ARGV[a + 6],
-          ARGV[a + 7], ARGV[a + 8])
+        local expiry = add_lease(i, lease_key, field, cost, ttl_ms,
+          ARGV[a + ARG_REQUEST_KEEP_MS], ARGV[a + ARG_REQUEST_WEIGHT],
+          ARGV[a + ARG_REQUEST_INPUT_TOKENS], ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
         if request_key then
-          redis.call('SET', request_key, lease_id .. '|' .. ARGV[a + 1] .. '|' .. expiry,
+          redis.call('SET', request_key,
+            lease_id .. '|' .. ARGV[a + ARG_REQUEST_COST] .. '|' .. expiry,
             'PX', ttl_ms)
         end
-        answer(1, 0, lease_id, ARGV[a + 1], num(state.tokens[i]), 0, ttl_ms, 0)
+        answer(STATUS_ADMITTED, REASON_NONE, lease_id, ARGV[a + ARG_REQUEST_COST],
+          num(state.tokens[i]), 0, ttl_ms, 0)
       else
         -- Queue only a request whose wait could cover the refill it needs if nobody
         -- else took tokens meanwhile; any other is told at once.
@@ -126,11 +132,14 @@ for _ = 1, count do
           retry = math.max(retry_after_ms(i, cost), tenant_wait)
         end
         if held and wait_ms <= 0 then
-          answer(0, 8, '', ARGV[a + 1], num(state.tokens[i]), LONG_PREFILL_RETRY_MS, 0, 0)
+          answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', ARGV[a + ARG_REQUEST_COST],
+            num(state.tokens[i]), LONG_PREFILL_RETRY_MS, 0, 0)
         elseif wait_ms <= 0 or (not pool_gated and not held and retry > wait_ms) then
-          answer(0, 1, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
+          answer(STATUS_REJECTED, REASON_RATE_LIMITED, '', ARGV[a + ARG_REQUEST_COST],
+            num(state.tokens[i]), retry, 0, 0)
         elseif state.waiting[i] >= c.max_queue then
-          answer(0, 5, '', ARGV[a + 1], num(state.tokens[i]), retry, 0, 0)
+          answer(STATUS_REJECTED, REASON_QUEUE_FULL, '', ARGV[a + ARG_REQUEST_COST],
+            num(state.tokens[i]), retry, 0, 0)
         else
           -- Enqueue; a distinct score per request keeps a batch's order.
           local blocked = 0
@@ -146,12 +155,13 @@ for _ = 1, count do
           enqueued_at = enqueued_at + 1
           state.waiting[i] = state.waiting[i] + 1
           state_changed = true
-          answer(2, 0, lease_id, ARGV[a + 1], num(state.tokens[i]), 0, 0, 0)
+          answer(STATUS_QUEUED, REASON_NONE, lease_id, ARGV[a + ARG_REQUEST_COST],
+            num(state.tokens[i]), 0, 0, 0)
         end
       end
     end
   end
-  a = a + 12
+  a = a + REQUEST_ARGS
 end
 
 if enqueued_at > now then  -- its waiters' daemon is alive: say so before anyone checks
@@ -160,5 +170,5 @@ end
 save_leases()
 save_tenants()
 save_state()
-reply[2] = state.epoch or ''  -- written by save_state() if the state was new
+reply[REPLY_HEADER_EPOCH] = state.epoch or ''  -- written by save_state() if the state was new
 return reply

@@ -5,16 +5,17 @@
 --          usage), St (when, us, Redis time); a field is deleted when no fresh read
 --          said it
 -- KEYS[2]  the pool's servers hash: server -> "at_us|waiting|kv_usage" ('' unknown)
--- ARGV[1]  max age of a read, us: older reads are dropped, and not counted
--- ARGV[2]  expiry of the servers hash, ms
--- ARGV[3..] triples (server, waiting or '', kv_usage or '')
+-- ARGV     LOAD (qosd/store/contract.py): the max age of a read, us (older reads
+--          are dropped, and not counted), the expiry of the servers hash, ms; then
+--          SERVER per server: server, waiting or '', kv_usage or ''
 -- Returns the number of servers counted.
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
 local stamp = string.format('%.0f', now)
-local max_age = tonumber(ARGV[1])
-for i = 3, #ARGV, 3 do
-  redis.call('HSET', KEYS[2], ARGV[i], stamp .. '|' .. ARGV[i + 1] .. '|' .. ARGV[i + 2])
+local max_age = tonumber(ARGV[ARG_LOAD_MAX_AGE_US])
+for a = LOAD_ARGS, #ARGV - 1, SERVER_ARGS do  -- a: arguments before this server's
+  redis.call('HSET', KEYS[2], ARGV[a + ARG_SERVER_SERVER],
+    stamp .. '|' .. ARGV[a + ARG_SERVER_WAITING] .. '|' .. ARGV[a + ARG_SERVER_KV_USAGE])
 end
 local waiting, kv = nil, nil
 local counted = 0
@@ -33,7 +34,7 @@ for i = 1, #reads, 2 do
     end
   end
 end
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[ARG_LOAD_EXPIRE_MS]))
 if waiting then
   redis.call('HSET', KEYS[1], 'Sw', string.format('%.0f', waiting))
 else

@@ -15,28 +15,28 @@
 -- A class's own tokens are its own: its head may use them whatever waits elsewhere.
 -- Every call also proves this daemon alive, so its waiters are not taken for stale.
 --
--- Script arguments: daemon id, deadline in us of Redis time (0: none; a pump that
--- runs later was given up by its daemon, which told its callers nothing of it: it
--- admits nobody, and only records the daemon as alive), then per waiter of this daemon (11): lease field
--- (the waiter id), class, cost, lease_id, ttl_ms, keep_ms, weight, input_tokens,
--- output_tokens, has_request_id, has_tenant_key.
+-- Script arguments (qosd/store/contract.py): PUMP (daemon id, deadline in us of
+-- Redis time, 0: none; a pump that runs later was given up by its daemon, which told
+-- its callers nothing of it: it admits nobody, and only records the daemon as
+-- alive), then WAITER per waiter of this daemon (its field is the waiter id).
 -- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
--- Returns per waiter 8 values: status (1 admitted, 3 still waiting, 4 gone: its
--- entry was dropped as stale, 5 still waiting, held for a gap in the top class's
--- traffic), reason, lease_id, charged, remaining, 0, ttl_ms, 0.
-local daemon = ARGV[NEXT_ARG]
-local deadline = tonumber(ARGV[NEXT_ARG + 1])
+-- Returns a DECISION per waiter: status (STATUS_ADMITTED; STATUS_WAITING; STATUS_GONE:
+-- its entry was dropped as stale; STATUS_HELD: still waiting, held for a gap in the
+-- top class's traffic), REASON_NONE, lease_id, charged, remaining, 0, ttl_ms, 0.
+local daemon = ARGV[ARGS_BEFORE + ARG_PUMP_DAEMON]
+local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_PUMP_DEADLINE_US])
 -- Even a late pump proves its daemon alive: it still holds its waiters (it retries a
 -- failed pump before it gives them up), so their entries must not go stale.
 redis.call('HSET', DAEMONS, daemon, now)
 daemon_seen[daemon] = now
 if deadline > 0 and now > deadline then
   local late = {}
-  for j = 1, tonumber(ARGV[1]) do
-    for f = 1, 8 do
-      late[(j - 1) * 8 + f] = 0
+  for j = 1, tonumber(ARGV[ARG_CALLS]) do
+    local n = (j - 1) * DECISION_FIELDS
+    for f = 1, DECISION_FIELDS do
+      late[n + f] = 0
     end
-    late[(j - 1) * 8 + 1] = 3
+    late[n + REPLY_DECISION_STATUS] = STATUS_WAITING
   end
   return late
 end
@@ -54,25 +54,27 @@ local mine = {}
 local order = {}
 do
   local k = NEXT_KEY
-  local a = NEXT_ARG + 2
-  for _ = 1, tonumber(ARGV[1]) do
+  local a = ARGS_BEFORE + PUMP_ARGS  -- arguments before this waiter's
+  for _ = 1, tonumber(ARGV[ARG_CALLS]) do
     local m = {
-      field = ARGV[a], class = class_index[ARGV[a + 1]], cost = tonumber(ARGV[a + 2]),
-      lease_id = ARGV[a + 3], ttl_ms = tonumber(ARGV[a + 4]), keep_ms = ARGV[a + 5],
-      weight = ARGV[a + 6], input = ARGV[a + 7], output = ARGV[a + 8], lease_key = KEYS[k],
+      field = ARGV[a + ARG_WAITER_FIELD], class = class_index[ARGV[a + ARG_WAITER_QOS_CLASS]],
+      cost = tonumber(ARGV[a + ARG_WAITER_COST]), lease_id = ARGV[a + ARG_WAITER_LEASE_ID],
+      ttl_ms = tonumber(ARGV[a + ARG_WAITER_TTL_MS]), keep_ms = ARGV[a + ARG_WAITER_KEEP_MS],
+      weight = ARGV[a + ARG_WAITER_WEIGHT], input = ARGV[a + ARG_WAITER_INPUT_TOKENS],
+      output = ARGV[a + ARG_WAITER_OUTPUT_TOKENS], lease_key = KEYS[k],
     }
     k = k + 1
-    if ARGV[a + 9] == '1' then
+    if ARGV[a + ARG_WAITER_HAS_REQUEST] == '1' then
       m.request_key = KEYS[k]
       k = k + 1
     end
-    if ARGV[a + 10] == '1' then
+    if ARGV[a + ARG_WAITER_HAS_TENANT] == '1' then
       m.tenant_key = KEYS[k]
       k = k + 1
     end
     mine[m.field] = m
     order[#order + 1] = m
-    a = a + 11
+    a = a + WAITER_ARGS
   end
 end
 
@@ -194,25 +196,25 @@ end
 local reply = {}
 local n = 0
 for _, m in ipairs(order) do
-  local status = 1
+  local status = STATUS_ADMITTED
   if not m.admitted then
     if redis.call('HEXISTS', WAITERS, m.field) == 0 then
-      status = 4
+      status = STATUS_GONE
     elseif held_for_gap(m.class, tonumber(m.input)) then
-      status = 5
+      status = STATUS_HELD
     else
-      status = 3
+      status = STATUS_WAITING
     end
   end
-  reply[n + 1] = status
-  reply[n + 2] = 0
-  reply[n + 3] = m.lease_id
-  reply[n + 4] = num(m.cost)
-  reply[n + 5] = num(state.tokens[m.class])
-  reply[n + 6] = 0
-  reply[n + 7] = m.ttl_ms
-  reply[n + 8] = 0
-  n = n + 8
+  reply[n + REPLY_DECISION_STATUS] = status
+  reply[n + REPLY_DECISION_REASON] = REASON_NONE
+  reply[n + REPLY_DECISION_LEASE_ID] = m.lease_id
+  reply[n + REPLY_DECISION_CHARGED] = num(m.cost)
+  reply[n + REPLY_DECISION_REMAINING] = num(state.tokens[m.class])
+  reply[n + REPLY_DECISION_RETRY_AFTER_MS] = 0
+  reply[n + REPLY_DECISION_LEASE_TTL_MS] = m.ttl_ms
+  reply[n + REPLY_DECISION_REPLAYED] = 0
+  n = n + DECISION_FIELDS
 end
 save_leases()
 save_tenants()

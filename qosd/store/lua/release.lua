@@ -4,9 +4,9 @@
 -- policy and settle() come from _pool.lua (a refund above the class's burst
 -- overflows into the shared tokens, as refill does).
 --
--- Script arguments per release (7): class, lease field, actual_input ('' keeps the
--- estimate), actual_output ('' keeps it), output_weight, outcome, exact (1: undo an
--- admission, refunding the whole charge; 0: a release).
+-- Script arguments: RELEASE per release (qosd/store/contract.py): class, lease
+-- field, actual input and output tokens ('' keeps the estimate), output_weight,
+-- outcome, exact (1: undo an admission, refunding the whole charge; 0: a release).
 -- Keys per release: its lease hash.
 --
 -- An active lease field is "expiry_us|charged|weight|input|output" (_pool.lua);
@@ -14,8 +14,9 @@
 -- hash expires, so a repeated release gets the first answer.
 -- A lease released before its expiry stops counting as in flight (_pool.lua:
 -- lease_ended).
--- Returns 4 values per release: status ('released' now, 'again' if settled before,
--- 'expired' or 'unknown'), final charge, adjustment, class tokens after.
+-- Returns a SETTLEMENT per release: status (SETTLED_RELEASED now, SETTLED_AGAIN if
+-- settled before, SETTLED_EXPIRED or SETTLED_UNKNOWN), final charge, adjustment,
+-- class tokens after.
 local reply = {}
 local n = 0
 local leases = {}   -- lease hash key -> field -> value (read once, updated in place)
@@ -36,43 +37,46 @@ local function lease(key, field)
 end
 
 local function answer(status, charged, adjustment, tokens)
-  reply[n + 1] = status
-  reply[n + 2] = charged
-  reply[n + 3] = adjustment
-  reply[n + 4] = tokens
-  n = n + 4
+  reply[n + REPLY_SETTLEMENT_STATUS] = status
+  reply[n + REPLY_SETTLEMENT_CHARGED] = charged
+  reply[n + REPLY_SETTLEMENT_ADJUSTMENT] = adjustment
+  reply[n + REPLY_SETTLEMENT_REMAINING] = tokens
+  n = n + SETTLEMENT_FIELDS
 end
 
 local k = NEXT_KEY
-local a = NEXT_ARG
-for _ = 1, tonumber(ARGV[1]) do
-  local i = class_index[ARGV[a]]
+local a = ARGS_BEFORE  -- arguments before this release's
+for _ = 1, tonumber(ARGV[ARG_CALLS]) do
+  local i = class_index[ARGV[a + ARG_RELEASE_QOS_CLASS]]
   local burst = classes[i].burst
   local lease_key = KEYS[k]
-  local field = ARGV[a + 1]
+  local field = ARGV[a + ARG_RELEASE_FIELD]
   local value = lease(lease_key, field)
   if value == '' then
-    answer('unknown', '0', '0', '0')
+    answer(SETTLED_UNKNOWN, '0', '0', '0')
   elseif string.sub(value, 1, 2) == 'R|' then
     local final, adjustment = string.match(value, '^R|([^|]*)|([^|]*)|')
-    answer('again', final, adjustment, num(state.tokens[i]))
+    answer(SETTLED_AGAIN, final, adjustment, num(state.tokens[i]))
   else
     local expiry, charged, weight, input, output =
       string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
     if now >= tonumber(expiry) then
-      answer('expired', charged, '0', '0')
+      answer(SETTLED_EXPIRED, charged, '0', '0')
     else
       lease_ended(i, tonumber(input) + tonumber(output), tonumber(expiry))  -- as estimated
-      if ARGV[a + 2] ~= '' then input = ARGV[a + 2] end
-      if ARGV[a + 3] ~= '' then output = ARGV[a + 3] end
-      local actual = (tonumber(input) + tonumber(ARGV[a + 4]) * tonumber(output)) * tonumber(weight)
+      local actual_input = ARGV[a + ARG_RELEASE_INPUT_TOKENS]
+      local actual_output = ARGV[a + ARG_RELEASE_OUTPUT_TOKENS]
+      if actual_input ~= '' then input = actual_input end
+      if actual_output ~= '' then output = actual_output end
+      local output_weight = tonumber(ARGV[a + ARG_RELEASE_OUTPUT_WEIGHT])
+      local actual = (tonumber(input) + output_weight * tonumber(output)) * tonumber(weight)
       local delta = actual - tonumber(charged)
-      if ARGV[a + 6] ~= '1' then
+      if ARGV[a + ARG_RELEASE_EXACT] ~= '1' then
         delta = math.max(-burst, math.min(burst, delta))
       end
       settle(i, delta)
       local final = num(tonumber(charged) + delta)
-      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + 5]
+      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + ARG_RELEASE_OUTCOME]
       leases[lease_key][field] = settled
       local writes = changed[lease_key]
       if writes == nil then
@@ -81,11 +85,11 @@ for _ = 1, tonumber(ARGV[1]) do
       end
       writes[#writes + 1] = field
       writes[#writes + 1] = settled
-      answer('released', final, num(delta), num(state.tokens[i]))
+      answer(SETTLED_RELEASED, final, num(delta), num(state.tokens[i]))
     end
   end
   k = k + 1
-  a = a + 7
+  a = a + RELEASE_ARGS
 end
 
 for key, writes in pairs(changed) do
