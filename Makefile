@@ -18,6 +18,12 @@ demo: $(BIN)/.installed  ## the daemon on the embedded store, with a demo worklo
 
 test: lint unit  ## everything CI checks
 
+# Deterministic and quick (no Redis, no daemon processes, no sleeps): the budget
+# arithmetic, the allocation, the control law, config and reload plans, the waiting
+# room's order and the differential machine on the embedded store. Under 90 s.
+test-fast: $(BIN)/.installed
+	$(BIN)/pytest -m fast -q -p no:cacheprovider
+
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

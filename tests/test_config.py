@@ -8,6 +8,8 @@ import pytest
 
 from qosd.config import Config, ConfigError, FailMode, load_config, resolve_policies, resolve_pools
 
+pytestmark = pytest.mark.fast
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "qosd.yaml"

@@ -39,6 +39,7 @@ def stored(
 # -- windows and compliance ---------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_compliance_judges_every_measured_latency_against_its_objective() -> None:
     samples = [
         stored(ttft=500.0, tpot=50.0),  # at the objectives: complies
@@ -54,12 +55,14 @@ def test_compliance_judges_every_measured_latency_against_its_objective() -> Non
     assert stats.compliance == pytest.approx(0.5)
 
 
+@pytest.mark.fast
 def test_a_class_without_objectives_has_no_compliance() -> None:
     stats = window_stats([stored()], SloConfig())
     assert stats.samples == 1 and stats.compliance is None
     assert window_stats([], SLO).compliance is None
 
 
+@pytest.mark.fast
 def test_percentiles_are_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]  # 1..100
     assert percentiles(values) == percentiles(list(reversed(values)))
@@ -72,6 +75,7 @@ def test_percentiles_are_nearest_rank() -> None:
     assert stats.ttft_ms is not None and stats.ttft_ms.p95 == 95.0 and stats.tpot_ms is None
 
 
+@pytest.mark.fast
 def test_window_cut_offs_select_the_evidence() -> None:
     # Newest first, as windows are: reported at 10 s, 9 s, ... 1 s; latency 500 ms.
     samples = [stored(at_ms=1000 * t, ttft=500.0) for t in range(10, 0, -1)]
@@ -90,6 +94,7 @@ def started_at(start_ms: int, ttft: float) -> StoredSample:
     return stored(at_ms=start_ms + round(ttft), ttft=ttft)
 
 
+@pytest.mark.fast
 def test_trend_orders_by_start_and_sees_recovery() -> None:
     # A draining backlog: later-started requests wait less, though all miss. They
     # are reported in a different order than they started, as a queue finishes them.
@@ -108,6 +113,7 @@ def test_trend_orders_by_start_and_sees_recovery() -> None:
     assert trend(draining, SLO, reported_after=10**9) is None
 
 
+@pytest.mark.fast
 def test_tail_pressure_is_the_95th_percentile_of_each_samples_worst_ratio() -> None:
     # 100 samples: each one's worse latency relative to its objective is TTFT for the
     # first 60 and TPOT for the rest, at i / 100 of the objective.
@@ -145,11 +151,13 @@ def evidence(
     )
 
 
+@pytest.mark.fast
 def test_low_compliance_cuts() -> None:
     verdict = judge(evidence(recent=(100, 90)), 1.0, CONTROL)
     assert verdict.direction == DOWN and "P0 compliance 0.900 < 0.95" in verdict.reason
 
 
+@pytest.mark.fast
 def test_after_a_cut_the_loop_cuts_again_only_while_the_trouble_persists() -> None:
     bad = (100, 50)
     persisting = evidence(recent=bad, started=bad, improving_now=False)
@@ -166,6 +174,7 @@ def test_after_a_cut_the_loop_cuts_again_only_while_the_trouble_persists() -> No
     assert verdict.direction == HOLD and "recovering" in verdict.reason
 
 
+@pytest.mark.fast
 def test_an_undone_probe_is_given_two_cooldowns_to_clear() -> None:
     bad = evidence(recent=(100, 80), started=(100, 80), improving_now=False)
     early = judge(bad, 1.0, CONTROL, last_direction=UNDO, since_change_ms=9_000)
@@ -173,6 +182,7 @@ def test_an_undone_probe_is_given_two_cooldowns_to_clear() -> None:
     assert judge(bad, 1.0, CONTROL, last_direction=UNDO, since_change_ms=10_000).direction == DOWN
 
 
+@pytest.mark.fast
 def test_growth_needs_good_evidence_and_a_busy_pool() -> None:
     good = evidence(recent=(100, 100), growth=(200, 200))
     assert judge(good, 0.9, CONTROL).direction == UP
@@ -192,6 +202,7 @@ def test_growth_needs_good_evidence_and_a_busy_pool() -> None:
     assert judge(quiet, 1.0, CONTROL).direction == HOLD
 
 
+@pytest.mark.fast
 def test_growth_needs_headroom_in_every_class() -> None:
     def judged(p0_tail: float | None, p1_tail: float | None) -> tuple[int, str]:
         verdict = judge(
@@ -219,6 +230,7 @@ def test_growth_needs_headroom_in_every_class() -> None:
     )
 
 
+@pytest.mark.fast
 def test_a_hot_tail_cuts_before_compliance_falls() -> None:
     hot = Evidence({"P0": stats(100, 100, 0.97)}, {"P0": stats(60, 60, 0.97)}, {})
     verdict = judge(hot, 1.0, CONTROL)
@@ -240,6 +252,7 @@ def test_a_hot_tail_cuts_before_compliance_falls() -> None:
     assert judge(few, 1.0, CONTROL).direction == UP
 
 
+@pytest.mark.fast
 def test_the_pressure_band_must_be_a_band() -> None:
     with pytest.raises(ValueError, match="grow_headroom must be below cut_pressure"):
         ControlConfig(grow_headroom=0.9, cut_pressure=0.9)
@@ -253,6 +266,7 @@ def record(capacity: float, **changes: Any) -> ControlRecord:
     return dataclasses.replace(base, **changes)
 
 
+@pytest.mark.fast
 def test_growth_steps_five_percent_up_to_a_step_below_the_ceiling() -> None:
     grown = step(record(8_000), UP, CONTROL, POOL)
     assert grown is not None and grown.capacity == pytest.approx(8_400)
@@ -261,6 +275,7 @@ def test_growth_steps_five_percent_up_to_a_step_below_the_ceiling() -> None:
     assert capped is not None and capped.capacity == pytest.approx(8_600 * 0.95)
 
 
+@pytest.mark.fast
 def test_a_failed_probe_is_undone_and_probing_slows() -> None:
     probe = record(8_400, direction=UP, last_good=8_000, probe_step=0.05, probe_wait=1)
     undone = step(probe, DOWN, CONTROL, POOL)
@@ -273,6 +288,7 @@ def test_a_failed_probe_is_undone_and_probing_slows() -> None:
     assert again.ceiling == 8_200  # the lowest level found too high
 
 
+@pytest.mark.fast
 def test_cuts_take_ten_percent_and_cascades_keep_the_ceiling() -> None:
     first = step(record(8_000, ceiling=9_000), DOWN, CONTROL, POOL)
     assert first is not None and first.capacity == pytest.approx(7_200)
@@ -282,6 +298,7 @@ def test_cuts_take_ten_percent_and_cascades_keep_the_ceiling() -> None:
     assert second.ceiling == 8_000  # a cut after a cut acts on lagging evidence
 
 
+@pytest.mark.fast
 def test_probes_near_the_ceiling_adapt() -> None:
     near = record(8_000, ceiling=8_200, probe_step=0.01, probe_wait=4, direction=UNDO)
     probe = step(near, UP, CONTROL, POOL)
@@ -293,6 +310,7 @@ def test_probes_near_the_ceiling_adapt() -> None:
     assert above is not None and above.ceiling == 0.0  # held above it: forgotten
 
 
+@pytest.mark.fast
 def test_bounds_hold_and_nothing_moves_at_them() -> None:
     low = step(record(POOL.min_capacity * 1.05), DOWN, CONTROL, POOL)
     assert low is not None and low.capacity == pytest.approx(POOL.min_capacity)

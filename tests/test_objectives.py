@@ -30,11 +30,13 @@ MODEL = "llama-3-8b"
 # -- the objective function ----------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_short_prompt_keeps_the_base_objective() -> None:
     for tokens in (0, 1, 1_000, 4_096):
         assert request_objectives(SCALED, tokens) == Objectives(2_000, 100, None)
 
 
+@pytest.mark.fast
 def test_a_long_prompt_gets_the_allowance_for_the_tokens_beyond_the_free_ones() -> None:
     # 200 ms per 1,000 tokens beyond 4,096.
     assert request_objectives(SCALED, 4_097).ttft_ms == pytest.approx(2_000.2)
@@ -47,6 +49,7 @@ def test_a_long_prompt_gets_the_allowance_for_the_tokens_beyond_the_free_ones() 
     assert long.ttft_ms == pytest.approx(500 + 100 * 45.904)
 
 
+@pytest.mark.fast
 def test_without_an_allowance_the_objective_is_flat() -> None:
     flat = SloConfig(ttft_ms=500, tpot_ms=50)
     assert request_objectives(flat, 1) == request_objectives(flat, 1_000_000)
@@ -55,6 +58,7 @@ def test_without_an_allowance_the_objective_is_flat() -> None:
     assert request_objectives(free, 1_000).ttft_ms == pytest.approx(510)
 
 
+@pytest.mark.fast
 def test_stated_objectives_replace_the_class_s_tighter_or_looser_and_are_not_scaled() -> None:
     assert request_objectives(SCALED, 100_000, ttft_ms=300).ttft_ms == 300
     assert request_objectives(SCALED, 10, ttft_ms=60_000) == Objectives(60_000, 100, None)
@@ -65,6 +69,7 @@ def test_stated_objectives_replace_the_class_s_tighter_or_looser_and_are_not_sca
     assert request_objectives(SloConfig(), 10, ttft_ms=800) == Objectives(800, None, None)
 
 
+@pytest.mark.fast
 def test_the_built_in_defaults_stay_above_the_simulated_gpu_s_own_prefill() -> None:
     """docs/configuration.md's figures: the default allowance (200 ms per 1,000 tokens
     beyond 4,096) keeps P0's and P1's TTFT objective above the unloaded prefill of
@@ -93,6 +98,7 @@ def _with_p1_slo(slo: dict[str, Any]) -> Config:
     return load_config(overrides={("classes",): {"P1": p1}}, env={})
 
 
+@pytest.mark.fast
 def test_config_checks_the_new_settings() -> None:
     with pytest.raises(ConfigError, match=r"classes\.P1\.slo: ttft_ms_per_1k_tokens needs ttft_ms"):
         _with_p1_slo({"ttft_ms_per_1k_tokens": 100})
@@ -126,6 +132,7 @@ def _old_decode(raw: str) -> tuple[Any, ...]:
     return int(at), float(ttft), inp, int(out), Outcome(int(status)), tenant
 
 
+@pytest.mark.fast
 def test_stated_objectives_are_stored_with_the_sample() -> None:
     for tenant in ("acme", "", "a|b", "x|slo:1.0:2.0"):
         for objectives in ({}, {"slo_ttft_ms": 800.0}, {"slo_tpot_ms": 30.0},
@@ -142,6 +149,7 @@ def test_stated_objectives_are_stored_with_the_sample() -> None:
     assert _sample().encode() == _old_encode(_sample())
 
 
+@pytest.mark.fast
 def test_old_samples_still_decode_and_new_ones_read_in_an_old_daemon() -> None:
     for tenant in ("acme", "", "a|b", "team|slo"):
         stored = StoredSample.decode(f"99|{_old_encode(_sample(tenant))}")
@@ -159,6 +167,7 @@ def _stored(tokens: int, ttft: float, *, at_ms: int = 10_000, **objectives: floa
     return StoredSample(at_ms, ttft, None, None, tokens, 10, Outcome.OK, "", **objectives)
 
 
+@pytest.mark.fast
 def test_compliance_judges_each_sample_against_its_own_objectives() -> None:
     samples = [
         _stored(32_768, 7_000.0),  # within 2,000 + 200 x 28.672 = 7,734
@@ -177,6 +186,7 @@ def test_compliance_judges_each_sample_against_its_own_objectives() -> None:
     assert stats.pressure == pytest.approx(ratios[2])
 
 
+@pytest.mark.fast
 def test_a_class_without_objectives_is_judged_only_by_what_its_requests_stated() -> None:
     none = SloConfig()
     assert window_stats([_stored(10, 9_000.0)], none).compliance is None
@@ -185,6 +195,7 @@ def test_a_class_without_objectives_is_judged_only_by_what_its_requests_stated()
     assert window_stats(stated, none).compliance == pytest.approx(0.5)
 
 
+@pytest.mark.fast
 def test_the_slo_loop_s_evidence_uses_the_scaled_objectives() -> None:
     long_ok = [_stored(65_536, 13_000.0, at_ms=10_000 + i) for i in range(60)]
     evidence = gather_evidence(
@@ -339,6 +350,7 @@ class _FakeTriton:
         return object()
 
 
+@pytest.mark.fast
 def test_the_triton_wrapper_forwards_stated_objectives() -> None:
     sink = _Collected()
     fake = _FakeTriton()

@@ -37,6 +37,7 @@ def config_of(extra: dict[str, Any]) -> Config:
 # -- the plan: what is live, what waits for a restart --------------------------------
 
 
+@pytest.mark.fast
 def test_live_changes_apply_and_restart_ones_keep_their_running_values() -> None:
     running = config_of({})
     new = config_of(
@@ -70,6 +71,7 @@ def test_live_changes_apply_and_restart_ones_keep_their_running_values() -> None
     assert applied.logging.format == running.logging.format
 
 
+@pytest.mark.fast
 def test_a_removed_class_or_pool_stays_until_a_restart() -> None:
     running = config_of({"pools": {"spare": {"capacity_tokens_s": 500}}})
     tree = merge(BASE_CONFIG, {"classes": {"P1": {"max_wait_ms": 900}}})
@@ -83,6 +85,7 @@ def test_a_removed_class_or_pool_stays_until_a_restart() -> None:
     assert "spare" in plan.config.pools
 
 
+@pytest.mark.fast
 def test_a_change_that_does_not_fit_the_running_parts_is_refused_naming_them() -> None:
     running = config_of({})
     tree = merge(BASE_CONFIG, {"classes": {"P0": {"share": 0.7}}})
@@ -91,6 +94,7 @@ def test_a_change_that_does_not_fit_the_running_parts_is_refused_naming_them() -
         plan_reload(running, Config.model_validate(tree), sample_ratio_live=False)
 
 
+@pytest.mark.fast
 def test_keys_that_hold_dots_are_keys_not_paths() -> None:
     """A resource attribute such as deployment.environment is one key: a change to it
     is one field (tracing: a restart), and the plan still validates."""
@@ -105,6 +109,7 @@ def test_keys_that_hold_dots_are_keys_not_paths() -> None:
     assert plan.config.tracing.resource_attributes == {"deployment.environment": "dev"}
 
 
+@pytest.mark.fast
 async def test_no_reload_once_the_daemon_is_stopping() -> None:
     """A SIGHUP during the drain must not apply a config (it could start an SLO loop
     against a store about to close)."""
@@ -124,11 +129,13 @@ async def test_no_reload_once_the_daemon_is_stopping() -> None:
     assert loads == []
 
 
+@pytest.mark.fast
 def test_an_unchanged_file_changes_nothing() -> None:
     plan = plan_reload(config_of({}), config_of({}), sample_ratio_live=True)
     assert not plan.changed
 
 
+@pytest.mark.fast
 def test_the_sample_ratio_is_live_only_between_two_ratios() -> None:
     running = config_of({"tracing": {"sample_ratio": 0.5}})
     to_ratio = plan_reload(
