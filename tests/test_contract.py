@@ -78,7 +78,7 @@ def test_every_constant_a_script_names_is_declared(script: str) -> None:
     source = own_sources(script)
     own = local_names(source)
     undeclared = upper_names(source) - own - REDIS_GLOBALS - DECLARED.keys()
-    assert not undeclared, f"{script}.lua names constants contract.py does not declare"
+    assert not undeclared, f"{script}.lua names undeclared constants: {sorted(undeclared)}"
     assert not own & DECLARED.keys(), f"{script}.lua shadows contract constants"
 
 
