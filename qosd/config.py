@@ -737,10 +737,6 @@ class Config(_Strict):
                     )
         return self
 
-    @property
-    def uses_redis(self) -> bool:
-        return self.redis.url is not None
-
 
 @dataclass(frozen=True, slots=True)
 class ClassPolicy:
@@ -872,15 +868,6 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,
         )
     return pools
-
-
-def resolve_policies(config: Config) -> dict[tuple[str, str], ClassPolicy]:
-    """Every (pool, class) policy, keyed for lookup on the hot path."""
-    return {
-        (pool.name, cls.name): cls
-        for pool in resolve_pools(config).values()
-        for cls in pool.classes
-    }
 
 
 @dataclass(frozen=True, slots=True)

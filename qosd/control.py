@@ -593,12 +593,13 @@ class Controller:
         if update is None:
             return None
         percent = (update.capacity / record.capacity - 1) * 100
-        kind = "grow" if verdict.direction == UP else "cut"
+        kind = "grow" if verdict.direction == UP else "cut"  # the metric's label
         if update.direction == UNDO:
-            kind = "undo the last growth"
+            kind = "undo"
+        said = {"grow": "grow", "cut": "cut", "undo": "undo the last growth"}[kind]
         update = dataclasses.replace(
             update,
-            reason=f"{kind} {percent:+.1f}%: {verdict.reason}",
+            reason=f"{said} {percent:+.1f}%: {verdict.reason}",
             changed_by=self._daemon_id,
             changed_from=record.capacity,
         )
@@ -608,7 +609,7 @@ class Controller:
             memory.record = dataclasses.replace(
                 update, changed_ms=status.now_ms, record_epoch=record.epoch
             )
-        self._on_change(pool.name, kind.split()[0])
+        self._on_change(pool.name, kind)
         log.info(
             "pool %s admitted rate %.0f -> %.0f tokens/s (%s)",
             pool.name, record.capacity, update.capacity, update.reason,

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -177,14 +177,11 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
     daemon_id = new_daemon_id()
     tracing = start_tracing(config.tracing, daemon_id)
     tracer = tracing.tracer if tracing else None
-    store = cast(
-        BucketStore,
-        InstrumentedStore(
-            store or make_store(config),
-            metrics,
-            tracer if config.tracing.store_spans else None,
-            "redis" if config.redis.url else "",
-        ),
+    store = InstrumentedStore(
+        store or make_store(config),
+        metrics,
+        tracer if config.tracing.store_spans else None,
+        "redis" if config.redis.url else "",
     )
     await store.start()
     admission = Admission(config, store, tracer, daemon_id=daemon_id)

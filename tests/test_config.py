@@ -6,9 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from qosd.config import Config, ConfigError, FailMode, load_config, resolve_policies, resolve_pools
+from qosd.config import ClassPolicy, Config, ConfigError, FailMode, load_config, resolve_pools
 
 pytestmark = pytest.mark.fast
+
+
+def resolve_policies(config: Config) -> dict[tuple[str, str], ClassPolicy]:
+    return {(p.name, c.name): c for p in resolve_pools(config).values() for c in p.classes}
 
 
 def write(tmp_path: Path, text: str) -> Path:

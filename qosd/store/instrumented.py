@@ -8,21 +8,41 @@ embedded store are measured the same way and no store class carries telemetry.
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
+from qosd.config import ClassPolicy, PoolPolicy
 from qosd.metrics import Metrics
-from qosd.model import StoreUnavailable
+from qosd.model import (
+    Adjustment,
+    BucketDecision,
+    ControlRecord,
+    LeaseSpec,
+    PoolStatus,
+    PumpResult,
+    Sample,
+    ServerLoad,
+    Settlement,
+    StoredSample,
+    StoreUnavailable,
+    UsageReport,
+    Waiter,
+)
 from qosd.store.base import BucketStore
+from qosd.store.epochs import ResetListener
+
+T = TypeVar("T")
 
 
-class InstrumentedStore:
+class InstrumentedStore(BucketStore):
     """Wraps ``store``; ``tracer`` None means no spans (and no tracing cost at all).
+
+    Every method of the interface is spelled out, so the wrapper is checked against
+    it like any store (it was a ``__getattr__`` proxy that mypy could not see into).
 
     Spans are made only for calls inside a recording span, that is for calls an RPC
     made: the waiting room's pump and the SLO loop poll the store many times a
@@ -40,60 +60,129 @@ class InstrumentedStore:
         self._metrics = metrics
         self._tracer = tracer
         self._system = system  # db.system.name: "redis", or "" for the embedded store
+        self._seconds = {name: metrics.store_seconds.labels(name) for name in _MEASURED}
+        self._errors = {name: metrics.store_errors.labels(name) for name in _MEASURED}
         # Counted here, like failures: every daemon counts the resets it sees.
         store.add_reset_listener(lambda pool, old, new: metrics.store_resets.labels(pool).inc())
 
-    def __getattr__(self, name: str) -> Any:
-        # Called only on the first lookup of a name: the wrapper is then set on the
-        # instance, so later calls cost an ordinary attribute lookup.
-        attribute = getattr(self._store, name)
-        if (
-            name.startswith("_")
-            or name in ("start", "close")
-            or not inspect.iscoroutinefunction(attribute)
-        ):
-            return attribute
-        wrapped = self._wrap(name, attribute)
-        setattr(self, name, wrapped)
-        return wrapped
+    # -- not measured: set-up, and what never waits on the store -------------------------
 
-    def _wrap(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        seconds = self._metrics.store_seconds.labels(name)
-        errors = self._metrics.store_errors.labels(name)
+    async def start(self) -> None:
+        await self._store.start()
 
-        async def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return await call(*args, **kwargs)
-            except StoreUnavailable:
-                errors.inc()
-                raise
-            finally:
-                seconds.observe(time.perf_counter() - began)
+    async def close(self) -> None:
+        await self._store.close()
 
+    def add_reset_listener(self, listener: ResetListener) -> None:
+        self._store.add_reset_listener(listener)
+
+    # -- measured ---------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        cost: float,
+        lease: LeaseSpec,
+        wait_ms: int,
+        daemon_id: str,
+    ) -> BucketDecision:
+        return await self._measured(
+            "acquire", self._store.acquire(pool, cls, cost, lease, wait_ms, daemon_id)
+        )
+
+    async def pump(
+        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
+    ) -> list[PumpResult]:
+        return await self._measured("pump", self._store.pump(pool, daemon_id, waiters))
+
+    async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
+        await self._measured("cancel", self._store.cancel(pool, waiters))
+
+    async def release(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        lease_id: str,
+        usage: UsageReport,
+        *,
+        exact: bool = False,
+    ) -> Settlement:
+        return await self._measured(
+            "release", self._store.release(pool, cls, lease_id, usage, exact=exact)
+        )
+
+    async def status(self, pool: PoolPolicy) -> PoolStatus:
+        return await self._measured("status", self._store.status(pool))
+
+    async def control(self, pool: PoolPolicy) -> ControlRecord:
+        return await self._measured("control", self._store.control(pool))
+
+    async def adjust(
+        self, pool: PoolPolicy, update: ControlRecord, cooldown_ms: int, *, force: bool = False
+    ) -> bool:
+        return await self._measured(
+            "adjust", self._store.adjust(pool, update, cooldown_ms, force=force)
+        )
+
+    async def set_prefill(
+        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
+    ) -> None:
+        await self._measured("set_prefill", self._store.set_prefill(pool, tokens, model))
+
+    async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
+        await self._measured("report_load", self._store.report_load(pool, loads))
+
+    async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
+        return await self._measured("history", self._store.history(pool, limit))
+
+    async def lead(self, daemon_id: str, lease_ms: int) -> str:
+        return await self._measured("lead", self._store.lead(daemon_id, lease_ms))
+
+    async def report(self, samples: Sequence[Sample], window_size: int) -> None:
+        await self._measured("report", self._store.report(samples, window_size))
+
+    async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
+        return await self._measured("window", self._store.window(pool, qos_class))
+
+    async def ping(self) -> None:
+        await self._measured("ping", self._store.ping())
+
+    async def _measured(self, name: str, call: Awaitable[T]) -> T:
+        """Times ``call`` (and counts its failure); inside a recording span, in a
+        child span of its own."""
         tracer = self._tracer
-        if tracer is None:
-            return timed
-        span_name = f"qosd.store/{name}"
+        if tracer is None or not trace.get_current_span().is_recording():
+            return await self._timed(name, call)
         attributes = {"db.operation.name": name, "qosd.store": self._system or "embedded"}
         if self._system:
             attributes["db.system.name"] = self._system
-        current_span = trace.get_current_span
+        with tracer.start_as_current_span(
+            f"qosd.store/{name}",
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                return await self._timed(name, call)
+            except StoreUnavailable as exc:
+                span.set_status(StatusCode.ERROR, str(exc))
+                raise
 
-        async def traced(*args: Any, **kwargs: Any) -> Any:
-            if not current_span().is_recording():
-                return await timed(*args, **kwargs)
-            with tracer.start_as_current_span(
-                span_name,
-                kind=SpanKind.CLIENT,
-                attributes=attributes,
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span:
-                try:
-                    return await timed(*args, **kwargs)
-                except StoreUnavailable as exc:
-                    span.set_status(StatusCode.ERROR, str(exc))
-                    raise
+    async def _timed(self, name: str, call: Awaitable[T]) -> T:
+        began = time.perf_counter()
+        try:
+            return await call
+        except StoreUnavailable:
+            self._errors[name].inc()
+            raise
+        finally:
+            self._seconds[name].observe(time.perf_counter() - began)
 
-        return traced
+
+# The calls whose latency and failures are measured, one label each.
+_MEASURED = (
+    "acquire", "pump", "cancel", "release", "status", "control", "adjust", "set_prefill",
+    "report_load", "history", "lead", "report", "window", "ping",
+)  # fmt: skip
