@@ -110,9 +110,7 @@ class Daemon:
         await self.admission.store.close()
         if self.tracing is not None:
             await self.tracing.shutdown()
-        for path in self.unix_paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        _unlink_all(self.unix_paths)
 
     def apply(self, plan: ReloadPlan) -> None:
         """Takes a reloaded config (qosd.reload): synchronously, so no call sees half
@@ -173,17 +171,33 @@ def _remove_stale_socket(path: str) -> None:
 
 
 async def start(config: Config, store: BucketStore | None = None) -> Daemon:
+    """Starts a daemon. What it has started when a step fails (the store's
+    connections, tracing's exporter thread, a bound server, the HTTP listener, unix
+    socket files) is undone, in reverse order, before the error propagates."""
+    async with contextlib.AsyncExitStack() as undo:
+        daemon = await _start(config, store, undo)
+        undo.pop_all()  # the daemon owns all of it now: Daemon.stop undoes it
+        return daemon
+    raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
+
+
+async def _start(
+    config: Config, given_store: BucketStore | None, undo: contextlib.AsyncExitStack
+) -> Daemon:
     metrics = Metrics()
     daemon_id = new_daemon_id()
     tracing = start_tracing(config.tracing, daemon_id)
+    if tracing is not None:
+        undo.push_async_callback(tracing.shutdown)
     tracer = tracing.tracer if tracing else None
     store = InstrumentedStore(
-        store or make_store(config),
+        given_store or make_store(config),
         metrics,
         tracer if config.tracing.store_spans else None,
         "redis" if config.redis.url else "",
     )
     await store.start()
+    undo.push_async_callback(store.close)
     admission = Admission(config, store, tracer, daemon_id=daemon_id)
     try:
         certificates = (
@@ -195,7 +209,6 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
             else None
         )
     except (OSError, ValueError) as exc:
-        await store.close()
         raise StartupError(f"server.tls: the files do not load: {exc}") from exc
     server = grpc.aio.server(options=_server_options(config))
     controller = Controller(
@@ -235,21 +248,20 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         tracing=tracing,
         certificates=certificates,
     )
+    undo.callback(_unlink_all, daemon.unix_paths)  # the list fills as ports are bound
     credentials = certificates.grpc_credentials() if certificates is not None else None
-    try:
-        daemon.addresses = _bind(server, config.server.listen, credentials, daemon.unix_paths)
-        if config.server.admin_listen:
-            # Its own server: a gRPC server cannot tell which of its ports a call came
-            # in on, and this one serves control calls with no credentials.
-            daemon.admin_server = grpc.aio.server(options=_server_options(config))
-            add_to_server(None, admin, daemon.admin_server, tracer=tracer)
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, daemon.admin_server)
-            daemon.admin_addresses = _bind(
-                daemon.admin_server, config.server.admin_listen, None, daemon.unix_paths
-            )
-    except StartupError:
-        await store.close()
-        raise
+    daemon.addresses = _bind(server, config.server.listen, credentials, daemon.unix_paths)
+    undo.push_async_callback(_release, server)
+    if config.server.admin_listen:
+        # Its own server: a gRPC server cannot tell which of its ports a call came
+        # in on, and this one serves control calls with no credentials.
+        daemon.admin_server = grpc.aio.server(options=_server_options(config))
+        add_to_server(None, admin, daemon.admin_server, tracer=tracer)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, daemon.admin_server)
+        daemon.admin_addresses = _bind(
+            daemon.admin_server, config.server.admin_listen, None, daemon.unix_paths
+        )
+        undo.push_async_callback(_release, daemon.admin_server)
     if config.server.http_listen:
         daemon.http = DaemonHttp(
             monitor,
@@ -260,9 +272,8 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         try:
             await daemon.http.start()
         except OSError as exc:
-            await server.stop(0)
-            await store.close()
             raise StartupError(f"cannot listen on {config.server.http_listen}: {exc}") from exc
+        undo.push_async_callback(daemon.http.stop)
     await server.start()
     if daemon.admin_server is not None:
         await daemon.admin_server.start()
@@ -272,6 +283,7 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         os.chmod(path, UNIX_SOCKET_MODE)
     if config.control.enabled:
         controller.start()
+        undo.push_async_callback(controller.stop)
     await monitor.start()
     tls = ""
     if certificates is not None:
@@ -285,6 +297,21 @@ async def start(config: Config, store: BucketStore | None = None) -> Daemon:
         config.fail_mode.value,
     )
     return daemon
+
+
+async def _release(server: grpc.aio.Server) -> None:
+    """Gives a server's ports back. grpcio keeps the ports of a server that was never
+    started bound until the process exits, stop() or not (measured with grpcio
+    1.78): so a failed start, retried in the same process, found its own port taken.
+    Started, then stopped at once, it lets them go."""
+    await server.start()
+    await server.stop(0)
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _server_options(config: Config) -> list[tuple[str, Any]]:

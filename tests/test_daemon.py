@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -93,6 +94,28 @@ async def test_port_in_use_stops_start_up() -> None:
             await start(config)
     finally:
         await first.stop(0)
+
+
+async def test_a_start_that_fails_late_undoes_what_it_started(tmp_path: Path) -> None:
+    """The HTTP port is taken, so start fails after the gRPC port, the admin socket
+    and the store were set up: all of them are released (the ports can be bound
+    again, the socket file is gone), so a supervisor's retry finds nothing held."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http_port = taken.getsockname()[1]
+        grpc_port = free_port()
+        admin = tmp_path / "admin.sock"
+        tree = {"server": {"listen": [f"127.0.0.1:{grpc_port}"], "admin_listen": [f"unix:{admin}"],
+                           "http_listen": f"127.0.0.1:{http_port}"}}  # fmt: skip
+        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{http_port}"):
+            await start(Config.model_validate(merge(BASE_CONFIG, tree)))
+    assert not admin.exists()
+    again = await start(Config.model_validate(merge(BASE_CONFIG, tree)))  # all free again
+    try:
+        assert again.addresses == [f"127.0.0.1:{grpc_port}"]
+    finally:
+        await again.stop(0)
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)
