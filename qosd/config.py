@@ -262,6 +262,10 @@ class RedisConfig(_Strict):
     # None: sentinels that ask for none.
     sentinel_username: str | None = None
     sentinel_password: SecretStr | None = None
+    # TLS to the sentinels; None: as the url's scheme says for the master (rediss://:
+    # TLS). Set for sentinels that differ from the master, e.g. TLS on the data port
+    # and plain sentinels; with TLS they take the tls files (CA, client certificate).
+    sentinel_tls: bool | None = None
     # How often the sentinels are asked whether the master moved, besides at once on
     # a lost connection or a READONLY; 0: only then. Off the request path.
     sentinel_check_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 1_000
@@ -293,8 +297,12 @@ class RedisConfig(_Strict):
 
     @model_validator(mode="after")
     def _tls_needs_rediss(self) -> RedisConfig:
-        if self.tls is not None and not (self.url or "").startswith("rediss://"):
-            raise ValueError("tls: needs a rediss:// url")
+        if (
+            self.tls is not None
+            and not (self.url or "").startswith("rediss://")
+            and not self.sentinel_tls
+        ):
+            raise ValueError("tls: needs a rediss:// url (or sentinel_tls: true)")
         return self
 
     @model_validator(mode="after")
@@ -308,8 +316,8 @@ class RedisConfig(_Strict):
         sentinel = self.mode is RedisMode.SENTINEL
         if not sentinel:
             for name in ("sentinels", "sentinel_master", "sentinel_username",
-                         "sentinel_password"):  # fmt: skip
-                if getattr(self, name):
+                         "sentinel_password", "sentinel_tls"):  # fmt: skip
+                if getattr(self, name) not in (None, []):
                     raise ValueError(f"{name}: only with mode: sentinel")
             return self
         if not self.sentinels:
@@ -916,6 +924,7 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_REDIS_SENTINEL_MASTER": ("redis", "sentinel_master"),
     "QOSD_REDIS_SENTINEL_USERNAME": ("redis", "sentinel_username"),
     "QOSD_REDIS_SENTINEL_PASSWORD": ("redis", "sentinel_password"),
+    "QOSD_REDIS_SENTINEL_TLS": ("redis", "sentinel_tls"),  # true or false
     "QOSD_FAIL_MODE": ("fail_mode",),
     "QOSD_LISTEN": ("server", "listen"),  # comma-separated
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),

@@ -120,6 +120,17 @@ class RedisServer:
         self.kill()
         return self.start()
 
+    def pause(self) -> None:
+        """Stops the process (SIGSTOP): the kernel still accepts connections to its
+        port, but nothing answers, as with a hung server or a cut link."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Lets a paused process go on (SIGCONT); what it was sent meanwhile is read."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
 
 @contextlib.contextmanager
 def redis_server(extra_args: Sequence[str] = ()) -> Iterator[RedisServer]:

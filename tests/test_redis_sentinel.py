@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 
 from qosd.config import Config, ConfigError, load_config
+from qosd.model import StoreUnavailable
 from qosd.server import Daemon, start
+from qosd.store.resp import RespClient, SentinelOptions, TlsFiles, pack
 from qosd.testing import RedisSentinel, free_port, redis_command, redis_sentinel
 from qosd_client import QosdClient, Reason
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_redis_store import Monitor
-from tests.waiting import until
+from tests.waiting import eventually, until
 
 # P1 refills at 30 tokens/s from a 300-token burst: at 10 tokens an Acquire, a bucket
 # restored from scratch by a failover would admit 30 more than the budget allows.
@@ -230,3 +232,173 @@ def test_bad_sentinel_settings_name_the_field() -> None:
     assert config.redis.username == "qosd"
     assert config.redis.sentinel_password is not None
     assert "sentinel-secret" not in repr(config.redis)
+
+
+# A short timeout, so that asking three hung sentinels one after the other (about
+# 3 x 200 ms) is plainly longer than what one call may take.
+SHORT_TIMEOUT_MS = 200
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+async def test_with_every_sentinel_down_a_call_is_answered_within_its_timeout(how: str) -> None:
+    with redis_sentinel(sentinels=3) as group:
+        for sentinel in group.sentinels:
+            sentinel.kill() if how == "killed" else sentinel.pause()
+        config = sentinel_config(
+            group,
+            sentinels=group.sentinel_addresses,
+            timeout_ms=SHORT_TIMEOUT_MS,
+            # Every Acquire asks the store: none is answered by the guard's fail-fast.
+            retry_interval_ms=0,
+        )
+        config["fail_mode"] = "closed"
+        started = time.monotonic()
+        running = await start(Config.model_validate(config))
+        start_s = time.monotonic() - started
+        try:
+            async with QosdClient(running.addresses[0]) as qos:
+                took: list[float] = []
+                for _ in range(3):
+                    asked = time.monotonic()
+                    answer = await qos.acquire("P1", COST, max_wait_ms=0)
+                    took.append(time.monotonic() - asked)
+                    assert answer.reason is Reason.BACKEND_UNAVAILABLE, answer
+                # One sentinel back: the discovery that goes on in the background
+                # finds the master, with no restart.
+                back = group.sentinels[1]
+                back.start_sentinel() if how == "killed" else back.resume()
+                resumed_at = time.monotonic()
+                admitted = await eventually(
+                    lambda: qos.acquire("P1", COST, max_wait_ms=0),
+                    lambda answer: answer.admitted,
+                    timeout_s=20,
+                )
+                assert admitted.admitted, admitted
+                resumed_s = time.monotonic() - resumed_at
+        finally:
+            await running.stop(0)
+    print(
+        f"\nevery sentinel {how}: start took {start_s:.2f} s; Acquires answered in "
+        f"{', '.join(f'{t * 1000:.0f}' for t in took)} ms (timeout {SHORT_TIMEOUT_MS} ms); "
+        f"admitted {resumed_s:.2f} s after a sentinel came back"
+    )
+    # The timeout, plus the RPC's own time on a busy machine.
+    assert max(took) < SHORT_TIMEOUT_MS / 1000 + 0.15, took
+    assert start_s < 5
+
+
+def sentinel_client(
+    group: RedisSentinel,
+    *,
+    url: str = "redis://sentinel-named-master/0",
+    files: TlsFiles | None = None,
+    sentinel_tls: bool | None = None,
+    check_interval_s: float = 1.0,
+) -> RespClient:
+    """The store's client on its own, to look at the nodes it keeps."""
+    return RespClient(
+        url,
+        cluster=False,
+        timeout_s=1.0,
+        connect_timeout_s=0.25,
+        tls=files,
+        sentinel=SentinelOptions(
+            addresses=[("127.0.0.1", sentinel.port) for sentinel in group.sentinels],
+            master=group.name,
+            check_interval_s=check_interval_s,
+            tls=sentinel_tls,
+        ),
+    )
+
+
+async def test_an_old_master_is_closed_and_never_reopened_after_a_failover(
+    sentinel_group: RedisSentinel,
+) -> None:
+    group = sentinel_group
+    assert group.master is not None and group.replica is not None
+    client = sentinel_client(group, check_interval_s=0.05)
+    try:
+        assert await client.execute("k", "PING") == "PONG"
+        [old] = [node for node in client.nodes() if node.address == client.master]
+        assert old.address[1] == group.master.port and old.open_connections > 0
+        new_master = ("127.0.0.1", group.replica.port)
+        await asyncio.to_thread(group.failover)
+        assert await until(lambda: client.master == new_master, 20)
+        assert old.retired and old not in client.nodes()
+        # Its connections go once replies already on their way had time to arrive.
+        assert await until(lambda: old.open_connections == 0, 10)
+        # A caller that still holds it (the NOSCRIPT retry does) is told the store is
+        # unavailable; no connection to the demoted master is opened for it.
+        with pytest.raises(StoreUnavailable, match="retired"):
+            await old.execute(pack("PING"), 1.0)
+        assert old.open_connections == 0
+        assert await client.execute("k", "PING") == "PONG"  # the new master serves
+    finally:
+        await client.close()
+
+
+def role_probes(port: int) -> int:
+    """Connections to the server on ``port`` whose last command was ROLE (qosd's
+    check of an address a sentinel named; sentinels themselves send INFO)."""
+    clients = str(redis_command(port, "CLIENT", "LIST"))
+    return sum(1 for line in clients.splitlines() if " cmd=role " in f" {line} ")
+
+
+async def test_a_replica_a_sentinel_names_is_closed_and_forgotten() -> None:
+    # No failover during the test: the first sentinel names the replica as the master.
+    with redis_sentinel(sentinels=2, down_after_ms=60_000) as group:
+        assert group.master is not None and group.replica is not None
+        wrong = group.sentinels[0].port
+        assert redis_command(wrong, "SENTINEL", "REMOVE", group.name) == "OK"
+        assert (
+            redis_command(
+                wrong, "SENTINEL", "MONITOR", group.name, "127.0.0.1", str(group.replica.port), "1"
+            )
+            == "OK"
+        )
+        assert group.master_port(0) == group.replica.port
+        client = sentinel_client(group, check_interval_s=0)
+        try:
+            assert await client.execute("k", "PING") == "PONG"
+            assert client.master == ("127.0.0.1", group.master.port)
+            addresses = [node.address for node in client.nodes()]
+            assert ("127.0.0.1", group.replica.port) not in addresses, addresses
+            # The ROLE probe's connection to the replica is closed, not left open.
+            replica_port = group.replica.port
+            assert await until(lambda: role_probes(replica_port) == 0, 10)
+        finally:
+            await client.close()
+
+
+async def test_sentinels_take_tls_apart_from_the_master(sentinel_group: RedisSentinel) -> None:
+    group = sentinel_group
+    assert group.master is not None
+    # The group is plain. TLS to the master, plain to the sentinels: the sentinels
+    # answer and name the master, and only the TLS handshake with the master fails.
+    client = sentinel_client(
+        group,
+        url="rediss://sentinel-named-master/0",
+        files=TlsFiles(verify=False),
+        sentinel_tls=False,
+    )
+    try:
+        with pytest.raises(StoreUnavailable) as raised:
+            await client.execute("k", "PING")
+        assert f"127.0.0.1:{group.master.port}, named by sentinel" in str(raised.value)
+    finally:
+        await client.close()
+    # Plain master, TLS to the sentinels: no sentinel can be asked.
+    client = sentinel_client(group, files=TlsFiles(verify=False), sentinel_tls=True)
+    try:
+        with pytest.raises(StoreUnavailable) as raised:
+            await client.execute("k", "PING")
+        assert "named by" not in str(raised.value)
+        assert f"sentinel 127.0.0.1:{group.sentinels[0].port}:" in str(raised.value)
+    finally:
+        await client.close()
+    # And by default the sentinels follow the URL: plain here, and all works.
+    client = sentinel_client(group)
+    try:
+        assert await client.execute("k", "PING") == "PONG"
+    finally:
+        await client.close()

@@ -271,10 +271,12 @@ class RedisStore:
                 await self._client.execute_on_primaries("SCRIPT", "LOAD", script.source)
         except AuthFailed as exc:
             # Not an outage that passes: say so plainly (requests still fail per
-            # fail_mode, and a corrected Secret is used by the next connection).
+            # fail_mode; the credentials were read at start, so fixing them takes a
+            # restart).
             log.error(
                 "redis refused qosd's credentials (%s); check redis.username and "
-                "redis.password ($QOSD_REDIS_USERNAME, $QOSD_REDIS_PASSWORD)%s",
+                "redis.password ($QOSD_REDIS_USERNAME, $QOSD_REDIS_PASSWORD)%s, then "
+                "restart qosd (credentials are read at start)",
                 exc,
                 ", redis.sentinel_username and redis.sentinel_password"
                 if self._config.mode is RedisMode.SENTINEL
@@ -675,6 +677,7 @@ def _sentinel_options(config: RedisConfig) -> SentinelOptions | None:
             config.sentinel_password.get_secret_value() if config.sentinel_password else None
         ),
         check_interval_s=config.sentinel_check_interval_ms / 1000,
+        tls=config.sentinel_tls,
     )
 
 

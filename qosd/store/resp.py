@@ -73,9 +73,11 @@ def error_from_reply(reply: hiredis.ReplyError) -> Exception:
 class AuthFailed(StoreUnavailable):
     """Redis refused the credentials (AUTH answered WRONGPASS or an error like it).
 
-    Still a StoreUnavailable, so requests fail per ``fail_mode`` and a fixed password
-    is picked up by the next connection; apart, so that start-up can say plainly that
-    the credentials are wrong rather than that Redis is down."""
+    Still a StoreUnavailable, so requests fail per ``fail_mode`` (the daemon keeps
+    running); apart, so that start-up can say plainly that the credentials are wrong
+    rather than that Redis is down. The credentials are read once, when the client is
+    made: every reconnect sends the same ones, so a corrected password or user takes
+    a restart (``redis.*`` is restart-only, docs/configuration.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,10 @@ class NodeClient:
         self._slots: list[_Protocol | None] = [None] * size
         self._connecting: list[asyncio.Task[_Protocol] | None] = [None] * size
         self._next = itertools.cycle(range(size))
+        # Set once the node is no longer wanted (an old master after a failover, a
+        # replica a sentinel named): callers that still hold it get StoreUnavailable
+        # instead of a fresh connection that nothing would ever close.
+        self.retired = False
 
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
@@ -207,6 +213,8 @@ class NodeClient:
         protocol = self._slots[index]
         if protocol is not None and not protocol.closed:
             return protocol
+        if self.retired:
+            raise StoreUnavailable(f"redis at {self.describe()} is no longer used (retired)")
         task = self._connecting[index]
         if task is None:  # one connect per slot at a time, shared by all callers
             task = asyncio.get_running_loop().create_task(self._connect())
@@ -243,7 +251,18 @@ class NodeClient:
             raise error_from_reply(reply)
         return reply
 
+    @property
+    def open_connections(self) -> int:
+        """How many of the node's connections are open now."""
+        return sum(1 for protocol in self._slots if protocol is not None and not protocol.closed)
+
+    def retire(self) -> None:
+        """No new connection from now on; the open ones stay until ``close``, so that
+        replies already on their way still reach their callers."""
+        self.retired = True
+
     def close(self) -> None:
+        self.retired = True  # a caller still holding it must not reopen a connection
         for protocol in self._slots:
             if protocol is not None:
                 protocol.fail(StoreUnavailable("redis client closed"))
@@ -302,6 +321,10 @@ class SentinelOptions:
     # How often the sentinels are asked whether the master moved, besides asking at
     # once on a lost connection or a READONLY; 0: only then.
     check_interval_s: float = 1.0
+    # TLS to the sentinels: None follows the URL's scheme (rediss://: TLS), as the
+    # master's connections do; True or False for sentinels that differ from the
+    # master (say TLS on the data port, plain on the sentinels' private network).
+    tls: bool | None = None
 
 
 # Rediscoveries that errors ask for are this far apart at least, so that a master
@@ -323,9 +346,12 @@ class RespClient:
         over its ``ssl_ca_certs``, ``ssl_certfile`` and ``ssl_keyfile``. ``seeds``: more
         cluster nodes to ask for the topology when the URL's node does not answer.
         ``sentinel``: the URL's host is not used; the master is the one the sentinels
-        name (reached with the URL's credentials, db and TLS)."""
+        name (reached with the URL's credentials, db and TLS). The sentinels use TLS
+        as ``sentinel.tls`` says (None: as the master), with the same CA and client
+        certificate files."""
         options = parse_url(url)
-        context = tls_context(options, tls) if url.startswith("rediss://") else None
+        master_tls = url.startswith("rediss://")
+        context = tls_context(options, tls) if master_tls else None
         self._settings = ConnectionSettings(
             username=username if username is not None else options.get("username"),
             password=password if password is not None else options.get("password"),
@@ -346,15 +372,19 @@ class RespClient:
         self._slot_owner: list[NodeClient | None] = [None] * 16384
         self._refreshing: asyncio.Task[None] | None = None
         self._closed = False
-        # Sentinel mode: the sentinels (one connection each, their own credentials, TLS
-        # as the master's), the master they last named, and the task that keeps asking.
+        # Sentinel mode: the sentinels (one connection each, their own credentials and
+        # TLS), the master they last named, and the task that keeps asking.
         self._sentinel = sentinel
         self._sentinels: list[NodeClient] = []
         if sentinel is not None:
+            sentinel_tls = master_tls if sentinel.tls is None else sentinel.tls
+            sentinel_context: ssl.SSLContext | None = None
+            if sentinel_tls:
+                sentinel_context = context or tls_context(options, tls)
             sentinel_settings = ConnectionSettings(
                 username=sentinel.username,
                 password=sentinel.password,
-                ssl_context=context,
+                ssl_context=sentinel_context,
                 connect_timeout_s=connect_timeout_s,
             )
             self._sentinels = [
@@ -363,6 +393,8 @@ class RespClient:
             ]
         self._master: NodeClient | None = None
         self._discovering: asyncio.Task[NodeClient] | None = None
+        # Why the last discovery found no master, for a request that could not wait.
+        self._discovery_error = "no answer from the sentinels yet"
         self._watcher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -389,10 +421,14 @@ class RespClient:
         if node is self._master:
             self._wake.set()
 
-    async def _primary(self) -> NodeClient:
+    async def _primary(self, deadline: float) -> NodeClient:
         """The node that takes every command outside a cluster. Under Sentinel, the
-        known master without any I/O; the sentinels are asked only when none is known
-        yet (at start, or while none could be found), never on the per-request path."""
+        known master without any I/O. While none is known (at start, or while every
+        sentinel is down) the call waits for the discovery in progress, but only
+        until ``deadline`` (its own timeout): the sentinels are asked one after the
+        other, each up to a connect timeout plus a timeout, and a call must still be
+        answered per ``fail_mode`` in about one timeout. The discovery goes on in the
+        background, and a later call finds the master it named."""
         if self._sentinel is None:
             return self._seed
         if self._watcher is None and not self._closed:
@@ -400,14 +436,32 @@ class RespClient:
         master = self._master
         if master is not None:
             return master
-        return await self._discover()
+        task = self._discovery()
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining > 0:
+            # asyncio.wait, unlike wait_for, leaves the shared task running on timeout.
+            await asyncio.wait((task,), timeout=remaining)
+        if task.cancelled():  # the client is closing
+            raise StoreUnavailable("redis client closed")
+        if task.done():
+            return task.result()
+        name = self._sentinel.master
+        raise StoreUnavailable(
+            f"redis sentinel: no master {name!r} known within the "
+            f"{self._timeout_s * 1000:.0f} ms timeout; still asking the sentinels "
+            f"(last: {self._discovery_error})"
+        )
 
-    async def _discover(self) -> NodeClient:
-        """Asks the sentinels for the master, one discovery at a time, shared."""
+    def _discovery(self) -> asyncio.Task[NodeClient]:
+        """The discovery in progress, or a new one: one at a time, shared."""
         if self._discovering is None or self._discovering.done():
             self._discovering = asyncio.get_running_loop().create_task(self._ask_sentinels())
             self._discovering.add_done_callback(_quiet)
-        return await asyncio.shield(self._discovering)
+        return self._discovering
+
+    async def _discover(self) -> NodeClient:
+        """Waits for a discovery with no time limit: the watcher's, off the request path."""
+        return await asyncio.shield(self._discovery())
 
     async def _ask_sentinels(self) -> NodeClient:
         """The master as the first sentinel that answers names it, once ROLE on that
@@ -436,15 +490,29 @@ class RespClient:
             except (StoreUnavailable, redis_errors.ResponseError) as exc:
                 auth_failed |= isinstance(exc, AuthFailed)
                 errors.append(f"{node.describe()}, named by {where}: {exc}")
+                self._drop(node)
                 continue
             if not role or role[0] != "master":
                 what = role[0] if role else "server that gave no ROLE"
                 errors.append(f"{node.describe()}, named by {where}, is a {what}")
+                self._drop(node)
                 continue
             self._use_master(node)
             return node
         failed = AuthFailed if auth_failed else StoreUnavailable
-        raise failed(f"no sentinel named a usable master {name!r}: " + "; ".join(errors))
+        error = failed(f"no sentinel named a usable master {name!r}: " + "; ".join(errors))
+        self._discovery_error = str(error)
+        raise error
+
+    def _drop(self, node: NodeClient) -> None:
+        """Closes and forgets a node a sentinel named that is not the master (a
+        replica, a server that is down), so that its probe connection does not stay
+        open; the master in use is kept: its own failure path asks the sentinels."""
+        if node is self._master:
+            return
+        if self._nodes.get(node.address) is node:
+            del self._nodes[node.address]
+        node.close()
 
     def _use_master(self, node: NodeClient) -> None:
         old = self._master
@@ -459,8 +527,12 @@ class RespClient:
                 node.describe(),
             )
             # Replies already on their way from the old master still reach their
-            # callers; after that its connections go.
-            self._nodes.pop(old.address, None)
+            # callers; after that its connections go. Retired, it opens no new one
+            # for a caller that still holds it (a NOSCRIPT retry): that call fails
+            # as unavailable, as it would on a lost connection.
+            if self._nodes.get(old.address) is old:
+                del self._nodes[old.address]
+            old.retire()
             asyncio.get_running_loop().call_later(self._timeout_s, old.close)
         else:
             log.info("redis sentinel: master is %s", node.describe())
@@ -523,9 +595,9 @@ class RespClient:
             return
         raise StoreUnavailable("no cluster node answered CLUSTER SLOTS: " + "; ".join(errors))
 
-    async def _owner(self, key: str) -> NodeClient:
+    async def _owner(self, key: str, deadline: float) -> NodeClient:
         if not self._cluster:
-            return await self._primary()
+            return await self._primary(deadline)
         slot = key_slot(key.encode())
         node = self._slot_owner[slot]
         if node is None:
@@ -545,15 +617,22 @@ class RespClient:
         if self._closed:
             raise StoreUnavailable("redis client closed")
         packed = pack(*args)
-        node = await self._owner(route_key)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        node = await self._owner(route_key, deadline)
+        # Outside a cluster the first command gets what the wait for a master left of
+        # the timeout (all of it when a master was known); a cluster's topology read,
+        # redirects and a NOSCRIPT reload get a timeout each, as before.
+        timeout_s = self._timeout_s if self._cluster else self._remaining(deadline, node)
         asking = False
         for _ in range(_MAX_REDIRECTS + 1):
             try:
                 if asking:
-                    return await node.execute(pack("ASKING") + packed, self._timeout_s, 2)
-                return await node.execute(packed, self._timeout_s)
+                    return await node.execute(pack("ASKING") + packed, timeout_s, 2)
+                return await node.execute(packed, timeout_s)
             except Redirect as redirect:
                 node = self._node(*redirect.address)
+                timeout_s = self._timeout_s
                 asking = redirect.kind == "ASK"
                 if not asking:
                     self._slot_owner[redirect.slot] = node
@@ -562,6 +641,7 @@ class RespClient:
                 if script_source is None:
                     raise
                 await node.execute(pack("SCRIPT", "LOAD", script_source), self._timeout_s)
+                timeout_s = self._timeout_s
                 script_source = None
             except StoreUnavailable:
                 self._failed_on(node)
@@ -572,9 +652,10 @@ class RespClient:
         """Runs one command on every primary (SCRIPT LOAD), or on the one server."""
         packed = pack(*args)
         if not self._cluster:
-            node = await self._primary()
+            deadline = asyncio.get_running_loop().time() + self._timeout_s
+            node = await self._primary(deadline)
             try:
-                return [await node.execute(packed, self._timeout_s)]
+                return [await node.execute(packed, self._remaining(deadline, node))]
             except StoreUnavailable:
                 self._failed_on(node)
                 raise
@@ -585,6 +666,18 @@ class RespClient:
                 *(node.execute(packed, self._timeout_s) for node in primaries.values())
             )
         )
+
+    def _remaining(self, deadline: float, node: NodeClient) -> float:
+        """What is left of a call's timeout once its node is known; a call that
+        spent it all waiting for a master fails here rather than send a command that
+        its caller will not wait for."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise StoreUnavailable(
+                f"redis at {node.describe()}: the {self._timeout_s * 1000:.0f} ms timeout "
+                "was spent waiting for the master"
+            )
+        return remaining
 
     def _schedule_refresh(self) -> None:
         if self._refreshing is None or self._refreshing.done():
