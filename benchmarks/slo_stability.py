@@ -40,9 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qosd.config import Config, PoolPolicy, resolve_pools
+from qosd.config import Config
 from qosd.control import Controller
 from qosd.model import LeaseSpec, Outcome, Sample, new_lease_token
+from qosd.policy import PoolPolicy, resolve_pools
 from qosd.store.embedded import EmbeddedStore
 
 NOMINAL = 10_000.0  # the pool's configured capacity, tokens/s

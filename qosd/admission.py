@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
 
-from qosd.config import ClassPolicy, Config, FailMode, PoolPolicy, resolve_pools
+from qosd.config import Config, FailMode
 from qosd.model import (
     BucketDecision,
     LeaseNotFound,
@@ -33,6 +33,7 @@ from qosd.model import (
     new_daemon_id,
     new_lease_token,
 )
+from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.store.base import BucketStore
 from qosd.waiting import WaitingRoom
 

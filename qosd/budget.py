@@ -51,76 +51,15 @@ what its servers can take instead, and the buckets decide the order:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from qosd.config import ClassPolicy, PoolPolicy
+from qosd.policy import ClassPolicy, PoolPolicy
 
 OWN = 1
 BORROW = 2
 OVER = 3  # a GPU-gated pool's admission over the class's share, into bounded debt
-
-
-@functools.lru_cache(maxsize=256)
-def effective_pool(pool: PoolPolicy, capacity: float) -> PoolPolicy:
-    """The pool's policy when the SLO loop admits ``capacity`` tokens per second.
-
-    The controlled quantity is one number per pool; the class rates follow from it
-    by a fixed allocation (docs/control.md):
-
-    - every class keeps its floor (``min_share`` of the configured capacity);
-    - up to the configured shares, capacity goes to classes in priority order, so a
-      cut takes from the lowest class first (and from unassigned capacity before);
-    - above them, the extra capacity is shared: every class may borrow it, highest
-      first, and a higher class's *reserved* fraction of the pool shrinks.
-
-    Bursts scale with rates (``burst_s`` of them), tenant ceilings with capacity.
-    """
-    if capacity == pool.capacity:
-        return pool
-    assigned = sum(cls.rate for cls in pool.classes)
-    rates: list[float] = []
-    if capacity >= assigned:
-        rates = [cls.rate for cls in pool.classes]
-        free_rate = capacity - assigned
-    else:
-        left = max(0.0, capacity - sum(cls.floor_rate for cls in pool.classes))
-        for cls in pool.classes:
-            extra = min(cls.rate - cls.floor_rate, left)
-            rates.append(cls.floor_rate + extra)
-            left -= extra
-        free_rate = 0.0
-    scale = capacity / pool.capacity
-    shrink = min(1.0, scale)  # the in-flight bound follows cuts, never above the servers'
-    classes = tuple(
-        dataclasses.replace(
-            cls,
-            rate=rate,
-            burst=cls.burst_s * rate if cls.burst_s else cls.burst,
-            tenant_rate=cls.tenant_share * capacity,
-            tenant_burst=cls.tenant_burst * scale,
-        )
-        for cls, rate in zip(pool.classes, rates, strict=True)
-    )
-    return dataclasses.replace(
-        pool,
-        capacity=capacity,
-        free_rate=free_rate,
-        shared_burst=pool.burst_s * capacity,
-        classes=classes,
-        max_in_flight=pool.max_in_flight * shrink,
-        max_in_flight_tokens=pool.max_in_flight_tokens * shrink,
-    )
-
-
-def class_in(pool: PoolPolicy, name: str) -> ClassPolicy:
-    for cls in pool.classes:
-        if cls.name == name:
-            return cls
-    raise KeyError(name)
 
 
 #: Most seconds of expiries one call ends (_pool.lua's sweep): a pool idle for long

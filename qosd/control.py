@@ -1,7 +1,7 @@
 """The SLO loop: one leader in the fleet retunes each pool's admitted rate.
 
 The controlled quantity is one number per pool, R, the tokens per second the pool
-admits; class rates follow from it by a fixed allocation (``budget.effective_pool``).
+admits; class rates follow from it by a fixed allocation (``policy.effective_pool``).
 Every ``control.interval_s`` the leader judges each pool and moves R by the law
 below; docs/control.md argues for it and shows it stable against a simulated server.
 
@@ -60,8 +60,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from qosd.config import Config, ControlConfig, PoolPolicy, SloConfig
+from qosd.config import Config, ControlConfig, SloConfig
 from qosd.model import ControlRecord, StoredSample, StoreUnavailable
+from qosd.policy import PoolPolicy
 from qosd.slo import WindowStats, improving, trend, window_stats
 from qosd.stall import PrefillModel, learn
 from qosd.store.base import BucketStore

@@ -19,8 +19,7 @@ from opentelemetry.trace import Tracer
 from qosd import tracing
 from qosd.admission import Admission, InvalidArgument
 from qosd.auth import Authorizer, Group
-from qosd.budget import effective_pool
-from qosd.config import PoolPolicy, SloConfig
+from qosd.config import SloConfig
 from qosd.control import Controller
 from qosd.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.metrics import Metrics
@@ -33,6 +32,7 @@ from qosd.model import (
     ServerLoad,
     StoreUnavailable,
 )
+from qosd.policy import PoolPolicy, effective_pool
 from qosd.slo import WindowStats, window_stats
 from qosd.v1 import envoy_rls_pb2, qosd_pb2, qosd_pb2_grpc
 

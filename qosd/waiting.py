@@ -29,7 +29,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from qosd.config import PoolPolicy
 from qosd.model import (
     BucketDecision,
     Outcome,
@@ -40,6 +39,7 @@ from qosd.model import (
     Waiter,
     WaiterState,
 )
+from qosd.policy import PoolPolicy
 from qosd.store.base import BucketStore
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qosd import budget
-from qosd.config import ClassPolicy, Config, PoolPolicy, resolve_pools
+from qosd.config import Config
+from qosd.policy import ClassPolicy, PoolPolicy, class_in, effective_pool, resolve_pools
 from tests.conftest import BASE_CONFIG, merge
 
 pytestmark = pytest.mark.fast
@@ -26,7 +27,7 @@ def pool_of(extra: dict[str, Any] | None = None) -> PoolPolicy:
 
 
 def cls(pool: PoolPolicy, name: str) -> ClassPolicy:
-    return budget.class_in(pool, name)
+    return class_in(pool, name)
 
 
 BORROWING = {"classes": {name: {"can_borrow": True} for name in ("P0", "P1", "P2")}}
@@ -37,23 +38,23 @@ BORROWING = {"classes": {name: {"can_borrow": True} for name in ("P0", "P1", "P2
 
 def test_at_the_configured_capacity_the_policy_is_the_configured_one() -> None:
     pool = pool_of()
-    assert budget.effective_pool(pool, pool.capacity) is pool
+    assert effective_pool(pool, pool.capacity) is pool
     assert [c.rate for c in pool.classes] == [6_000, 3_000, 1_000]
     assert [c.burst for c in pool.classes] == [3_000, 1_500, 500]
 
 
 def test_a_cut_takes_from_the_lowest_class_first_down_to_the_floors() -> None:
     pool = pool_of({"classes": {"P1": {"min_share": 0.1}, "P2": {"min_share": 0.05}}})
-    cut = budget.effective_pool(pool, 8_000)  # 2,000 less: P2 gives 500, then P1 1,500
+    cut = effective_pool(pool, 8_000)  # 2,000 less: P2 gives 500, then P1 1,500
     assert [c.rate for c in cut.classes] == pytest.approx([6_000, 1_500, 500])
-    deep = budget.effective_pool(pool, 3_000)  # floors first: P1 1,000, P2 500
+    deep = effective_pool(pool, 3_000)  # floors first: P1 1,000, P2 500
     assert [c.rate for c in deep.classes] == pytest.approx([1_500, 1_000, 500])
     assert [c.burst for c in deep.classes] == pytest.approx([750, 500, 250])  # burst_s 0.5
 
 
 def test_growth_above_the_shares_goes_to_the_shared_tokens() -> None:
     pool = pool_of()
-    grown = budget.effective_pool(pool, 15_000)
+    grown = effective_pool(pool, 15_000)
     assert [c.rate for c in grown.classes] == [6_000, 3_000, 1_000]  # shares unchanged
     assert grown.free_rate == pytest.approx(5_000)
     assert grown.shared_burst == pytest.approx(pool.burst_s * 15_000)
@@ -61,15 +62,15 @@ def test_growth_above_the_shares_goes_to_the_shared_tokens() -> None:
 
 def test_a_gated_pools_bound_follows_cuts_but_never_grows_past_the_servers() -> None:
     pool = pool_of({"pools": {"default": {"max_in_flight": 100}}})
-    assert budget.effective_pool(pool, 5_000).max_in_flight == pytest.approx(50)
-    assert budget.effective_pool(pool, 20_000).max_in_flight == pytest.approx(100)
+    assert effective_pool(pool, 5_000).max_in_flight == pytest.approx(50)
+    assert effective_pool(pool, 20_000).max_in_flight == pytest.approx(100)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(capacity=st.floats(1.0, 100_000.0))
 def test_the_allocation_never_hands_out_more_than_the_pool_rate(capacity: float) -> None:
     pool = pool_of({"classes": {"P1": {"min_share": 0.1}}})
-    effective = budget.effective_pool(pool, capacity)
+    effective = effective_pool(pool, capacity)
     floors = sum(c.floor_rate for c in pool.classes)
     assigned = sum(c.rate for c in effective.classes) + effective.free_rate
     assert assigned == pytest.approx(max(capacity, floors))

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from qosd.config import ClassPolicy, Config, ConfigError, FailMode, load_config, resolve_pools
+from qosd.config import Config, ConfigError, FailMode, load_config
+from qosd.policy import ClassPolicy, resolve_pools
 
 pytestmark = pytest.mark.fast
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from qosd.config import Config, RedisConfig, resolve_pools
+from qosd.config import Config, RedisConfig
 from qosd.model import (
     LeaseSpec,
     Outcome,
@@ -34,6 +34,7 @@ from qosd.model import (
     WaiterState,
     new_lease_token,
 )
+from qosd.policy import resolve_pools
 from qosd.store import contract
 from qosd.store.redis import POOL_SCRIPTS, SCRIPTS, RedisStore
 from qosd.testing import RedisServer

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from benchmarks import slo_stability
-from qosd.config import Config, ControlConfig, PoolPolicy, SloConfig, resolve_pools
+from qosd.config import Config, ControlConfig, SloConfig
 from qosd.control import DOWN, HOLD, UNDO, UP, Controller, Evidence, judge, step
 from qosd.model import ControlRecord, LeaseSpec, Outcome, Sample, StoredSample, new_lease_token
+from qosd.policy import PoolPolicy, resolve_pools
 from qosd.server import make_store
 from qosd.slo import WindowStats, improving, percentiles, trend, window_stats
 from qosd.store.base import BucketStore

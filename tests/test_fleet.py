@@ -20,7 +20,8 @@ import pytest
 import redis
 import redis.cluster
 
-from qosd.config import Config, resolve_pools
+from qosd.config import Config
+from qosd.policy import resolve_pools
 from qosd.store.redis import RedisStore
 from qosd.testing import DaemonProcess, RedisCluster, RedisServer, daemon_processes
 from qosd_client import QosdClient, Reason

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from qosd.config import ClassPolicy, Config, PoolPolicy, resolve_pools
+from qosd.config import Config
 from qosd.model import LeaseSpec, Waiter, new_lease_token
+from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.store.embedded import EmbeddedStore
 from tests.conftest import BASE_CONFIG, merge
 

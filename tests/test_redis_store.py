@@ -20,16 +20,14 @@ import redis.cluster
 from redis.crc import key_slot
 
 from qosd.config import (
-    ClassPolicy,
     Config,
     ConfigError,
-    PoolPolicy,
     RedisConfig,
     RedisMode,
     load_config,
-    resolve_pools,
 )
 from qosd.model import LeaseSpec, Outcome, StoreUnavailable, UsageReport, new_lease_token
+from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.server import start
 from qosd.store.redis import RedisStore
 from qosd.testing import RedisCluster, RedisServer, free_port, redis_server

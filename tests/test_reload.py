@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from qosd.config import ClassPolicy, Config, ConfigError, PoolPolicy, load_config, resolve_pools
+from qosd.config import Config, ConfigError, load_config
 from qosd.model import LeaseSpec, new_lease_token
+from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.reload import ConfigReloader, plan_reload
 from qosd.server import Daemon, start
 from qosd.store.redis import RedisStore

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import redis
 
-from qosd.config import Config, resolve_pools
+from qosd.config import Config
 from qosd.control import _restorable
 from qosd.model import ControlRecord, LeaseSpec, new_lease_token
+from qosd.policy import resolve_pools
 from qosd.server import Daemon, make_store
 from qosd.testing import RedisCluster, RedisServer, redis_server
 from qosd_client import QosdClient, Reason, Status

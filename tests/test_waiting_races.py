@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from qosd.config import ClassPolicy, Config, PoolPolicy, resolve_pools
+from qosd.config import Config
 from qosd.model import (
     BucketDecision,
     LeaseSpec,
@@ -26,6 +26,7 @@ from qosd.model import (
     Waiter,
     new_lease_token,
 )
+from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.redis import RedisStore

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from qosd.config import ClassPolicy, PoolPolicy
 from qosd.model import (
     Adjustment,
     BucketDecision,
@@ -26,6 +25,7 @@ from qosd.model import (
     UsageReport,
     Waiter,
 )
+from qosd.policy import ClassPolicy, PoolPolicy
 from qosd.store.epochs import ResetListener
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from qosd import budget
-from qosd.config import ClassPolicy, PoolPolicy
 from qosd.model import (
     Adjustment,
     BucketDecision,
@@ -39,6 +38,7 @@ from qosd.model import (
     Waiter,
     WaiterState,
 )
+from qosd.policy import ClassPolicy, PoolPolicy, class_in, effective_pool
 from qosd.store.epochs import EpochWatch, ResetListener
 
 _SWEEP_INTERVAL_US = 1_000_000
@@ -162,7 +162,7 @@ class EmbeddedStore:
             self._pools[pool.name] = record
         for cls in pool.classes:
             record.queues.setdefault(cls.name, {})
-        effective = budget.effective_pool(pool, record.state.capacity)
+        effective = effective_pool(pool, record.state.capacity)
         budget.refill(record.state, effective, now_us)
         budget.end_expired(record.state.in_flight, now_us)
         return record, effective
@@ -298,7 +298,7 @@ class EmbeddedStore:
         if now_us >= self._next_sweep_us:
             self._sweep(now_us)
         record, pool = self._pool(pool, now_us)
-        cls = budget.class_in(pool, cls.name)
+        cls = class_in(pool, cls.name)
         state = record.state
 
         def answer(
@@ -433,7 +433,7 @@ class EmbeddedStore:
             if decision is not None:
                 results.append(PumpResult(WaiterState.ADMITTED, decision))
             elif waiter.id in record.queues[waiter.qos_class]:
-                cls = budget.class_in(pool, waiter.qos_class)
+                cls = class_in(pool, waiter.qos_class)
                 held = self._held(record, pool, cls, waiter.lease.input_tokens)
                 results.append(PumpResult(WaiterState.HELD if held else WaiterState.WAITING, None))
             else:
@@ -541,7 +541,7 @@ class EmbeddedStore:
         if record is None or record.expires_us + self._tombstone_us <= now_us:
             raise LeaseNotFound(f"lease {lease_id} is unknown (never issued, or forgotten)")
         pool_record, pool = self._pool(pool, now_us)
-        cls = budget.class_in(pool, cls.name)
+        cls = class_in(pool, cls.name)
         state = pool_record.state
         if record.released:
             return Settlement(True, record.final, record.adjustment, state.tokens[cls.name])
@@ -580,7 +580,7 @@ class EmbeddedStore:
                 existing.state.long_prefill_tokens,
             )
             queues = existing.queues
-        effective = budget.effective_pool(pool, state.capacity)
+        effective = effective_pool(pool, state.capacity)
         budget.refill(state, effective, now_us)
         budget.end_expired(state.in_flight, now_us)
         classes: dict[str, ClassStatus] = {}
@@ -634,7 +634,7 @@ class EmbeddedStore:
         record, _ = self._pool(pool, now_us)  # refilled at the old rate up to now
         old = record.state.capacity
         record.state.capacity = update.capacity
-        effective = budget.effective_pool(pool, update.capacity)
+        effective = effective_pool(pool, update.capacity)
         for cls in effective.classes:
             record.state.tokens[cls.name] = min(record.state.tokens[cls.name], cls.burst)
         record.state.shared = min(record.state.shared, effective.shared_burst)

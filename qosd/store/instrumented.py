@@ -15,7 +15,6 @@ from typing import TypeVar
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
-from qosd.config import ClassPolicy, PoolPolicy
 from qosd.metrics import Metrics
 from qosd.model import (
     Adjustment,
@@ -32,6 +31,7 @@ from qosd.model import (
     UsageReport,
     Waiter,
 )
+from qosd.policy import ClassPolicy, PoolPolicy
 from qosd.store.base import BucketStore
 from qosd.store.epochs import ResetListener
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from qosd.config import ClassPolicy, PoolPolicy, RedisConfig, RedisMode, parse_host_port
+from qosd.config import RedisConfig, RedisMode, parse_host_port
 from qosd.model import (
     Adjustment,
     BucketDecision,
@@ -45,6 +45,7 @@ from qosd.model import (
     WaiterState,
     lease_field,
 )
+from qosd.policy import ClassPolicy, PoolPolicy
 from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
 from qosd.store.contract import Settled, Status
