@@ -6,11 +6,15 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint unit bench proto contract check-image clean
 
-$(BIN)/.installed: pyproject.toml
+# Three distributions from this tree, in one pip call so that pip takes qosd-client and
+# qosd from here: clients/ (qosd-client: the gateway's client and the qosd.v1 stubs),
+# . (qosd: the daemon, and the dev tools) and sim/ (qosd-sim: the simulator, `qosd
+# demo`, the tests' process harness).
+$(BIN)/.installed: pyproject.toml clients/pyproject.toml sim/pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "qosd needs Python 3.11+"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e ./clients -e '.[dev]' -e ./sim
 	touch $@
 
 demo: $(BIN)/.installed  ## the daemon on the embedded store, with a demo workload

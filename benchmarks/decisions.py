@@ -53,8 +53,8 @@ from limits import RateLimitItemPerSecond
 from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
-from qosd.testing import OtlpReceiver, daemon_processes, otlp_receiver, redis_server
-from qosd.v1 import qosd_pb2
+from qosd_client.v1 import qosd_pb2
+from qosd_sim.harness import OtlpReceiver, daemon_processes, otlp_receiver, redis_server
 
 NOOP_PATH = "/grpc.health.v1.Health/Check"
 ACQUIRE_PATH = "/qosd.v1.QoS/Acquire"

@@ -20,7 +20,7 @@ stated fallback when unreachable), its saturated throughput, or half the SLO cap
 
 Prints a table per policy and class and one per policy, and writes a JSON file, the
 markdown tables, the per-request records and two PNG plots (latency over time, rates
-over time). Every field: ``docs/simulator.md``; definitions: ``qosd/sim/results.py``.
+over time). Every field: ``docs/simulator.md``; definitions: ``sim/qosd_sim/results.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 
 from qosd.config import Config
-from qosd.sim.ceiling import class_ceiling
-from qosd.sim.experiment import (
+from qosd_sim.ceiling import class_ceiling
+from qosd_sim.experiment import (
     MODEL,
     CapacityChoice,
     Policy,
@@ -49,10 +49,11 @@ from qosd.sim.experiment import (
     configured_capacity,
     run_policy,
 )
-from qosd.sim.gateway import RequestRecord
-from qosd.sim.gpu import GpuModel
-from qosd.sim.plots import plot_runs
-from qosd.sim.replay import (
+from qosd_sim.gateway import RequestRecord
+from qosd_sim.gpu import GpuModel
+from qosd_sim.harness import redis_server
+from qosd_sim.plots import plot_runs
+from qosd_sim.replay import (
     Bursts,
     ClassRule,
     Request,
@@ -60,8 +61,7 @@ from qosd.sim.replay import (
     bursty_workload,
     read_trace,
 )
-from qosd.sim.results import Objectives, policy_summary, timeline
-from qosd.testing import redis_server
+from qosd_sim.results import Objectives, policy_summary, timeline
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023_conv.csv"
 CLASSES = ("P0", "P1", "P2")
@@ -378,7 +378,7 @@ def main() -> int:
     )
 
     # What any policy could serve of each class with objectives, given the GPU to it
-    # alone (qosd/sim/ceiling.py): the bar the goals are measured against.
+    # alone (sim/qosd_sim/ceiling.py): the bar the goals are measured against.
     ceilings = {
         name: class_ceiling(
             gpu, [r for r in workload if r.qos_class == name], objectives[name]

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 import uvloop
 
 from qosd.store.resp import RespClient
-from qosd.testing import free_port, redis_server
+from qosd_sim.harness import free_port, redis_server
 
 VARIANTS = ("empty", "redis-py", "qosd-resp")
 

@@ -60,8 +60,8 @@ import redis.asyncio as aioredis
 import uvloop
 
 from qosd.store.redis import SCRIPTS, script_source
-from qosd.testing import daemon_processes, free_port, redis_server
 from qosd_client import QosdClient, QosdError
+from qosd_sim.harness import daemon_processes, free_port, redis_server
 
 POOL = "default"
 PREFIX = "bench"

@@ -18,7 +18,25 @@ if TYPE_CHECKING:
     from qosd_client import ServerLoad
 
 # Only argparse and the parser's own modules at import: each command imports what it
-# runs (grpc, the config schema, the server), so `qosd --help` is quick.
+# runs (grpc, the config schema, the server), so `qosd --help` is quick. The simulator
+# (`demo`, `sim-triton`) is another distribution, qosd-sim: imported by those commands
+# alone, never by the daemon (tests/test_packages.py).
+SIMULATOR_MODULES = frozenset({"qosd_sim", "tritonclient", "matplotlib", "numpy"})
+SIMULATOR_HINT = (
+    "qosd {command} needs the simulator, which is not installed ({missing}): it is the "
+    "qosd-sim package in the source tree's sim/ (docs/simulator.md). Install it beside "
+    "qosd: pip install ./clients . ./sim (from the source tree), or run make demo there"
+)
+
+
+def _simulator_missing(command: str, exc: ModuleNotFoundError) -> int:
+    """Says how to install the simulator and returns 2, when ``exc`` is the simulator
+    (or one of its own dependencies) missing; any other missing module is a bug, and is
+    raised."""
+    if (exc.name or "").partition(".")[0] not in SIMULATOR_MODULES:
+        raise exc
+    print(SIMULATOR_HINT.format(command=command, missing=exc.name), file=sys.stderr)
+    return 2
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo",
         help="qosd, a simulated Triton GPU and a trace replay: the seed's problem, fixed "
-        "(needs the [sim] extra)",
+        "(needs the simulator, qosd-sim)",
     )
     _add_config_flags(demo)
     demo.add_argument(
@@ -85,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim = commands.add_parser(
         "sim-triton",
         help="run a simulated Triton server (KServe v2 gRPC, Triton metrics) for demos "
-        "and benchmarks; needs the [sim] extra",
+        "and benchmarks; needs the simulator, qosd-sim",
     )
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=8001, help="gRPC port (0: a free one)")
@@ -188,10 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     try:
-        from qosd.demo import run_demo  # needs the optional [sim] extra
-    except ImportError as exc:
-        print(f"qosd demo needs the [sim] extra ({exc}): pip install 'qosd[sim]'")
-        return 2
+        from qosd_sim.demo import run_demo
+    except ModuleNotFoundError as exc:
+        return _simulator_missing("demo", exc)
     return run_demo(
         config,
         duration_s=args.duration,
@@ -204,14 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _sim_triton(args: argparse.Namespace) -> int:
     try:
-        from qosd.sim.gpu import GpuModel  # the optional [sim] extra
-        from qosd.sim.server import (
-            SimulatorSettings,
-            serve_until_signalled,
-        )
-    except ImportError as exc:
-        print(f"qosd sim-triton needs the [sim] extra ({exc}): pip install 'qosd[sim]'")
-        return 2
+        from qosd_sim.gpu import GpuModel
+        from qosd_sim.server import SimulatorSettings, serve_until_signalled
+    except ModuleNotFoundError as exc:
+        return _simulator_missing("sim-triton", exc)
     try:
         gpu = GpuModel.from_options(dict(_parse_option(item) for item in args.gpu))
     except ValueError as exc:

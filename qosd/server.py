@@ -39,7 +39,7 @@ from qosd.store.instrumented import InstrumentedStore
 from qosd.store.redis import RedisStore
 from qosd.tls import ServerCertificates
 from qosd.tracing import Tracing, start_tracing
-from qosd.v1 import qosd_pb2
+from qosd_client.v1 import qosd_pb2
 
 log = logging.getLogger(__name__)
 

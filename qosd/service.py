@@ -34,7 +34,8 @@ from qosd.model import (
 )
 from qosd.policy import PoolPolicy, effective_pool
 from qosd.slo import WindowStats, window_stats
-from qosd.v1 import envoy_rls_pb2, qosd_pb2, qosd_pb2_grpc
+from qosd.v1 import envoy_rls_pb2
+from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from qosd.model import Reason
 if TYPE_CHECKING:
     from qosd.admission import AcquireOutcome
     from qosd.model import Sample, Settlement
-    from qosd.v1 import qosd_pb2
+    from qosd_client.v1 import qosd_pb2
 
 log = logging.getLogger(__name__)
 

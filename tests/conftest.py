@@ -26,8 +26,8 @@ import uvloop
 
 from qosd.config import Config
 from qosd.server import Daemon, start
-from qosd.testing import RedisCluster, RedisServer, redis_cluster, redis_server
 from qosd_client import QosdClient
+from qosd_sim.harness import RedisCluster, RedisServer, redis_cluster, redis_server
 
 
 def pytest_asyncio_loop_factories(

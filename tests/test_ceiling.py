@@ -1,11 +1,11 @@
-"""The class ceilings the QoS benchmark reports beside its goals (qosd/sim/ceiling.py)."""
+"""The class ceilings the QoS benchmark reports beside its goals (sim/qosd_sim/ceiling.py)."""
 
 from __future__ import annotations
 
-from qosd.sim.ceiling import class_ceiling
-from qosd.sim.gpu import GpuModel
-from qosd.sim.replay import Request
-from qosd.sim.results import Objectives
+from qosd_sim.ceiling import class_ceiling
+from qosd_sim.gpu import GpuModel
+from qosd_sim.replay import Request
+from qosd_sim.results import Objectives
 
 GPU = GpuModel()
 TTFT_ONLY = Objectives(ttft_ms=500.0, tpot_ms=None, e2e_ms=None, max_wait_ms=200.0)

@@ -37,7 +37,7 @@ from qosd.model import (
 from qosd.policy import resolve_pools
 from qosd.store import contract
 from qosd.store.redis import POOL_SCRIPTS, SCRIPTS, RedisStore
-from qosd.testing import RedisServer
+from qosd_sim.harness import RedisServer
 from tests.conftest import BASE_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent

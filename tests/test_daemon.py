@@ -25,8 +25,6 @@ from qosd import model
 from qosd.config import Config
 from qosd.server import StartupError, start
 from qosd.store.embedded import EmbeddedStore
-from qosd.testing import DaemonProcess, free_port
-from qosd.v1 import qosd_pb2
 from qosd_client import (
     InvalidRequest,
     LatencySample,
@@ -37,6 +35,8 @@ from qosd_client import (
     SyncQosdClient,
     Unavailable,
 )
+from qosd_client.v1 import qosd_pb2
+from qosd_sim.harness import DaemonProcess, free_port
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
 from tests.waiting import eventually
 

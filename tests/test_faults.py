@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 
 from qosd.config import Config
 from qosd.server import start
-from qosd.testing import DaemonProcess, RedisServer, daemon_processes, free_port
 from qosd.v1 import envoy_rls_pb2 as rls
-from qosd.v1 import qosd_pb2 as pb
 from qosd_client import QosdClient
+from qosd_client.v1 import qosd_pb2 as pb
+from qosd_sim.harness import DaemonProcess, RedisServer, daemon_processes, free_port
 from tests.conftest import BASE_CONFIG, merge
 from tests.fuzz import messages, mutations
 from tests.waiting import eventually

@@ -23,8 +23,8 @@ import redis.cluster
 from qosd.config import Config
 from qosd.policy import resolve_pools
 from qosd.store.redis import RedisStore
-from qosd.testing import DaemonProcess, RedisCluster, RedisServer, daemon_processes
 from qosd_client import QosdClient, Reason
+from qosd_sim.harness import DaemonProcess, RedisCluster, RedisServer, daemon_processes
 from tests.conftest import merge
 from tests.load import ClassLoadResult, class_load, wait_for_workers
 from tests.waiting import eventually

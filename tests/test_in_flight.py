@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from qosd.testing import RedisCluster, RedisServer, daemon_processes
 from qosd_client import QosdClient
+from qosd_sim.harness import RedisCluster, RedisServer, daemon_processes
 from tests.conftest import DaemonFactory, merge
 
 

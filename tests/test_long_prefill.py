@@ -20,7 +20,6 @@ import pytest
 
 from qosd.config import SloConfig
 from qosd.model import Outcome, StoredSample
-from qosd.sim.gpu import GpuModel
 from qosd.stall import (
     PrefillModel,
     learn_prefill,
@@ -28,6 +27,7 @@ from qosd.stall import (
     stall_tolerance_ms,
 )
 from qosd_client import LatencySample, QosdClient, Reason
+from qosd_sim.gpu import GpuModel
 from tests.conftest import DaemonFactory, RunningDaemon
 
 THRESHOLD = 10_000

@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qosd.config import Config
 from qosd.server import Daemon, start
-from qosd.testing import RedisServer, redis_server
 from qosd_client import (
     InvalidRequest,
     LatencySample,
@@ -26,6 +25,7 @@ from qosd_client import (
     ServerLoad,
     Unauthenticated,
 )
+from qosd_sim.harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 
 CONFIG = merge(

@@ -16,11 +16,11 @@ import pytest
 from qosd.config import Config, ConfigError, ControlConfig, SloConfig, load_config
 from qosd.control import gather_evidence
 from qosd.model import Outcome, Sample, StoredSample
-from qosd.sim.gpu import GpuModel
 from qosd.slo import Objectives, complies, request_objectives, sample_objectives, window_stats
 from qosd_client import InvalidRequest, LatencySample, Reason
 from qosd_client import Outcome as ClientOutcome
 from qosd_client.triton import reporting
+from qosd_sim.gpu import GpuModel
 from tests.conftest import DaemonFactory
 
 SCALED = SloConfig(ttft_ms=2_000, tpot_ms=100, ttft_ms_per_1k_tokens=200, ttft_free_tokens=4_096)

@@ -19,8 +19,8 @@ import pytest
 
 from qosd.config import Config
 from qosd.server import Daemon, start
-from qosd.testing import RedisServer, redis_server
 from qosd_client import LatencySample, QosdClient, Reason, Unavailable
+from qosd_sim.harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 
 TIMEOUT_MS = 100

@@ -18,8 +18,8 @@ from qosd.config import Config, load_config
 from qosd.model import Outcome, Sample, ServerLoad, UsageReport, Waiter
 from qosd.server import start
 from qosd.store.redis import RedisStore
-from qosd.testing import RedisServer, redis_command, redis_server
 from qosd_client import QosdClient, Reason
+from qosd_sim.harness import RedisServer, redis_command, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_redis_store import DAEMON, lease_spec, policies
 

@@ -18,8 +18,8 @@ from qosd.config import Config, ConfigError, load_config
 from qosd.model import StoreUnavailable
 from qosd.server import Daemon, start
 from qosd.store.resp import RespClient, SentinelOptions, TlsFiles, pack
-from qosd.testing import RedisSentinel, free_port, redis_command, redis_sentinel
 from qosd_client import QosdClient, Reason
+from qosd_sim.harness import RedisSentinel, free_port, redis_command, redis_sentinel
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_redis_store import Monitor
 from tests.waiting import eventually, until

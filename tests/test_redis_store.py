@@ -30,8 +30,8 @@ from qosd.model import LeaseSpec, Outcome, StoreUnavailable, UsageReport, new_le
 from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.server import start
 from qosd.store.redis import RedisStore
-from qosd.testing import RedisCluster, RedisServer, free_port, redis_server
 from qosd_client import LatencySample, QosdClient, Reason
+from qosd_sim.harness import RedisCluster, RedisServer, free_port, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 

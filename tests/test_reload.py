@@ -25,8 +25,8 @@ from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.reload import ConfigReloader, plan_reload
 from qosd.server import Daemon, start
 from qosd.store.redis import RedisStore
-from qosd.testing import RedisServer, free_port
 from qosd_client import InvalidRequest, QosdClient, Reason
+from qosd_sim.harness import RedisServer, free_port
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import eventually
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from qosd.config import Config
-from qosd.sim.experiment import (
+from qosd_client import LatencySample, QosdClient
+from qosd_client.reporter import LatencyReporter
+from qosd_sim.experiment import (
     CapacityChoice,
     Policy,
     configured_capacity,
@@ -25,9 +27,10 @@ from qosd.sim.experiment import (
     slo_capacity,
     slo_load,
 )
-from qosd.sim.gateway import RequestRecord
-from qosd.sim.gpu import GpuModel
-from qosd.sim.replay import (
+from qosd_sim.gateway import RequestRecord
+from qosd_sim.gpu import GpuModel
+from qosd_sim.harness import daemon_processes, free_port
+from qosd_sim.replay import (
     Bursts,
     ClassRule,
     Request,
@@ -41,7 +44,7 @@ from qosd.sim.replay import (
     speedup_for_load,
     trace_token_rate,
 )
-from qosd.sim.results import (
+from qosd_sim.results import (
     Objectives,
     busy_at,
     busy_fraction,
@@ -49,9 +52,6 @@ from qosd.sim.results import (
     policy_summary,
     timeline,
 )
-from qosd.testing import daemon_processes, free_port
-from qosd_client import LatencySample, QosdClient
-from qosd_client.reporter import LatencyReporter
 
 ROWS = [TraceRow(float(t), 1_000, 100) for t in range(0, 101)]  # one a second for 100 s
 

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.qos_replay import config_settings
 from qosd.config import Config
-from qosd.sim.experiment import MODEL, Policy, daemon_config
+from qosd_sim.experiment import MODEL, Policy, daemon_config
 
 
 def test_a_pool_setting_reaches_the_simulated_pool_and_values_read_as_yaml() -> None:

@@ -15,11 +15,11 @@ import pytest
 import tritonclient.grpc.aio as triton
 from tritonclient.utils import InferenceServerException
 
-from qosd.sim.experiment import read_busy_seconds, simulator_process
-from qosd.sim.gateway import token_inputs
-from qosd.sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
-from qosd.testing import daemon_processes
 from qosd_client import QosdClient
+from qosd_sim.experiment import read_busy_seconds, simulator_process
+from qosd_sim.gateway import token_inputs
+from qosd_sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
+from qosd_sim.harness import daemon_processes
 
 # --- the cost model, in virtual time ------------------------------------------------------
 

@@ -18,9 +18,15 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Span, Tracer
 
 from qosd.config import ConfigError, TracingConfig, load_config
-from qosd.sim.experiment import simulator_process
-from qosd.sim.gpu import GpuModel
-from qosd.testing import (
+from qosd.tracing import _resource, start_tracing, tracing_enabled
+from qosd.v1 import envoy_rls_pb2
+from qosd_client import LatencySample, QosdClient
+from qosd_client.reporter import LatencyReporter
+from qosd_client.tracing import trace_metadata
+from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
+from qosd_sim.experiment import simulator_process
+from qosd_sim.gpu import GpuModel
+from qosd_sim.harness import (
     DaemonProcess,
     OtlpReceiver,
     RedisServer,
@@ -28,11 +34,6 @@ from qosd.testing import (
     free_port,
     otlp_receiver,
 )
-from qosd.tracing import _resource, start_tracing, tracing_enabled
-from qosd.v1 import envoy_rls_pb2, qosd_pb2, qosd_pb2_grpc
-from qosd_client import LatencySample, QosdClient
-from qosd_client.reporter import LatencyReporter
-from qosd_client.tracing import trace_metadata
 
 ACQUIRE = "qosd.v1.QoS/Acquire"
 

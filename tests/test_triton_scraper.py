@@ -15,10 +15,6 @@ import aiohttp
 import pytest
 import tritonclient.grpc.aio as triton
 
-from qosd.sim.experiment import simulator_process
-from qosd.sim.gateway import token_inputs
-from qosd.sim.gpu import GpuModel
-from qosd.testing import daemon_processes
 from qosd_client import LatencySample, Outcome, QosdClient
 from qosd_client.reporter import LatencyReporter
 from qosd_client.triton_metrics import (
@@ -27,6 +23,10 @@ from qosd_client.triton_metrics import (
     parse_triton_metrics,
     samples_between,
 )
+from qosd_sim.experiment import simulator_process
+from qosd_sim.gateway import token_inputs
+from qosd_sim.gpu import GpuModel
+from qosd_sim.harness import daemon_processes
 from tests.waiting import wait_until
 
 DATA = Path(__file__).parent / "data" / "triton"

@@ -30,8 +30,8 @@ from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.redis import RedisStore
-from qosd.testing import RedisServer, redis_server
 from qosd.waiting import WaitingRoom
+from qosd_sim.harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 

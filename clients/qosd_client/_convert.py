@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 
-from qosd.v1 import qosd_pb2
 from qosd_client.types import (
     AcquireResult,
     ClassState,
@@ -29,6 +28,7 @@ from qosd_client.types import (
     Unauthenticated,
     Unavailable,
 )
+from qosd_client.v1 import qosd_pb2
 
 _ERRORS: dict[grpc.StatusCode, type[QosdError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,

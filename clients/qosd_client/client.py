@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 
-from qosd.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_client import _convert
 from qosd_client.channel import ClientTls, TokenFile, aio_channel, sync_channel
 from qosd_client.tracing import Metadata, trace_metadata
@@ -32,6 +31,7 @@ from qosd_client.types import (
     ServerLoad,
     Status,
 )
+from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
 

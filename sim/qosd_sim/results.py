@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qosd.config import Config, SloConfig
-from qosd.sim.gateway import EXPECTED_OUTPUT_TOKENS, RequestRecord
 from qosd.slo import percentiles, request_objectives
+from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS, RequestRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc.aio as triton
 
-from qosd.sim.replay import Request
 from qosd_client import Outcome, QosdClient, QosdError
+from qosd_sim.replay import Request
 
 #: The output length a gateway asks qosd to budget for, before it knows the real one.
 EXPECTED_OUTPUT_TOKENS = 256

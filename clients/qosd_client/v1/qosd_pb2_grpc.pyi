@@ -22,7 +22,7 @@ error status: it is a normal `AcquireResponse` with decision REJECTED and a reas
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from qosd.v1 import qosd_pb2 as _qosd_pb2
+from qosd_client.v1 import qosd_pb2 as _qosd_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

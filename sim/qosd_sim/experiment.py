@@ -28,9 +28,11 @@ import tritonclient.grpc.aio as triton
 import uvloop
 
 from qosd.config import Config
-from qosd.sim.gateway import EXPECTED_OUTPUT_TOKENS, Gateway, RequestRecord
-from qosd.sim.gpu import GpuModel, run_virtual, saturated_throughput
-from qosd.sim.replay import (
+from qosd_client import QosdClient, Status
+from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS, Gateway, RequestRecord
+from qosd_sim.gpu import GpuModel, run_virtual, saturated_throughput
+from qosd_sim.harness import daemon_processes
+from qosd_sim.replay import (
     SEED_LONG_PROMPT_TOKENS,
     ClassRule,
     Request,
@@ -38,8 +40,6 @@ from qosd.sim.replay import (
     build_workload,
     trace_token_rate,
 )
-from qosd.testing import daemon_processes
-from qosd_client import QosdClient, Status
 
 MODEL = "llm"
 

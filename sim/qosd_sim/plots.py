@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from qosd.sim.experiment import PolicyRun
-from qosd.sim.results import Objectives, admitted_cost_series
+from qosd_sim.experiment import PolicyRun
+from qosd_sim.results import Objectives, admitted_cost_series
 
 CLASSES = ("P0", "P1", "P2")
 COLORS = {"P0": "tab:red", "P1": "tab:blue", "P2": "tab:gray"}

@@ -1,8 +1,15 @@
-"""Throwaway Redis servers, daemon processes and an OTLP trace receiver for tests and
-benchmarks.
+"""Throwaway Redis servers, daemon processes and an OTLP trace receiver for tests,
+benchmarks and the simulator's experiments.
 
 Everything here starts its own processes on free ports in a temporary directory and
 kills them afterwards, so no test ever touches a Redis it did not start.
+
+Why it lives in qosd-sim and not in the daemon (it was ``qosd.testing``): it is the
+code that starts redis-server and qosd processes, which a daemon image must not carry
+as dead code. Its users are the simulator's experiments (``qosd demo`` and
+``benchmarks/qos_replay.py`` run daemons with ``daemon_processes``), the benchmarks
+and the tests; all of them have the simulator installed, so one module in one place
+serves them, rather than a fourth distribution for a test harness.
 """
 
 from __future__ import annotations

@@ -37,14 +37,14 @@ from aiohttp import web
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from qosd.server import write_ready_file
-from qosd.sim.errors import BadRequest
-from qosd.sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
-from qosd.sim.http_api import kserve_http_app
-from qosd.sim.metrics import TritonMetrics, serve_metrics
 from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
+from qosd_sim.errors import BadRequest
+from qosd_sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
+from qosd_sim.http_api import kserve_http_app
+from qosd_sim.metrics import TritonMetrics, serve_metrics
 
-log = logging.getLogger("qosd.sim")
+log = logging.getLogger("qosd_sim")
 
 INPUT_NAMES = ("input_tokens", "output_tokens")
 OUTPUT_NAME = "token_count"

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from qosd.v1 import qosd_pb2 as qosd_dot_v1_dot_qosd__pb2
+from qosd_client.v1 import qosd_pb2 as qosd__client_dot_v1_dot_qosd__pb2
 
 GRPC_GENERATED_VERSION = '1.78.2'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in qosd/v1/qosd_pb2_grpc.py depends on'
+        + ' but the generated code in qosd_client/v1/qosd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class QoSStub(object):
         """
         self.Acquire = channel.unary_unary(
                 '/qosd.v1.QoS/Acquire',
-                request_serializer=qosd_dot_v1_dot_qosd__pb2.AcquireRequest.SerializeToString,
-                response_deserializer=qosd_dot_v1_dot_qosd__pb2.AcquireResponse.FromString,
+                request_serializer=qosd__client_dot_v1_dot_qosd__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=qosd__client_dot_v1_dot_qosd__pb2.AcquireResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/qosd.v1.QoS/Release',
-                request_serializer=qosd_dot_v1_dot_qosd__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=qosd_dot_v1_dot_qosd__pb2.ReleaseResponse.FromString,
+                request_serializer=qosd__client_dot_v1_dot_qosd__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=qosd__client_dot_v1_dot_qosd__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Report = channel.unary_unary(
                 '/qosd.v1.QoS/Report',
-                request_serializer=qosd_dot_v1_dot_qosd__pb2.ReportRequest.SerializeToString,
-                response_deserializer=qosd_dot_v1_dot_qosd__pb2.ReportResponse.FromString,
+                request_serializer=qosd__client_dot_v1_dot_qosd__pb2.ReportRequest.SerializeToString,
+                response_deserializer=qosd__client_dot_v1_dot_qosd__pb2.ReportResponse.FromString,
                 _registered_method=True)
 
 
@@ -88,18 +88,18 @@ def add_QoSServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
-                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.AcquireRequest.FromString,
-                    response_serializer=qosd_dot_v1_dot_qosd__pb2.AcquireResponse.SerializeToString,
+                    request_deserializer=qosd__client_dot_v1_dot_qosd__pb2.AcquireRequest.FromString,
+                    response_serializer=qosd__client_dot_v1_dot_qosd__pb2.AcquireResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.ReleaseRequest.FromString,
-                    response_serializer=qosd_dot_v1_dot_qosd__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=qosd__client_dot_v1_dot_qosd__pb2.ReleaseRequest.FromString,
+                    response_serializer=qosd__client_dot_v1_dot_qosd__pb2.ReleaseResponse.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
-                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.ReportRequest.FromString,
-                    response_serializer=qosd_dot_v1_dot_qosd__pb2.ReportResponse.SerializeToString,
+                    request_deserializer=qosd__client_dot_v1_dot_qosd__pb2.ReportRequest.FromString,
+                    response_serializer=qosd__client_dot_v1_dot_qosd__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -128,8 +128,8 @@ class QoS(object):
             request,
             target,
             '/qosd.v1.QoS/Acquire',
-            qosd_dot_v1_dot_qosd__pb2.AcquireRequest.SerializeToString,
-            qosd_dot_v1_dot_qosd__pb2.AcquireResponse.FromString,
+            qosd__client_dot_v1_dot_qosd__pb2.AcquireRequest.SerializeToString,
+            qosd__client_dot_v1_dot_qosd__pb2.AcquireResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -155,8 +155,8 @@ class QoS(object):
             request,
             target,
             '/qosd.v1.QoS/Release',
-            qosd_dot_v1_dot_qosd__pb2.ReleaseRequest.SerializeToString,
-            qosd_dot_v1_dot_qosd__pb2.ReleaseResponse.FromString,
+            qosd__client_dot_v1_dot_qosd__pb2.ReleaseRequest.SerializeToString,
+            qosd__client_dot_v1_dot_qosd__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -182,8 +182,8 @@ class QoS(object):
             request,
             target,
             '/qosd.v1.QoS/Report',
-            qosd_dot_v1_dot_qosd__pb2.ReportRequest.SerializeToString,
-            qosd_dot_v1_dot_qosd__pb2.ReportResponse.FromString,
+            qosd__client_dot_v1_dot_qosd__pb2.ReportRequest.SerializeToString,
+            qosd__client_dot_v1_dot_qosd__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -207,18 +207,18 @@ class AdminStub(object):
         """
         self.GetStatus = channel.unary_unary(
                 '/qosd.v1.Admin/GetStatus',
-                request_serializer=qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
+                request_serializer=qosd__client_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=qosd__client_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
         self.PinRate = channel.unary_unary(
                 '/qosd.v1.Admin/PinRate',
-                request_serializer=qosd_dot_v1_dot_qosd__pb2.PinRateRequest.SerializeToString,
-                response_deserializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+                request_serializer=qosd__client_dot_v1_dot_qosd__pb2.PinRateRequest.SerializeToString,
+                response_deserializer=qosd__client_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
                 _registered_method=True)
         self.UnpinRate = channel.unary_unary(
                 '/qosd.v1.Admin/UnpinRate',
-                request_serializer=qosd_dot_v1_dot_qosd__pb2.UnpinRateRequest.SerializeToString,
-                response_deserializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+                request_serializer=qosd__client_dot_v1_dot_qosd__pb2.UnpinRateRequest.SerializeToString,
+                response_deserializer=qosd__client_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
                 _registered_method=True)
 
 
@@ -260,18 +260,18 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.FromString,
-                    response_serializer=qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.SerializeToString,
+                    request_deserializer=qosd__client_dot_v1_dot_qosd__pb2.GetStatusRequest.FromString,
+                    response_serializer=qosd__client_dot_v1_dot_qosd__pb2.GetStatusResponse.SerializeToString,
             ),
             'PinRate': grpc.unary_unary_rpc_method_handler(
                     servicer.PinRate,
-                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.PinRateRequest.FromString,
-                    response_serializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.SerializeToString,
+                    request_deserializer=qosd__client_dot_v1_dot_qosd__pb2.PinRateRequest.FromString,
+                    response_serializer=qosd__client_dot_v1_dot_qosd__pb2.PinRateResponse.SerializeToString,
             ),
             'UnpinRate': grpc.unary_unary_rpc_method_handler(
                     servicer.UnpinRate,
-                    request_deserializer=qosd_dot_v1_dot_qosd__pb2.UnpinRateRequest.FromString,
-                    response_serializer=qosd_dot_v1_dot_qosd__pb2.PinRateResponse.SerializeToString,
+                    request_deserializer=qosd__client_dot_v1_dot_qosd__pb2.UnpinRateRequest.FromString,
+                    response_serializer=qosd__client_dot_v1_dot_qosd__pb2.PinRateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -300,8 +300,8 @@ class Admin(object):
             request,
             target,
             '/qosd.v1.Admin/GetStatus',
-            qosd_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
-            qosd_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
+            qosd__client_dot_v1_dot_qosd__pb2.GetStatusRequest.SerializeToString,
+            qosd__client_dot_v1_dot_qosd__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -327,8 +327,8 @@ class Admin(object):
             request,
             target,
             '/qosd.v1.Admin/PinRate',
-            qosd_dot_v1_dot_qosd__pb2.PinRateRequest.SerializeToString,
-            qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+            qosd__client_dot_v1_dot_qosd__pb2.PinRateRequest.SerializeToString,
+            qosd__client_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -354,8 +354,8 @@ class Admin(object):
             request,
             target,
             '/qosd.v1.Admin/UnpinRate',
-            qosd_dot_v1_dot_qosd__pb2.UnpinRateRequest.SerializeToString,
-            qosd_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
+            qosd__client_dot_v1_dot_qosd__pb2.UnpinRateRequest.SerializeToString,
+            qosd__client_dot_v1_dot_qosd__pb2.PinRateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from aiohttp import web
 from tritonclient.grpc import service_pb2
 
-from qosd.sim.errors import BadRequest
-from qosd.sim.metrics import TritonMetrics
+from qosd_sim.errors import BadRequest
+from qosd_sim.metrics import TritonMetrics
 
 
 class InferenceBackend(Protocol):

@@ -30,10 +30,10 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qosd.sim.gpu import Engine, GpuModel
-from qosd.sim.gpu import Sequence as GpuSequence
-from qosd.sim.replay import Request
-from qosd.sim.results import Objectives
+from qosd_sim.gpu import Engine, GpuModel
+from qosd_sim.gpu import Sequence as GpuSequence
+from qosd_sim.replay import Request
+from qosd_sim.results import Objectives
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ from collections import Counter
 from pathlib import Path
 
 from qosd.config import Config
-from qosd.sim.experiment import (
+from qosd.slo import percentiles
+from qosd_sim.experiment import (
     MODEL,
     Policy,
     PolicyRun,
@@ -30,12 +31,11 @@ from qosd.sim.experiment import (
     configured_capacity,
     run_policy,
 )
-from qosd.sim.gateway import RequestRecord
-from qosd.sim.gpu import GpuModel
-from qosd.sim.plots import plot_runs
-from qosd.sim.replay import ClassRule, read_trace
-from qosd.sim.results import Objectives, policy_summary
-from qosd.slo import percentiles
+from qosd_sim.gateway import RequestRecord
+from qosd_sim.gpu import GpuModel
+from qosd_sim.plots import plot_runs
+from qosd_sim.replay import ClassRule, read_trace
+from qosd_sim.results import Objectives, policy_summary
 
 
 def run_demo(
