@@ -1,8 +1,9 @@
 # qosd: the admission daemon. Build: docker build -t qosd .
-# Multi-stage: the build stage installs qosd into a virtual environment with
-# docker/install.sh (the same script CI runs: scripts/check_docker.sh); the runtime
+# Multi-stage: the build stage installs qosd and qosd-client (clients/: the client
+# library and the qosd.v1 stubs the daemon serves) into a virtual environment with
+# docker/install.sh (the same script CI runs: scripts/check_docker.py); the runtime
 # stage copies only that environment onto the same slim Python base, and runs as an
-# unprivileged user.
+# unprivileged user. The simulator and the tests' harness (sim/) stay out.
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

@@ -5,7 +5,10 @@
 2. The build stage is replayed: its COPY lines copy from the build context into a
    scratch root, and its RUN (docker/install.sh) runs there, so a file the image
    needs but the Dockerfile forgets to copy fails here too.
-3. The result is started with the image's ENTRYPOINT and CMD, as the image's user
+3. The image holds the daemon and the client (qosd, qosd-client) and not the
+   simulator, the tests' harness or their libraries (qosd-sim, tritonclient,
+   matplotlib).
+4. The result is started with the image's ENTRYPOINT and CMD, as the image's user
    (uid 10001) when this runs as root, and must pass the image's HEALTHCHECK command
    and /readyz, then stop cleanly on SIGTERM.
 
@@ -132,13 +135,48 @@ def replay_build(build: list[tuple[str, str]], scratch: Path, python: Path) -> P
 CONSTRAINTS = ROOT / "docker" / "constraints.txt"
 
 
+# What the image must not hold: the simulator and the tests' harness (sim/, qosd-sim),
+# their libraries, and the modules they were before issue 14 moved them out of qosd.
+NOT_IN_IMAGE = ("qosd_sim", "tritonclient", "matplotlib", "qosd.sim", "qosd.testing", "qosd.demo")
+IN_IMAGE = ("qosd", "qosd-client")
+
+
+def check_contents(venv: Path) -> None:
+    """Fails unless the image's venv has qosd and qosd-client, and nothing of the
+    simulator."""
+    probe = (
+        "import importlib.metadata as m, importlib.util as u, json, sys\n"
+        "def found(name):\n"
+        "    try:\n"
+        "        return u.find_spec(name) is not None\n"
+        "    except ModuleNotFoundError:\n"
+        "        return False\n"
+        "print(json.dumps({'distributions': sorted(d.metadata['Name'].lower() "
+        "for d in m.distributions()), 'modules': [n for n in sys.argv[1:] if found(n)]}))"
+    )
+    listing = json.loads(
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-c", probe, *NOT_IN_IMAGE],
+            check=True, capture_output=True, text=True,
+        ).stdout
+    )  # fmt: skip
+    missing = [name for name in IN_IMAGE if name not in listing["distributions"]]
+    if missing:
+        raise SystemExit(f"the image lacks {', '.join(missing)}")
+    if listing["modules"] or "qosd-sim" in listing["distributions"]:
+        found = listing["modules"] + ["qosd-sim"] * ("qosd-sim" in listing["distributions"])
+        raise SystemExit(f"the image ships the simulator or the harness: {', '.join(found)}")
+    print(f"contents: {', '.join(IN_IMAGE)}; none of {', '.join(NOT_IN_IMAGE)}")
+
+
 def write_constraints() -> None:
     """Installs qosd unpinned into a scratch venv and pins what it got."""
     with tempfile.TemporaryDirectory(prefix="qosd-pins-") as directory:
         venv = Path(directory) / "venv"
         subprocess.run([str(image_python()), "-m", "venv", str(venv)], check=True)
         subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--no-cache-dir",
-                        "--disable-pip-version-check", str(ROOT)], check=True)  # fmt: skip
+                        "--disable-pip-version-check", str(ROOT / "clients"), str(ROOT)],
+                       check=True)  # fmt: skip
         listing = subprocess.run(
             [str(venv / "bin" / "python"), "-c",
              "import importlib.metadata as m; print('\\n'.join(sorted("
@@ -146,7 +184,9 @@ def write_constraints() -> None:
             check=True, capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
     keep = [
-        pin for pin in listing if pin.split("==")[0].lower() not in {"qosd", "pip", "setuptools"}
+        pin
+        for pin in listing
+        if pin.split("==")[0].lower() not in {"qosd", "qosd-client", "pip", "setuptools"}
     ]
     CONSTRAINTS.write_text(
         "# The image's dependency versions, as CI last tested them.\n"
@@ -179,6 +219,7 @@ def main() -> int:
         python = image_python()
         print(f"python: {python}")
         replay_build(build, scratch, python)
+        check_contents(scratch / "opt" / "qosd")
         venv = scratch / "opt" / "qosd" / "bin"
         env = {"PATH": f"{venv}:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONUNBUFFERED": "1", "HOME": "/nonexistent"}  # fmt: skip
