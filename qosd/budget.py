@@ -9,8 +9,13 @@ Together, classes never admit more than the pool's capacity (plus bursts), and a
 idle class's share is never lost while another class wants it.
 
 The embedded store calls these functions. The Redis store's Lua scripts
-(``store/lua/_pool.lua``) restate them line for line, and the conformance suite runs
-the same tests against both. Change one, change the other.
+(``store/lua/_pool.lua``) restate them line for line: Lua cannot import Python. What
+holds the two equal: the argument and reply layouts and the codes are declared once
+(``store/contract.py``, generated into ``lua/_contract.lua``); the differential test
+(``tests/test_differential.py``) drives both stores through the same random
+sequences and compares every answer and the state after each step; and the
+conformance suite runs the same tests against both. Change one, change the other,
+and run the differential test (docs/testing.md).
 
 Rules for taking ``cost`` tokens from class c (after refill):
 
