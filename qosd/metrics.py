@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from qosd_client.types import Status
 from qosd_client.v1 import qosd_pb2
 
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -203,8 +204,9 @@ class Metrics:
         if waited_ms:
             children[1].observe(waited_ms / 1000)
 
-    def update_from_status(self, status: qosd_pb2.GetStatusResponse, leads: bool) -> None:
-        """Sets the state gauges from an ``Admin/GetStatus`` answer."""
+    def update_from_status(self, status: Status, leads: bool) -> None:
+        """Sets the state gauges from the status service's read (qosd/status.py): the
+        same figures GetStatus answers and qosctl shows."""
         for gauge in (self.compliance, self.latency, self.server_waiting, self.server_kv):
             gauge.clear()  # a class whose window emptied must not keep an old value
         for pool in status.pools:
@@ -212,9 +214,9 @@ class Metrics:
             self.pool_capacity.labels(pool.name).set(pool.capacity_tokens_s)
             self.pool_pinned.labels(pool.name).set(1 if pool.pinned else 0)
             self.leases.labels(pool.name).set(pool.active_leases)
-            if pool.server_waiting_requests >= 0:
+            if pool.server_waiting_requests is not None:
                 self.server_waiting.labels(pool.name).set(pool.server_waiting_requests)
-            if pool.server_kv_cache_usage >= 0:
+            if pool.server_kv_cache_usage is not None:
                 self.server_kv.labels(pool.name).set(pool.server_kv_cache_usage)
             for cls in pool.classes:
                 labels = (pool.name, cls.name)
@@ -224,16 +226,19 @@ class Metrics:
                 self.queue.labels(*labels).set(cls.waiting)
                 latency = cls.latency
                 self.window_samples.labels(*labels).set(latency.samples)
-                if latency.compliance >= 0:
+                if latency.compliance is not None:
                     self.compliance.labels(*labels).set(latency.compliance)
-                for metric, field in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("e2e", "e2e_ms")):
-                    if not latency.HasField(field):  # type: ignore[arg-type]
+                for metric, percentiles in (
+                    ("ttft", latency.ttft),
+                    ("tpot", latency.tpot),
+                    ("e2e", latency.e2e),
+                ):
+                    if percentiles is None:
                         continue
-                    percentiles = getattr(latency, field)
                     for percentile, value in (
-                        ("p50", percentiles.p50),
-                        ("p95", percentiles.p95),
-                        ("p99", percentiles.p99),
+                        ("p50", percentiles.p50_ms),
+                        ("p95", percentiles.p95_ms),
+                        ("p99", percentiles.p99_ms),
                     ):
                         self.latency.labels(*labels, metric, percentile).set(value / 1000)
         self.store_up.set(1)

@@ -33,6 +33,7 @@ from qosd.metrics import Metrics
 from qosd.model import StoreUnavailable, new_daemon_id
 from qosd.reload import ConfigReloader, ReloadPlan
 from qosd.service import AdminService, QoSService, add_to_server
+from qosd.status import StatusService
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.instrumented import InstrumentedStore
@@ -79,6 +80,7 @@ class Daemon:
     monitor: HealthMonitor
     metrics: Metrics
     admin: AdminService
+    status: StatusService  # what GetStatus, /metrics (and through them qosctl) read
     tracing: Tracing | None = None
     http: DaemonHttp | None = None
     # The admin listener's own server (server.admin_listen), and what it bound.
@@ -152,11 +154,11 @@ class Daemon:
     async def metrics_page(self) -> bytes:
         """The Prometheus exposition: counters as they stand, state read now."""
         try:
-            status = await self.admin.status(self.admission.pool_names())
+            status = await self.status.status(self.status.pool_names())
         except StoreUnavailable:
             self.metrics.store_up.set(0)
         else:
-            self.metrics.update_from_status(status, self.admin.leads)
+            self.metrics.update_from_status(status, self.status.leads)
         return self.metrics.exposition()
 
 
@@ -218,7 +220,16 @@ async def _start(
         admission.daemon_id,
         on_change=lambda pool, kind: metrics.adjustments.labels(pool, kind).inc(),
     )
-    admin = AdminService(admission, controller)
+    status = StatusService(
+        store=store,
+        store_kind=admission.store_kind,
+        daemon_id=admission.daemon_id,
+        pools=lambda: admission.pools,
+        config=lambda: admission.config,
+        waiting_room=admission.waiting_room,
+        controller=controller,
+    )
+    admin = AdminService(status, controller)
     envoy_rls = (
         EnvoyRateLimitService(admission, metrics, tracer) if config.envoy_rls.enabled else None
     )
@@ -245,6 +256,7 @@ async def _start(
         monitor=monitor,
         metrics=metrics,
         admin=admin,
+        status=status,
         tracing=tracing,
         certificates=certificates,
     )

@@ -19,12 +19,10 @@ from opentelemetry.trace import Tracer
 from qosd import tracing
 from qosd.admission import Admission, InvalidArgument
 from qosd.auth import Authorizer, Group
-from qosd.config import SloConfig
 from qosd.control import Controller
 from qosd.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.metrics import Metrics
 from qosd.model import (
-    Adjustment,
     LeaseExpired,
     LeaseNotFound,
     Outcome,
@@ -32,9 +30,12 @@ from qosd.model import (
     ServerLoad,
     StoreUnavailable,
 )
-from qosd.policy import PoolPolicy, effective_pool
-from qosd.slo import WindowStats, window_stats
+from qosd.policy import PoolPolicy
+from qosd.status import MAX_HISTORY, StatusService
 from qosd.v1 import envoy_rls_pb2
+
+# The client's own mapping of status to protobuf, beside its inverse (one definition).
+from qosd_client._convert import pool_message, status_message
 from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -199,15 +200,17 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
 
 
 class AdminService(qosd_pb2_grpc.AdminServicer):
-    def __init__(self, admission: Admission, controller: Controller) -> None:
-        self._admission = admission
+    """GetStatus answers what the status service reads; PinRate and UnpinRate go to the
+    SLO loop's controller, and answer with the pool's status after."""
+
+    def __init__(self, status: StatusService, controller: Controller) -> None:
+        self._status = status
         self._controller = controller
 
     async def GetStatus(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.GetStatusResponse:
-        admission = self._admission
-        names = admission.pool_names()
+        names = self._status.pool_names()
         if request.pool:
             if request.pool not in names:
                 await context.abort(
@@ -220,26 +223,10 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                 f"history must be between 0 and {MAX_HISTORY} (got {request.history})",
             )
         try:
-            return await self.status(names, request.history)
+            return status_message(await self._status.status(names, request.history))
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
             raise  # abort raised already; this tells the type checker
-
-    async def status(self, pools: list[str], history: int = 0) -> qosd_pb2.GetStatusResponse:
-        """GetStatus's answer; also what /metrics reads. Raises StoreUnavailable."""
-        admission = self._admission
-        response = qosd_pb2.GetStatusResponse(
-            daemon_id=admission.daemon_id,
-            store=admission.store_kind,
-            controller=self._controller.leader if self._controller.running else "",
-        )
-        for name in pools:
-            response.pools.append(await self._pool_status(name, history))
-        return response
-
-    @property
-    def leads(self) -> bool:
-        return self._controller.running and self._controller.leads
 
     async def PinRate(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.PinRateRequest, context: grpc.aio.ServicerContext
@@ -260,99 +247,23 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
         return await self._pin(await self._known_pool(request.pool, context), None, context)
 
     async def _known_pool(self, name: str, context: grpc.aio.ServicerContext) -> PoolPolicy:
-        if name not in self._admission.pool_names():
-            known = ", ".join(self._admission.pool_names())
+        names = self._status.pool_names()
+        if name not in names:
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"pool {name!r} is not configured (pools: {known})"
+                grpc.StatusCode.NOT_FOUND,
+                f"pool {name!r} is not configured (pools: {', '.join(names)})",
             )
-        return self._admission.pool(name)
+        return self._status.policy(name)
 
     async def _pin(
         self, pool: PoolPolicy, rate: float | None, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.PinRateResponse:
         try:
             await self._controller.pin(pool, rate)
-            return qosd_pb2.PinRateResponse(pool=await self._pool_status(pool.name, 0))
+            return qosd_pb2.PinRateResponse(pool=pool_message(await self._status.pool(pool.name)))
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}; retry")
         raise AssertionError("unreachable")  # abort raises
-
-    async def _pool_status(self, name: str, history: int) -> qosd_pb2.PoolStatus:
-        """One pool as the store sees it now, with the SLO loop's state."""
-        admission = self._admission
-        config = admission.config
-        pool = admission.pool(name)
-        store = admission.store
-        status = await store.status(pool)
-        record = await store.control(pool)
-        adjustments = await store.history(pool, max(1, history))
-        verdict = self._controller.last_verdicts.get(name)
-        entry = qosd_pb2.PoolStatus(
-            name=name,
-            capacity_tokens_s=pool.capacity,
-            shared_tokens=status.shared_tokens,
-            shared_burst_tokens=effective_pool(pool, status.capacity).shared_burst,
-            admitted_rate_tokens_s=status.capacity,
-            pinned=record.pinned,
-            verdict=verdict.reason if verdict and self._controller.leads else "",
-            min_rate_tokens_s=pool.min_capacity,
-            max_rate_tokens_s=pool.max_capacity,
-            active_leases=status.active_leases,
-            long_prefill_tokens=status.long_prefill_tokens,
-            server_waiting_requests=(
-                -1 if status.server_waiting is None else status.server_waiting
-            ),
-            server_kv_cache_usage=(
-                -1.0 if status.server_kv_usage is None else status.server_kv_usage
-            ),
-        )
-        if adjustments:
-            entry.last_adjustment.CopyFrom(_adjustment(adjustments[0], status.now_ms))
-            if history:
-                entry.history.extend(_adjustment(a, status.now_ms) for a in adjustments[:history])
-        held = admission.waiting_room.held(name)
-        max_age = config.report.max_age_s
-        for cls in pool.classes:
-            now = status.classes[cls.name]
-            slo = config.classes[cls.name].slo
-            window = window_stats(
-                await store.window(name, cls.name),
-                slo,
-                now_ms=status.now_ms,
-                max_age_ms=None if max_age is None else int(max_age * 1000),
-            )
-            entry.classes.add(
-                name=cls.name,
-                priority=cls.priority,
-                rate_tokens_s=now.rate,
-                burst_tokens=now.burst,
-                tokens=now.tokens,
-                waiting=now.waiting,
-                oldest_wait_ms=now.oldest_wait_ms,
-                waiting_here=held.get(cls.name, 0),
-                max_wait_ms=cls.max_wait_ms,
-                max_queue=cls.max_queue,
-                can_borrow=cls.can_borrow,
-                configured_rate_tokens_s=cls.rate,
-                latency=_latency(window, slo),
-                in_flight=now.in_flight,
-                in_flight_tokens=now.in_flight_tokens,
-            )
-        return entry
-
-
-MAX_HISTORY = 100  # what the store keeps per pool
-
-
-def _adjustment(adjustment: Adjustment, now_ms: int) -> qosd_pb2.Adjustment:
-    return qosd_pb2.Adjustment(
-        at_ms=adjustment.at_ms,
-        from_tokens_s=adjustment.changed_from,
-        to_tokens_s=adjustment.changed_to,
-        reason=adjustment.reason,
-        by=adjustment.by,
-        age_ms=max(0, now_ms - adjustment.at_ms),
-    )
 
 
 def _server_loads(
@@ -375,28 +286,6 @@ def _server_loads(
         except InvalidArgument as exc:
             rejected.append(qosd_pb2.RejectedLoad(index=index, reason=str(exc)))
     return loads, rejected
-
-
-def _latency(stats: WindowStats, slo: SloConfig) -> qosd_pb2.LatencyStatus:
-    compliance = stats.compliance
-    message = qosd_pb2.LatencyStatus(
-        samples=stats.samples,
-        compliance=-1.0 if compliance is None else compliance,
-        slo_ttft_ms=slo.ttft_ms or 0.0,
-        slo_tpot_ms=slo.tpot_ms or 0.0,
-        slo_e2e_ms=slo.e2e_ms or 0.0,
-        tail_pressure=-1.0 if stats.tail_pressure is None else stats.tail_pressure,
-    )
-    for field, measured in (
-        ("ttft_ms", stats.ttft_ms),
-        ("tpot_ms", stats.tpot_ms),
-        ("e2e_ms", stats.e2e_ms),
-    ):
-        if measured is not None:
-            getattr(message, field).CopyFrom(
-                qosd_pb2.Percentiles(p50=measured.p50, p95=measured.p95, p99=measured.p99)
-            )
-    return message
 
 
 def _sample_status(value: int) -> Outcome:

@@ -245,6 +245,97 @@ def status_result(response: qosd_pb2.GetStatusResponse) -> Status:
     )
 
 
+# -- status out: the daemon's side of the same mapping ------------------------------
+# The daemon builds its status as these dataclasses (qosd/status.py) and answers
+# GetStatus with status_message; status_result above reads it back. Kept here, beside
+# its inverse, so that one file holds the mapping both ways (tests/test_status.py
+# checks that a round trip is the identity).
+
+
+def _percentiles_message(value: Percentiles | None) -> qosd_pb2.Percentiles | None:
+    if value is None:
+        return None
+    return qosd_pb2.Percentiles(p50=value.p50_ms, p95=value.p95_ms, p99=value.p99_ms)
+
+
+def _latency_message(latency: LatencyState) -> qosd_pb2.LatencyStatus:
+    return qosd_pb2.LatencyStatus(
+        samples=latency.samples,
+        compliance=-1.0 if latency.compliance is None else latency.compliance,
+        slo_ttft_ms=latency.slo_ttft_ms or 0.0,
+        slo_tpot_ms=latency.slo_tpot_ms or 0.0,
+        slo_e2e_ms=latency.slo_e2e_ms or 0.0,
+        ttft_ms=_percentiles_message(latency.ttft),
+        tpot_ms=_percentiles_message(latency.tpot),
+        e2e_ms=_percentiles_message(latency.e2e),
+        tail_pressure=-1.0 if latency.tail_pressure is None else latency.tail_pressure,
+    )
+
+
+def _change_message(change: RateChange) -> qosd_pb2.Adjustment:
+    return qosd_pb2.Adjustment(
+        at_ms=change.at_ms,
+        from_tokens_s=change.from_tokens_s,
+        to_tokens_s=change.to_tokens_s,
+        reason=change.reason,
+        by=change.by,
+        age_ms=round(change.age_s * 1000),
+    )
+
+
+def pool_message(pool: PoolState) -> qosd_pb2.PoolStatus:
+    return qosd_pb2.PoolStatus(
+        name=pool.name,
+        capacity_tokens_s=pool.capacity_tokens_s,
+        shared_tokens=pool.shared_tokens,
+        shared_burst_tokens=pool.shared_burst_tokens,
+        classes=[
+            qosd_pb2.ClassStatus(
+                name=c.name,
+                priority=c.priority,
+                rate_tokens_s=c.rate_tokens_s,
+                burst_tokens=c.burst_tokens,
+                tokens=c.tokens,
+                waiting=c.waiting,
+                oldest_wait_ms=round(c.oldest_wait_s * 1000),
+                waiting_here=c.waiting_here,
+                max_wait_ms=round(c.max_wait_s * 1000),
+                max_queue=c.max_queue,
+                can_borrow=c.can_borrow,
+                configured_rate_tokens_s=c.configured_rate_tokens_s,
+                latency=_latency_message(c.latency),
+                in_flight=c.in_flight,
+                in_flight_tokens=c.in_flight_tokens,
+            )
+            for c in pool.classes
+        ],
+        admitted_rate_tokens_s=pool.admitted_rate_tokens_s,
+        pinned=pool.pinned,
+        last_adjustment=None if pool.last_change is None else _change_message(pool.last_change),
+        history=[_change_message(change) for change in pool.history],
+        verdict=pool.verdict,
+        min_rate_tokens_s=pool.min_rate_tokens_s,
+        max_rate_tokens_s=pool.max_rate_tokens_s,
+        active_leases=pool.active_leases,
+        long_prefill_tokens=pool.long_prefill_tokens,
+        server_waiting_requests=(
+            -1 if pool.server_waiting_requests is None else pool.server_waiting_requests
+        ),
+        server_kv_cache_usage=(
+            -1.0 if pool.server_kv_cache_usage is None else pool.server_kv_cache_usage
+        ),
+    )
+
+
+def status_message(status: Status) -> qosd_pb2.GetStatusResponse:
+    return qosd_pb2.GetStatusResponse(
+        pools=[pool_message(pool) for pool in status.pools],
+        daemon_id=status.daemon_id,
+        store=status.store,
+        controller=status.controller,
+    )
+
+
 def translate(error: grpc.RpcError, *, admin: bool = False) -> QosdError:
     """Turns a gRPC error into the client's typed exception. From the admin calls,
     NOT_FOUND names a pool, not a lease."""
