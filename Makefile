@@ -36,8 +36,12 @@ lint: $(BIN)/.installed
 	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh --check
 	$(BIN)/python scripts/gen_lua_contract.py --check
 
+# With branch coverage of qosd/, the daemons and command lines the tests start as
+# processes included ([tool.coverage.*] in pyproject.toml): a summary at the end, and
+# results/coverage.json. A bare `pytest` measures nothing.
 unit: $(BIN)/.installed
-	$(BIN)/pytest
+	rm -rf results/coverage
+	$(BIN)/pytest --cov --cov-report=term --cov-report=json
 
 bench: $(BIN)/.installed  ## needs h2load (apt-get install nghttp2-client)
 	$(BIN)/python benchmarks/decisions.py --json results/decisions.json
