@@ -38,7 +38,7 @@ class TraceError(ValueError):
 def read_trace(path: str | Path | None = None) -> list[TraceRow]:
     """Rows of a trace CSV, in arrival order; the bundled Azure sample when ``path`` is None."""
     if path is None:
-        source = resources.files("qosd.examples").joinpath("azure_conv_sample.csv")
+        source = resources.files("qosd_sim.traces").joinpath("azure_conv_sample.csv")
         with source.open("r", encoding="utf-8") as handle:
             return _parse(handle, "the bundled sample")
     with open(path, encoding="utf-8", newline="") as handle:
