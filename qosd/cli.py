@@ -73,16 +73,31 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides[("logging", "level")] = args.log_level
     if args.log_format:
         overrides[("logging", "format")] = args.log_format
+    if getattr(args, "workers", None):
+        overrides[("server", "workers")] = args.workers
+    if args.command == "serve":
+        from qosd.workers import worker_role
+
+        role = worker_role()
+        if role is not None:  # a worker of `serve --workers N`: the supervisor's ports
+            overrides.update(role.overrides())
     return load_config(args.config, overrides=overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="qosd", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_cmd = commands.add_parser("serve", help="run the admission daemon")
     _add_config_flags(serve_cmd)
     serve_cmd.add_argument("--ready-file", help="write {pid, addresses} as JSON here once serving")
+    serve_cmd.add_argument(
+        "--workers",
+        metavar="N|auto",
+        help="worker processes sharing the listen ports (SO_REUSEPORT; needs Redis); auto: "
+        "one per CPU this process may use (overrides server.workers)",
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -187,23 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(config.logging.level, config.logging.format)
 
     if args.command == "serve":
-        import uvloop
-
-        from qosd.server import StartupError, serve
-
-        try:
-            uvloop.run(
-                serve(
-                    config,
-                    ready_file=args.ready_file,
-                    reload=lambda: config_from_args(args),
-                    config_path=args.config,
-                )
-            )
-        except StartupError as exc:
-            print(f"qosd: {exc}", file=sys.stderr)
-            return 1
-        return 0
+        return _serve(args, config, argv)
 
     try:
         from qosd_sim.demo import run_demo
@@ -217,6 +216,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace=args.trace,
         inject_every_s=args.inject_every,
     )
+
+
+def _serve(args: argparse.Namespace, config: Config, argv: Sequence[str]) -> int:
+    """One daemon; or, with ``server.workers`` above 1, the supervisor of that many
+    (qosd.workers), each of which comes back here as a worker and serves."""
+    from qosd.workers import die_with_supervisor, resolve_workers, supervise, worker_role
+
+    role = worker_role()
+    if role is None:
+        count = resolve_workers(config.server.workers)
+        if count > 1:
+            return supervise(config, argv, count, args.ready_file)
+    else:
+        die_with_supervisor(role)
+
+    import uvloop
+
+    from qosd.server import StartupError, serve
+
+    try:
+        uvloop.run(
+            serve(
+                config,
+                ready_file=role.ready_file if role else args.ready_file,
+                reload=lambda: config_from_args(args),
+                config_path=args.config,
+                reuse_port=role is not None,
+            )
+        )
+    except StartupError as exc:
+        print(f"qosd: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _sim_triton(args: argparse.Namespace) -> int:

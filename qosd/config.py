@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -470,6 +471,10 @@ def is_local_address(address: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
+# More workers than this is a typo (a port number?), not a machine.
+MAX_WORKERS = 256
+
+
 class ServerConfig(_Strict):
     listen: list[str] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     # The admin listener: the Admin service (status and the control RPCs PinRate and
@@ -484,6 +489,10 @@ class ServerConfig(_Strict):
     # How often the daemon checks that it can answer as configured (store reachable,
     # or fail-open), which is what gRPC health and /readyz report.
     health_check_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    # Daemon processes serving the same addresses (SO_REUSEPORT), each a complete
+    # daemon on the shared store: an integer, or "auto" (one per CPU this process may
+    # use). One process is one core; more need Redis (qosd.workers, deployment.md).
+    workers: int | Literal["auto"] = 1
 
     @field_validator("listen")
     @classmethod
@@ -492,6 +501,29 @@ class ServerConfig(_Strict):
             raise ValueError("needs at least one address")
         for address in value:
             parse_listen_address(address)
+        return value
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object, info: ValidationInfo) -> object:
+        """An integer (a digit string from ``--workers`` or ``$QOSD_WORKERS`` too) or
+        "auto". Several workers cannot share a unix socket: SO_REUSEPORT is for TCP and
+        UDP only, and a second bind would replace the first's socket file."""
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value != "auto" and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORKERS
+        ):
+            raise ValueError(
+                f"must be an integer from 1 to {MAX_WORKERS}, or 'auto' (got {value!r})"
+            )
+        unix = [a for a in info.data.get("listen", []) if parse_listen_address(a).unix_path]
+        if value != 1 and unix:
+            raise ValueError(
+                f"{value!r} workers cannot share the unix socket {unix[0]} (server.listen): "
+                "SO_REUSEPORT shares TCP ports only. Run one worker on a unix socket, or "
+                "listen on TCP"
+            )
         return value
 
     @field_validator("admin_listen")
@@ -692,6 +724,13 @@ class Config(_Strict):
                     f"auth.{group}.identities: identities come from client certificates, "
                     "so they need server.tls.client_ca_file"
                 )
+        if self.server.workers != 1 and self.redis.url is None:
+            raise ValueError(
+                f"server.workers: more than one worker ({self.server.workers!r}) needs Redis "
+                "(redis.url): "
+                "the embedded store keeps its state in one process, so each worker would "
+                "keep a budget of its own"
+            )
         if not self.pools:
             raise ValueError("pools: at least one pool is required")
         for kind, names in (("classes", self.classes), ("pools", self.pools)):
@@ -798,6 +837,7 @@ ENV_OVERRIDES: Mapping[str, tuple[str, ...]] = {
     "QOSD_DRAIN_GRACE_S": ("server", "drain_grace_s"),
     "QOSD_HTTP_LISTEN": ("server", "http_listen"),
     "QOSD_ADMIN_LISTEN": ("server", "admin_listen"),  # comma-separated
+    "QOSD_WORKERS": ("server", "workers"),  # an integer or auto
     "QOSD_TLS_CERT_FILE": ("server", "tls", "cert_file"),
     "QOSD_TLS_KEY_FILE": ("server", "tls", "key_file"),
     "QOSD_TLS_CLIENT_CA_FILE": ("server", "tls", "client_ca_file"),

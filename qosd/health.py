@@ -122,8 +122,15 @@ class DaemonHttp:
         address: str,
         metrics_page: Callable[[], Awaitable[bytes]] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        *,
+        reuse_port: bool = False,
     ) -> None:
+        """``reuse_port``: the workers of ``serve --workers N`` share one HTTP port
+        (SO_REUSEPORT); each answers for itself, so ``/readyz`` says whether the
+        worker that took the connection can answer, and ``/metrics`` shows the whole
+        group (qosd.metrics)."""
         self._monitor = monitor
+        self._reuse_port = reuse_port
         self._ssl_context = ssl_context
         self._metrics_page = metrics_page
         host, _, port = parse_listen_address(address).target.rpartition(":")
@@ -140,7 +147,11 @@ class DaemonHttp:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(
-            self._runner, self._host, self._port, reuse_port=False, ssl_context=self._ssl_context
+            self._runner,
+            self._host,
+            self._port,
+            reuse_port=self._reuse_port,
+            ssl_context=self._ssl_context,
         )
         await site.start()
         bound = self._runner.addresses  # port 0 resolved

@@ -7,13 +7,35 @@ decision is one dictionary lookup and two increments. State (rates, shares, queu
 compliance, latency percentiles, leases) is read at scrape time through the same code
 that answers ``Admin/GetStatus``, so the two can never disagree and idle daemons do no
 periodic store reads.
+
+The workers of ``serve --workers N`` (qosd.workers) run prometheus_client's
+multiprocess mode: ``$PROMETHEUS_MULTIPROC_DIR``, set by the supervisor, makes every
+counter and histogram a memory-mapped file per process, and a scrape, answered by any
+worker, merges them all, so events count over the whole group. The state gauges are
+not in those files: they are fleet-wide figures from the store, read by the worker
+that answers, and summing N copies of a rate would be wrong. The few gauges that are a
+process's own take one value over the live workers (``multiprocess_mode``): the
+controller leader is the largest (1 if any worker leads), the last reload's success
+the smallest (0 if any worker refused it), a restart required the largest, the last
+reload's time the latest. With one process none of this applies and the page is as it
+always was.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 
 from qosd_client.types import Status
 from qosd_client.v1 import qosd_pb2
@@ -22,11 +44,40 @@ WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10
 STORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
+class _LocalGauge(Gauge):
+    """A gauge kept in this process's memory even in multiprocess mode, for the state
+    read at scrape time: the worker that answers sets and shows its own read, and no
+    other worker's (possibly older) copy is merged into it. prometheus_client picks a
+    value class for every metric at import (``values.ValueClass``) and has no public
+    switch per metric; ``_metric_init`` is where it makes the value (0.26)."""
+
+    def _metric_init(self) -> None:
+        self._value = values.MutexValue(  # type: ignore[no-untyped-call]
+            self._type, self._name, self._name, self._labelnames, self._labelvalues,
+            self._documentation,
+        )  # fmt: skip
+
+    def clear(self) -> None:
+        """As Gauge.clear, less its multiprocess-mode warning: these values are this
+        process's own, and clearing them clears them."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            super().clear()
+
+
 class Metrics:
     """One daemon's instruments, in a registry of its own (tests run several daemons)."""
 
     def __init__(self) -> None:
+        # Multiprocess mode: prometheus_client chose memory-mapped values at import.
+        self.multiprocess_dir = (
+            os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            if values.ValueClass is not values.MutexValue
+            else None
+        )
         self.registry = CollectorRegistry()
+        # The state gauges alone, for the multiprocess page (``exposition``).
+        self.state_registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
             "qosd_acquire_decisions",
@@ -96,16 +147,19 @@ class Metrics:
             "qosd_config_last_reload_success_timestamp_seconds",
             "When the running config was last loaded: at start, then each applied reload.",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.config_last_reload_successful = Gauge(
             "qosd_config_last_reload_successful",
             "1 if the last reload was applied (or none was asked for), 0 if it was refused.",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.config_restart_required = Gauge(
             "qosd_config_restart_required",
             "1 while the config file holds changes that take effect only at a restart.",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.config_last_reload_success.set_to_current_time()
         self.config_last_reload_successful.set(1)
@@ -177,13 +231,21 @@ class Metrics:
             ["pool"],
         )
         self.store_up = self._gauge("qosd_store_up", "1 if the last scrape read the store.", [])
-        self.leader = self._gauge(
-            "qosd_controller_leader", "1 while this daemon runs the SLO loop.", []
-        )
+        self.leader = Gauge(
+            "qosd_controller_leader", "1 while this daemon runs the SLO loop.",
+            registry=r, multiprocess_mode="livemax",
+        )  # fmt: skip
         self._decision_children: dict[tuple[str, str, bool, int], tuple[Any, Any]] = {}
 
+    @property
+    def multiprocess(self) -> bool:
+        """Whether this is a worker of a group (its counters merge with the others')."""
+        return self.multiprocess_dir is not None
+
     def _gauge(self, name: str, documentation: str, labels: list[str]) -> Gauge:
-        return Gauge(name, documentation, labels, registry=self.registry)
+        gauge = _LocalGauge(name, documentation, labels, registry=self.registry)
+        self.state_registry.register(gauge)
+        return gauge
 
     def acquire(
         self, pool: str, qos_class: str, admitted: bool, reason: int, waited_ms: int
@@ -245,4 +307,10 @@ class Metrics:
         self.leader.set(1 if leads else 0)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The page: this daemon's registry; for a worker, every worker's events and
+        own gauges merged from the files, then the state this worker just read."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        group = CollectorRegistry()
+        multiprocess.MultiProcessCollector(group, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(group) + generate_latest(self.state_registry)

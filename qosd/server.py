@@ -90,6 +90,8 @@ class Daemon:
     addresses: list[str] = field(default_factory=list)
     unix_paths: list[str] = field(default_factory=list)
     reloader: ConfigReloader | None = None
+    # Workers only: keeps qosd_controller_leader current (_publish_leadership).
+    leadership: asyncio.Task[None] | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -98,6 +100,10 @@ class Daemon:
             await self.reloader.stop()
         if self._background:  # what a reload started (an SLO loop stopping)
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.leadership is not None:
+            self.leadership.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.leadership
         await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
         await self.controller.stop()
@@ -172,19 +178,27 @@ def _remove_stale_socket(path: str) -> None:
     os.unlink(path)
 
 
-async def start(config: Config, store: BucketStore | None = None) -> Daemon:
+async def start(
+    config: Config, store: BucketStore | None = None, *, reuse_port: bool = False
+) -> Daemon:
     """Starts a daemon. What it has started when a step fails (the store's
     connections, tracing's exporter thread, a bound server, the HTTP listener, unix
-    socket files) is undone, in reverse order, before the error propagates."""
+    socket files) is undone, in reverse order, before the error propagates.
+
+    ``reuse_port``: a worker of ``serve --workers N`` (qosd.workers), which shares its
+    gRPC and HTTP ports with the other workers (SO_REUSEPORT)."""
     async with contextlib.AsyncExitStack() as undo:
-        daemon = await _start(config, store, undo)
+        daemon = await _start(config, store, undo, reuse_port)
         undo.pop_all()  # the daemon owns all of it now: Daemon.stop undoes it
         return daemon
     raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
 
 
 async def _start(
-    config: Config, given_store: BucketStore | None, undo: contextlib.AsyncExitStack
+    config: Config,
+    given_store: BucketStore | None,
+    undo: contextlib.AsyncExitStack,
+    reuse_port: bool,
 ) -> Daemon:
     metrics = Metrics()
     daemon_id = new_daemon_id()
@@ -212,7 +226,7 @@ async def _start(
         )
     except (OSError, ValueError) as exc:
         raise StartupError(f"server.tls: the files do not load: {exc}") from exc
-    server = grpc.aio.server(options=_server_options(config))
+    server = grpc.aio.server(options=_server_options(config, reuse_port))
     controller = Controller(
         config,
         store,
@@ -280,6 +294,7 @@ async def _start(
             config.server.http_listen,
             daemon.metrics_page,
             certificates.ssl_context() if certificates is not None else None,
+            reuse_port=reuse_port,
         )
         try:
             await daemon.http.start()
@@ -297,6 +312,10 @@ async def _start(
         controller.start()
         undo.push_async_callback(controller.stop)
     await monitor.start()
+    if metrics.multiprocess:
+        daemon.leadership = asyncio.get_running_loop().create_task(
+            _publish_leadership(metrics, status, config.server.health_check_interval_s)
+        )
     tls = ""
     if certificates is not None:
         tls = " (mTLS)" if certificates.requires_client_certificates else " (TLS)"
@@ -326,13 +345,25 @@ def _unlink_all(paths: list[str]) -> None:
             os.unlink(path)
 
 
-def _server_options(config: Config) -> list[tuple[str, Any]]:
+async def _publish_leadership(metrics: Metrics, status: StatusService, interval_s: float) -> None:
+    """Workers (multiprocess metrics): ``qosd_controller_leader`` is the largest of the
+    workers' own values, and a scrape is answered by one worker, which reads only its
+    own; so each sets its own as it goes. Leadership changes at most once an SLO turn,
+    and this reads a flag in memory, no store."""
+    while True:
+        metrics.leader.set(1 if status.leads else 0)
+        await asyncio.sleep(interval_s)
+
+
+def _server_options(config: Config, reuse_port: bool = False) -> list[tuple[str, Any]]:
     max_bytes = config.limits.max_message_bytes
     return [
         ("grpc.max_receive_message_length", max_bytes),
         ("grpc.max_send_message_length", max_bytes),
-        # Two daemons on one port would silently split traffic; fail instead.
-        ("grpc.so_reuseport", 0),
+        # Two daemons on one port would silently split traffic; fail instead. Workers
+        # of one supervisor share theirs on purpose (it checked that no one else holds
+        # it: qosd.workers).
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
 
 
@@ -372,11 +403,13 @@ async def serve(
     *,
     reload: Callable[[], Config] | None = None,
     config_path: str | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Runs the daemon until SIGTERM/SIGINT, then drains within the configured grace.
 
     With ``reload`` (how the config was loaded: the file, the environment and the
-    command line's overrides), SIGHUP and a replaced ``config_path`` reload it."""
+    command line's overrides), SIGHUP and a replaced ``config_path`` reload it.
+    ``reuse_port``: as a worker of ``serve --workers N`` (``start``)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Before start: its "serving on" line may prompt a supervisor's (or a test's)
@@ -385,7 +418,7 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: None)
-    daemon = await start(config)
+    daemon = await start(config, reuse_port=reuse_port)
     if reload is not None:
         reloader = daemon.reloader = ConfigReloader(
             reload,

@@ -370,12 +370,22 @@ def redis_sentinel(
 
 @dataclass
 class DaemonProcess:
-    """A ``qosd serve`` process started with a config written to a temporary file."""
+    """A ``qosd serve`` process started with a config written to a temporary file.
+
+    ``workers``: ``--workers N`` (or ``auto``); the process is then the supervisor, and
+    ``ready`` (the ready file it wrote) lists its workers' pids under ``workers``."""
 
     config: dict[str, Any]
     directory: Path
     process: subprocess.Popen[bytes] | None = None
     addresses: list[str] = field(default_factory=list)
+    workers: int | str | None = None
+    log_level: str = "WARNING"
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "qosd.log"
 
     @property
     def address(self) -> str:
@@ -388,9 +398,10 @@ class DaemonProcess:
         ready.unlink(missing_ok=True)
         config_path.write_text(yaml.safe_dump(self.config))
         log = (self.directory / "qosd.log").open("ab")
+        workers = [] if self.workers is None else ["--workers", str(self.workers)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qosd.cli", "serve", "--config", str(config_path),
-             "--ready-file", str(ready), "--log-level", "WARNING"],
+             "--ready-file", str(ready), "--log-level", self.log_level, *workers],
             stdout=log,
             stderr=log,
             # Its own session: a terminal's Ctrl-C goes to the whole foreground group, and
@@ -410,7 +421,8 @@ class DaemonProcess:
             if time.monotonic() > deadline:
                 raise RuntimeError("qosd did not become ready in time")
             time.sleep(0.02)
-        self.addresses = json.loads(ready.read_text())["addresses"]
+        self.ready = json.loads(ready.read_text())
+        self.addresses = self.ready["addresses"]
         return self
 
     def terminate(self, timeout_s: float = 30.0) -> int:
