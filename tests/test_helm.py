@@ -127,6 +127,20 @@ def test_standalone_with_redis_and_otel(helm: str, tmp_path: Path) -> None:
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
 
 
+def test_workers_in_standalone_mode_only_and_on_redis(helm: str, tmp_path: Path) -> None:
+    """Standalone on Redis: the workers value (auto: one per CPU of the container's
+    limit); on the embedded store and in the sidecar: one, whatever it says."""
+    for options, workers in [
+        (["-f", str(CHART / "ci" / "standalone-redis.yaml")], "auto"),
+        (["-f", str(CHART / "ci" / "standalone-trial.yaml"), "--set", "workers=3"], 3),
+        (["--set", "workers=1"], 1),
+        ([], 1),
+        (["-f", str(CHART / "ci" / "sidecar-socket.yaml"), "--set", "workers=3"], 1),
+    ]:
+        config = check_config_with_qosd(render(helm, CHART, *options), tmp_path)
+        assert config["server"]["workers"] == workers, options
+
+
 def test_config_change_restart_rolls_the_pods_on_every_change(helm: str) -> None:
     def checksum(*options: str) -> str:
         (deployment,) = by_kind(render(helm, CHART, "--set", "configChange=restart", *options),
@@ -252,6 +266,8 @@ def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> N
         (["--set", "otel.sampleRatio=2"], "sampleRatio"),
         (["--set", "redis.trial.enabled=true", "--set", "redis.existingSecret=s"], "no password"),
         (["--set", "tls.requireClientCert=true"], "needs tls.secretName"),
+        (["--set", "workers=2"], "workers > 1 needs redis.url"),
+        (["--set", "workers=0"], "/workers"),
         (["--set", "tls.secretName=t", "--set", "auth.control.identities={spiffe://a/b}"],
          "set tls.requireClientCert"),
     ],

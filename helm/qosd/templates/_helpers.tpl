@@ -65,6 +65,11 @@ app.kubernetes.io/component: qosd
 {{- $_ := set $server "listen" (list (printf "0.0.0.0:%v" .Values.grpc.port)) -}}
 {{- end -}}
 {{- $_ := set $server "http_listen" (printf "0.0.0.0:%v" .Values.http.port) -}}
+{{- if and (eq .Values.mode "standalone") (include "qosd.redisUrl" .) -}}
+{{- $_ := set $server "workers" .Values.workers -}}
+{{- else -}}
+{{- $_ := set $server "workers" 1 -}}
+{{- end -}}
 {{- $_ := set $server "admin_listen" (list (printf "unix:%s/admin.sock" .Values.admin.socketDir)) -}}
 {{- if .Values.tls.secretName -}}
 {{- $tls := dict "cert_file" "/var/run/secrets/qosd/tls/tls.crt" "key_file" "/var/run/secrets/qosd/tls/tls.key" -}}
@@ -103,6 +108,9 @@ app.kubernetes.io/component: qosd
 {{- define "qosd.validate" -}}
 {{- if and (eq .Values.mode "standalone") (gt (int .Values.replicaCount) 1) (not (include "qosd.redisUrl" .)) -}}
 {{- fail "qosd: replicaCount > 1 needs redis.url or redis.trial.enabled: replicas on the embedded store would each keep a budget of their own" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "standalone") (ne (toString .Values.workers) "auto") (gt (int .Values.workers) 1) (not (include "qosd.redisUrl" .)) -}}
+{{- fail "qosd: workers > 1 needs redis.url or redis.trial.enabled: the embedded store keeps its budgets in one process" -}}
 {{- end -}}
 {{- if and .Values.redis.url .Values.redis.trial.enabled -}}
 {{- fail "qosd: set redis.url or redis.trial.enabled, not both" -}}
@@ -198,6 +206,10 @@ volumeMounts:
   {{- end }}
   {{- if and (eq .Values.mode "sidecar") (hasPrefix "unix:" .Values.sidecar.listen) }}
   - {name: qosd-socket, mountPath: {{ .Values.sidecar.socketDir }}}
+  {{- end }}
+  {{- if ne .Values.mode "sidecar" }}
+  {{- /* The workers' supervisor keeps their ready files and metrics there. */}}
+  - {name: qosd-tmp, mountPath: /tmp}
   {{- end }}
 {{- end -}}
 
