@@ -32,7 +32,7 @@ from qosd.workers import available_cpus, cgroup_cpu_limit, resolve_workers
 from qosd_client import QosdClient
 from qosd_client.types import Status
 from qosd_sim.harness import DaemonProcess, RedisServer, free_port
-from tests.waiting import eventually
+from tests.waiting import eventually, wait_until
 
 # -- auto, and what the config refuses (no processes) --------------------------------
 
@@ -286,6 +286,27 @@ async def test_a_dead_worker_ends_the_group(redis_standalone: RedisServer, tmp_p
         assert code != 0
         assert not alive(first)
         assert f"(pid {second}) exited unexpectedly with -9" in group.log_path.read_text()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie: a worker whose supervisor is gone is reaped by whoever
+    adopts it, perhaps late."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+async def test_workers_drain_when_the_supervisor_is_killed(
+    redis_standalone: RedisServer, tmp_path: Path
+) -> None:
+    """A supervisor killed outright (the OOM killer) must leave no worker on the port."""
+    with worker_group(tmp_path, redis_config(redis_standalone)) as group:
+        pids = group.ready["workers"]
+        group.kill()
+        assert wait_until(lambda: not any(running(pid) for pid in pids), timeout_s=30)
+        assert group.log_path.read_text().count("qosd.server: stopped") == 2  # drained
 
 
 def serve(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
