@@ -489,6 +489,7 @@ def round_costs(figures: dict[str, Any]) -> dict[str, float]:
         "daemon_cpu_ms_per_1000": cpu["daemon"] * 1e6 / done,
         "daemon_cpus_busy": cpu["daemon"] / window["wall_s"],
         "redis_cpus_busy": cpu["redis"] / window["wall_s"],
+        "machine_cpus_busy": cpu["machine_busy"] / window["wall_s"],
         "others_cpu_s": cpu["others"],
         "daemon_rss_peak_mb": window["daemon_rss_peak_kb"] / 1024,
         "daemon_hwm_mb": window["daemon_hwm_kb"] / 1024,
