@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import logging
 import re
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
 from qosd.store.contract import Settled, Status
 from qosd.store.epochs import EpochWatch, ResetListener
+from qosd.store.redis_clock import RedisClock
 from qosd.store.resp import AuthFailed, RespClient, SentinelOptions, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -144,9 +144,8 @@ class RedisStore:
         # adds to a new one: distinct even for two states made in the same microsecond.
         self._epochs = EpochWatch()
         self._epoch_nonce = uuid.uuid4().hex[:12]
-        # Redis time minus this process's monotonic clock, in microseconds, learned
-        # from every acquire reply; None until the first one.
-        self._redis_clock_offset_us: float | None = None
+        # Redis time against this process's clock, learned from every acquire reply.
+        self._redis_clock = RedisClock()
         # A batch must have run this long before its callers' timeout, so that its
         # reply still finds them waiting.
         self._deadline_budget_us = max(config.timeout_ms * 1000 - 10_000, config.timeout_ms * 500)
@@ -246,15 +245,13 @@ class RedisStore:
         after a pause, must therefore change nothing. Replica clocks enter only as a
         duration; 0 (no deadline) until the offset to Redis time is known.
         """
-        offset = self._redis_clock_offset_us
-        if offset is None:
-            return "0"
-        return f"{time.monotonic_ns() / 1000 + offset + self._deadline_budget_us:.0f}"
+        deadline = self._redis_clock.redis_time_in(self._deadline_budget_us)
+        return "0" if deadline is None else f"{deadline:.0f}"
 
     def _acquire_header(self, pool_name: str, values: list[Any]) -> None:
         """An acquire batch's reply header: Redis time, then the pool's epoch."""
         header = contract.AcquireHeader._make(values)
-        self._redis_clock_offset_us = float(header.now_us) - time.monotonic_ns() / 1000
+        self._redis_clock.saw(float(header.now_us))
         self._epochs.saw(pool_name, header.epoch)
 
     def add_reset_listener(self, listener: ResetListener) -> None:
