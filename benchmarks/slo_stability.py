@@ -32,6 +32,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -337,10 +338,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     results: dict[str, Any] = {"seed": args.seed}
-    trajectories = []
-    for name in SCENARIOS:
-        trajectory = simulate(name, args.seed)
-        trajectories.append(trajectory)
+    # The scenarios are independent and deterministic: one process each, as CPUs allow.
+    with ProcessPoolExecutor(max_workers=min(len(SCENARIOS), os.cpu_count() or 1)) as pool:
+        trajectories = list(pool.map(simulate, SCENARIOS, itertools.repeat(args.seed)))
+    for name, trajectory in zip(SCENARIOS, trajectories, strict=True):
         measured = figures(trajectory)
         results[name] = {"figures": measured, "trajectory": asdict(trajectory)}
         print(f"\n== {name}: {json.dumps(measured)}")
