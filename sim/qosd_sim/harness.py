@@ -333,10 +333,14 @@ def redis_sentinel(
     with tempfile.TemporaryDirectory(prefix="qosd-sentinel-") as directory:
         group = RedisSentinel(Path(directory))
         try:
+            master_flags = (
+                "--min-replicas-to-write", "1", "--min-replicas-max-lag", "10",
+                # A replica's first sync starts at once, not after Redis's default 5 s
+                # wait for more replicas to share one diskless transfer.
+                "--repl-diskless-sync-delay", "0",
+            )  # fmt: skip
             master = RedisServer(
-                free_port(),
-                group.directory / "master",
-                ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "10", *master_args),
+                free_port(), group.directory / "master", (*master_flags, *master_args)
             )
             group.master = master.start()
             replica = RedisServer(
