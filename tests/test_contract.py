@@ -154,7 +154,9 @@ def test_the_state_fields_read_are_declared() -> None:
     read = re.search(r"local fields = \{('u'.*?)\}", prelude, re.S)
     assert read is not None
     fixed = re.findall(r"'([^']+)'", read.group(1))
-    per_class = re.findall(r"fields\[#fields \+ 1\] = '(\w):' \.\. name", prelude)
+    names = re.search(r"local names = \{(.*?)\}", prelude)
+    assert names is not None
+    per_class = re.findall(r"'(\w):' \.\. name", names.group(1))
     declared = [field.key for field in contract.STATE_HASH]
     assert [("x:<second>" if key == "x:" else key) for key in fixed] == [
         key for key in declared if ":<class>" not in key

@@ -173,36 +173,51 @@ local function end_other(name, count, tokens)
 end
 local HEADER = 16  -- fields read before the per-class ones
 local values_fresh = false  -- no state was found: it is made now
+-- Each class's state fields ('t:', 'w:', 'n:', 'c:' and its name), named once a call.
+local class_fields = {}
+-- The state's fields as read (numbers; nil where absent): save_state() writes only
+-- the fields whose value changed. Writing all of them, floats formatted to 17
+-- digits, was a fifth of the acquire script's time (docs/performance.md).
+local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
     'Sw', 'Sk', 'St', 'Bt', 'E'}
   for i = 1, class_count do
     local name = classes[i].name
-    fields[#fields + 1] = 't:' .. name
-    fields[#fields + 1] = 'w:' .. name
-    fields[#fields + 1] = 'n:' .. name
-    fields[#fields + 1] = 'c:' .. name
+    local names = {'t:' .. name, 'w:' .. name, 'n:' .. name, 'c:' .. name}
+    class_fields[i] = names
+    fields[#fields + 1] = names[1]
+    fields[#fields + 1] = names[2]
+    fields[#fields + 1] = names[3]
+    fields[#fields + 1] = names[4]
   end
   local values = redis.call('HMGET', STATE, unpack(fields))
-  state.capacity = tonumber(values[3]) or capacity
-  state.admitted = tonumber(values[4]) or 0
+  stored.capacity = tonumber(values[3])
+  stored.admitted = tonumber(values[4])
+  state.capacity = stored.capacity or capacity
+  state.admitted = stored.admitted or 0
   -- R is kept relative to the configured capacity: a pool re-configured (or a fleet
   -- mid-way through a rolling deploy) runs at the same fraction of its capacity.
   local written_under = tonumber(values[5])
+  stored.written_under = written_under
   if written_under and written_under > 0 and written_under ~= capacity then
     state.capacity = state.capacity * capacity / written_under
   end
   state.expiry_from = tonumber(values[6])
   state.expiry_to = tonumber(values[7])
+  stored.expiry_from = state.expiry_from
+  stored.expiry_to = state.expiry_to
   expiring[default_second] = parse_expiring(values[8], default_second)
   state.long_prefill = tonumber(values[9]) or 0
   if values[10] then
     local c, a, b = string.match(values[10], '^([^|]*)|([^|]*)|([^|]*)$')
     state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}
   end
-  state.prefill_until = tonumber(values[11]) or 0
-  state.prefill_real_until = tonumber(values[15]) or 0
+  stored.prefill_until = tonumber(values[11])
+  stored.prefill_real_until = tonumber(values[15])
+  state.prefill_until = stored.prefill_until or 0
+  state.prefill_real_until = stored.prefill_real_until or 0
   -- The servers' own load (load.lua), while fresh; nil: not known.
   if now - (tonumber(values[14]) or 0) <= server_load_max_age_us then
     state.server_waiting = tonumber(values[12])
@@ -210,15 +225,22 @@ do
   end
   allocate(state.capacity)
   state.epoch = values[16]
+  stored.epoch = state.epoch
   if values[1] then
-    state.updated = tonumber(values[1])
-    state.shared = tonumber(values[2])
+    stored.updated = tonumber(values[1])
+    stored.shared = tonumber(values[2])
+    state.updated = stored.updated
+    state.shared = stored.shared
     for i = 1, class_count do
       local at = HEADER + 4 * (i - 1)
-      state.tokens[i] = tonumber(values[at + 1]) or classes[i].burst
-      state.waiting[i] = tonumber(values[at + 2]) or 0
-      state.in_n[i] = tonumber(values[at + 3]) or 0
-      state.in_c[i] = tonumber(values[at + 4]) or 0
+      stored.tokens[i] = tonumber(values[at + 1])
+      stored.waiting[i] = tonumber(values[at + 2])
+      stored.in_n[i] = tonumber(values[at + 3])
+      stored.in_c[i] = tonumber(values[at + 4])
+      state.tokens[i] = stored.tokens[i] or classes[i].burst
+      state.waiting[i] = stored.waiting[i] or 0
+      state.in_n[i] = stored.in_n[i] or 0
+      state.in_c[i] = stored.in_c[i] or 0
     end
   else
     -- qosd/budget.py: fresh_state. A new pool starts full; one whose state the caller
@@ -360,18 +382,44 @@ local function save_state()
   if not state.epoch then  -- created now (or by a version before epochs)
     state.epoch = string.format('%.0f', now) .. '-' .. (epoch_nonce or '')
   end
-  local fields = {'u', string.format('%.0f', state.updated), 's', num(state.shared),
-    'a', num(state.admitted), 'R', num(state.capacity), 'K', num(capacity), 'E', state.epoch}
+  local fields = {}
+  local n = 0
+  local function put(name, value)
+    fields[n + 1] = name
+    fields[n + 2] = value
+    n = n + 2
+  end
+  if state.updated ~= stored.updated then
+    put('u', string.format('%.0f', state.updated))
+  end
+  if state.shared ~= stored.shared then
+    put('s', num(state.shared))
+  end
+  if state.admitted ~= stored.admitted then
+    put('a', num(state.admitted))
+  end
+  -- R under K, the configured capacity it is relative to: both when either moved.
+  if state.capacity ~= stored.capacity or capacity ~= stored.written_under then
+    put('R', num(state.capacity))
+    put('K', num(capacity))
+  end
+  if state.epoch ~= stored.epoch then
+    put('E', state.epoch)
+  end
   for i = 1, class_count do
-    local name = classes[i].name
-    fields[#fields + 1] = 't:' .. name
-    fields[#fields + 1] = num(state.tokens[i])
-    fields[#fields + 1] = 'w:' .. name
-    fields[#fields + 1] = state.waiting[i]
-    fields[#fields + 1] = 'n:' .. name
-    fields[#fields + 1] = state.in_n[i]
-    fields[#fields + 1] = 'c:' .. name
-    fields[#fields + 1] = num(state.in_c[i])
+    local names = class_fields[i]
+    if state.tokens[i] ~= stored.tokens[i] then
+      put(names[1], num(state.tokens[i]))
+    end
+    if state.waiting[i] ~= stored.waiting[i] then
+      put(names[2], state.waiting[i])
+    end
+    if state.in_n[i] ~= stored.in_n[i] then
+      put(names[3], state.in_n[i])
+    end
+    if state.in_c[i] ~= stored.in_c[i] then
+      put(names[4], num(state.in_c[i]))
+    end
   end
   local gone = {}
   for _, name in ipairs(expiring_gone) do
@@ -390,28 +438,31 @@ local function save_state()
       parts[#parts + 1] = part[1] .. '|' .. part[2] .. '|' .. num(part[3])
     end
     if #parts > 0 then
-      fields[#fields + 1] = 'x:' .. second
-      fields[#fields + 1] = table.concat(parts, '|')
+      put('x:' .. second, table.concat(parts, '|'))
     else
       gone[#gone + 1] = 'x:' .. second  -- every lease of that second has ended
     end
   end
   if state.prefill_model then
-    fields[#fields + 1] = 'B'
-    fields[#fields + 1] = string.format('%.0f', state.prefill_until)
-    fields[#fields + 1] = 'Bt'
-    fields[#fields + 1] = string.format('%.0f', state.prefill_real_until)
+    if state.prefill_until ~= stored.prefill_until then
+      put('B', string.format('%.0f', state.prefill_until))
+    end
+    if state.prefill_real_until ~= stored.prefill_real_until then
+      put('Bt', string.format('%.0f', state.prefill_real_until))
+    end
   end
   if state.expiry_from then
-    fields[#fields + 1] = 'xo'
-    fields[#fields + 1] = string.format('%.0f', state.expiry_from)
-    fields[#fields + 1] = 'xn'
-    fields[#fields + 1] = string.format('%.0f', state.expiry_to)
-  else
+    if state.expiry_from ~= stored.expiry_from or state.expiry_to ~= stored.expiry_to then
+      put('xo', string.format('%.0f', state.expiry_from))
+      put('xn', string.format('%.0f', state.expiry_to))
+    end
+  elseif stored.expiry_from or stored.expiry_to then
     gone[#gone + 1] = 'xo'
     gone[#gone + 1] = 'xn'
   end
-  redis.call('HSET', STATE, unpack(fields))
+  if n > 0 then
+    redis.call('HSET', STATE, unpack(fields))
+  end
   if #gone > 0 then
     redis.call('HDEL', STATE, unpack(gone))
   end
