@@ -4,10 +4,12 @@ Sending each Acquire's script call on its own costs a Redis round trip, a connec
 checkout, a command encoding and a script invocation per request: most of what an
 Acquire costs. A batcher sends a call at once when no call of its group (pool) is in
 flight, so an uncontended Acquire still costs exactly one round trip and waits for
-nobody. While a call is in flight, new calls queue; when it returns, everything
-queued goes out as one call of a script that processes a list, in order, atomically.
-The batch size therefore adapts to the load with no timer and no tuning, and each
-request waits at most one extra round trip. This is the group commit of databases,
+nobody. While a call is in flight, new calls queue; when it returns, the queue keeps
+gathering the calls still on their way until the event loop has turned a few times
+with nothing new (``_gather``), then goes out as one call of a script that processes
+a list, in order, atomically. The batch size therefore adapts to the load with no
+timer and no tuning, and a request waits at most one extra round trip and a few turns
+of the loop. This is the group commit of databases,
 or the auto-pipelining of ioredis and rueidis, done at the script level, where it
 also saves the per-call overhead inside Redis.
 """
@@ -58,6 +60,8 @@ class ScriptBatcher:
         *,
         max_batch: int = 256,
         max_in_flight: int = 1,
+        gather_quiet_turns: int = 4,
+        max_gather_turns: int = 32,
         batch_keys: Callable[[str], Sequence[str]] | None = None,
         batch_args: Callable[[str], Sequence[Any]] | None = None,
         header: int = 0,
@@ -68,6 +72,8 @@ class ScriptBatcher:
         self._fields = fields
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
+        self._gather_quiet_turns = gather_quiet_turns
+        self._max_gather_turns = max_gather_turns
         self._batch_keys = batch_keys
         self._batch_args = batch_args
         self._header = header
@@ -89,12 +95,38 @@ class ScriptBatcher:
             group = self._groups[group_key] = _Group()
         group.queue.append(_Call(keys, args, future))
         if group.in_flight < self._max_in_flight and not group.flush_scheduled:
-            # Send after the loop's next turn, so that calls arriving with the same
-            # poll of gRPC's completion queue join this batch (measured: a third more
-            # requests per batch under load, microseconds when idle).
-            group.flush_scheduled = True
-            loop.call_soon(loop.call_soon, self._flush, group_key, group)
+            self._gather(group_key, group, quiet_turns=1)
         return future
+
+    def _gather(self, group_key: str, group: _Group, quiet_turns: int) -> None:
+        """Sends the group's queue once the calls on their way have joined it: after
+        ``quiet_turns`` turns of the event loop in a row that added nothing to it (and
+        at least two turns), or after ``max_gather_turns``.
+
+        A call reaches ``submit`` a few turns of the loop after gRPC hands its request
+        over (the RPC's task, the servicer, admission), and requests come in clumps:
+        one poll of gRPC's completion queue brings several. A call submitted with
+        nothing in flight waits for one quiet turn: two turns in all, microseconds.
+        The queue that built up behind a batch waits for ``gather_quiet_turns`` (the
+        load is on: more is on its way). Sent the moment the batch's reply came back,
+        that queue held two or three calls; gathered, fifteen or more, with half again
+        as many Acquires a second and a third of Redis's time per Acquire, measured in
+        docs/performance.md. There is no timer: the loop's own turns pace it, so an
+        idle loop ends the wait at once.
+        """
+        group.flush_scheduled = True
+        loop = asyncio.get_running_loop()
+        cap = self._max_gather_turns
+
+        def turn(seen: int, turns: int, quiet: int) -> None:
+            queued = len(group.queue)
+            quiet = 0 if queued > seen else quiet + 1
+            if turns < cap and (turns < 2 or quiet < quiet_turns):
+                loop.call_soon(turn, queued, turns + 1, quiet)
+            else:
+                self._flush(group_key, group)
+
+        loop.call_soon(turn, len(group.queue), 1, 0)
 
     def _flush(self, group_key: str, group: _Group) -> None:
         group.flush_scheduled = False
@@ -115,7 +147,11 @@ class ScriptBatcher:
         group.in_flight -= 1
         if not task.cancelled() and task.exception() is not None:
             log.error("script batch failed unexpectedly", exc_info=task.exception())
-        self._flush(group_key, group)
+        if group.queue and not group.flush_scheduled:
+            # What queued behind the batch, and what is on its way.
+            self._gather(group_key, group, self._gather_quiet_turns)
+        else:
+            self._flush(group_key, group)
 
     async def _call(self, group_key: str, batch: list[_Call]) -> None:
         keys: list[str] = list(self._batch_keys(group_key)) if self._batch_keys else []
