@@ -49,11 +49,15 @@ async def queued(running: RunningDaemon, qos_class: str, count: int) -> int:
 async def test_borrowing_uses_capacity_another_class_leaves(make_daemon: DaemonFactory) -> None:
     running = await make_daemon(SLOW_POOL)
     qos = running.client
+    began = time.monotonic()
     own = await qos.acquire("P2", 50, max_wait_ms=0)  # all of P2's own tokens
     borrowed = await qos.acquire("P2", 400, max_wait_ms=0)  # from the shared tokens
     assert own.admitted and borrowed.admitted
     after = await status(running)
-    assert after.shared_tokens == pytest.approx(500 - 400, abs=20)  # refill in between
+    took = time.monotonic() - began
+    # Plus what flowed in meanwhile: P0's and P1's refill (900 tokens/s) overflows
+    # their full buckets into the shared tokens.
+    assert 99 <= after.shared_tokens <= 500 - 400 + 900 * took + 1
     assert after.classes["P2"].tokens <= 5
 
 
