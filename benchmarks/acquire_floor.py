@@ -47,7 +47,7 @@ from qosd.store.batching import ScriptBatcher
 from qosd.store.redis import RedisStore
 from qosd.store.resp import RespClient
 from qosd_client.v1 import qosd_pb2
-from qosd_sim.harness import free_port, redis_command, redis_server
+from qosd_sim.harness import free_port, redis_command, redis_server, serve_raw_unary
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/acquire_floor.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -112,14 +112,7 @@ def serve(rung: str, port: int, redis_url: str) -> None:
                 remaining_tokens=remaining, lease_ttl_ms=300_000, pool="default",
             ).SerializeToString()  # fmt: skip
 
-        server = grpc.aio.server()
-        method = grpc.unary_unary_rpc_method_handler(handler)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("qosd.v1.QoS", {"Acquire": method}),)
-        )
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await server.wait_for_termination()
+        await serve_raw_unary("qosd.v1.QoS", "Acquire", handler, port)
 
     uvloop.run(main())
 

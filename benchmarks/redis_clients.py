@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 import uvloop
 
 from qosd.store.resp import RespClient
-from qosd_sim.harness import free_port, redis_server
+from qosd_sim.harness import free_port, redis_server, serve_raw_unary
 
 VARIANTS = ("empty", "redis-py", "qosd-resp")
 
@@ -50,14 +50,7 @@ def serve(variant: str, port: int, redis_url: str) -> None:
                 await resp.execute("probe", "PING")
             return b""
 
-        server = grpc.aio.server()
-        method = grpc.unary_unary_rpc_method_handler(handler)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("probe.Probe", {"Call": method}),)
-        )
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await server.wait_for_termination()
+        await serve_raw_unary("probe.Probe", "Call", handler, port)
 
     uvloop.run(main())
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +42,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+RawHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
+
+
+async def serve_raw_unary(service: str, method: str, handler: RawHandler, port: int) -> None:
+    """A grpc.aio server with one unary method that takes and answers raw bytes, on
+    127.0.0.1:``port`` until the process is killed: the probe servers benchmarks
+    compare (no servicer, no interceptors, no (de)serialization but the handler's)."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                service, {method: grpc.unary_unary_rpc_method_handler(handler)}
+            ),
+        )
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
 
 
 def redis_server_binary() -> str:
