@@ -111,6 +111,42 @@ async def test_a_steady_stream_is_cut_at_the_turn_cap() -> None:
     assert all(call.done() for call in calls)
 
 
+async def test_a_gather_ends_once_the_queue_holds_a_whole_batch() -> None:
+    runner = Runner()
+    batcher = ScriptBatcher(runner, fields=1, max_batch=4, gather_quiet_turns=4)
+    batcher.submit("pool", (), (0,))
+    await turns(4)
+    calls = [batcher.submit("pool", (), (value,)) for value in range(1, 6)]  # 5 queued
+    runner.release()
+    await turns(4)  # the reply's turns and the send: no quiet turns waited for
+    assert runner.batches == [[0], [1, 2, 3, 4]]
+    runner.release()
+    await turns(8)
+    assert runner.batches == [[0], [1, 2, 3, 4], [5]]
+    runner.release()
+    assert [await call for call in calls] == [[f"answer {v}"] for v in range(1, 6)]
+    await batcher.close()
+
+
+async def test_a_gather_ends_at_its_time_bound() -> None:
+    """Under heavy load a turn of the loop can take milliseconds: the gather is bounded
+    in time too (here 0 s: the first turn after the reply sends the queue)."""
+    runner = Runner()
+    batcher = ScriptBatcher(runner, fields=1, gather_quiet_turns=4, max_gather_s=0.0)
+    batcher.submit("pool", (), (0,))
+    await asyncio.sleep(0)
+    assert runner.batches == []  # the first call too goes at its first turn, bound or not
+    await turns(3)
+    assert runner.batches == [[0]]
+    late = batcher.submit("pool", (), (1,))
+    runner.release()
+    await turns(4)  # the reply's turns and the send: four quiet turns would take 7
+    assert runner.batches == [[0], [1]]
+    runner.release()
+    assert await late == ["answer 1"]
+    await batcher.close()
+
+
 async def test_a_failed_batch_fails_what_queued_behind_it() -> None:
     async def broken(keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
         await asyncio.sleep(0)

@@ -62,6 +62,7 @@ class ScriptBatcher:
         max_in_flight: int = 1,
         gather_quiet_turns: int = 4,
         max_gather_turns: int = 32,
+        max_gather_s: float = 0.005,
         batch_keys: Callable[[str], Sequence[str]] | None = None,
         batch_args: Callable[[str], Sequence[Any]] | None = None,
         header: int = 0,
@@ -74,6 +75,7 @@ class ScriptBatcher:
         self._max_in_flight = max_in_flight
         self._gather_quiet_turns = gather_quiet_turns
         self._max_gather_turns = max_gather_turns
+        self._max_gather_s = max_gather_s
         self._batch_keys = batch_keys
         self._batch_args = batch_args
         self._header = header
@@ -101,7 +103,8 @@ class ScriptBatcher:
     def _gather(self, group_key: str, group: _Group, quiet_turns: int) -> None:
         """Sends the group's queue once the calls on their way have joined it: after
         ``quiet_turns`` turns of the event loop in a row that added nothing to it (and
-        at least two turns), or after ``max_gather_turns``.
+        at least two turns), or after ``max_gather_turns`` or ``max_gather_s``, or
+        once the queue holds a whole batch.
 
         A call reaches ``submit`` a few turns of the loop after gRPC hands its request
         over (the RPC's task, the servicer, admission), and requests come in clumps:
@@ -117,11 +120,16 @@ class ScriptBatcher:
         group.flush_scheduled = True
         loop = asyncio.get_running_loop()
         cap = self._max_gather_turns
+        full = self._max_batch
+        # Under heavy load a turn of the loop can take milliseconds; the wait is also
+        # bounded in time, by the loop's clock read once a turn (not a timer).
+        until = loop.time() + self._max_gather_s
 
         def turn(seen: int, turns: int, quiet: int) -> None:
             queued = len(group.queue)
             quiet = 0 if queued > seen else quiet + 1
-            if turns < cap and (turns < 2 or quiet < quiet_turns):
+            gathering = turns < 2 or quiet < quiet_turns
+            if gathering and turns < cap and queued < full and loop.time() < until:
                 loop.call_soon(turn, queued, turns + 1, quiet)
             else:
                 self._flush(group_key, group)
