@@ -61,7 +61,7 @@ from qosd.store import contract
 from qosd.store.contract import Status
 from qosd.store.redis import RedisStore
 from qosd_client.v1 import qosd_pb2
-from qosd_sim.harness import RedisServer, daemon_processes, free_port, redis_command
+from qosd_harness import RedisServer, daemon_processes, free_port, redis_command
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/cluster_scale.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

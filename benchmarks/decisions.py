@@ -68,7 +68,7 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from qosd_client.v1 import qosd_pb2
-from qosd_sim.harness import (
+from qosd_harness import (
     OtlpReceiver,
     daemon_processes,
     otlp_receiver,

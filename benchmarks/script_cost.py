@@ -33,7 +33,7 @@ from qosd.config import Config
 from qosd.model import LeaseSpec, new_daemon_id, new_lease_token
 from qosd.policy import resolve_pools
 from qosd.store.redis import RedisStore
-from qosd_sim.harness import redis_command, redis_server
+from qosd_harness import redis_command, redis_server
 
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"capacity_tokens_s": 1e9}},  # everything admitted

@@ -3,7 +3,7 @@
     python benchmarks/slo_stability.py --json results/slo_stability.json \\
         --plot docs/slo_stability.png
 
-The real controller (``qosd.control.Controller``) and the real embedded store run on
+The real controller (``qosd.control.leader.Controller``) and the real embedded store run on
 a simulated clock; only the server is a model. Requests arrive at twice the server's
 true capacity (P0 30 %, P1 50 %, P2 20 % of requests, 200 tokens each) and ask
 qosd for admission; admitted work joins a backlog that the server drains at its
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from qosd.config import Config
-from qosd.control import Controller
+from qosd.control.leader import Controller
 from qosd.model import LeaseSpec, Outcome, Sample, new_lease_token
 from qosd.policy import PoolPolicy, resolve_pools
 from qosd.store.embedded import EmbeddedStore

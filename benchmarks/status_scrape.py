@@ -61,7 +61,7 @@ import uvloop
 
 from qosd.store.redis import SCRIPTS, script_source
 from qosd_client import QosdClient, QosdError
-from qosd_sim.harness import daemon_processes, free_port, redis_server
+from qosd_harness import daemon_processes, free_port, redis_server
 
 POOL = "default"
 PREFIX = "bench"

@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 
 from qosd_client.v1 import qosd_pb2
-from qosd_sim.harness import daemon_processes, redis_server
+from qosd_harness import daemon_processes, redis_server
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/workers.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

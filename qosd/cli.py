@@ -1,6 +1,7 @@
-"""``qosd`` command line: ``serve``, ``demo``, ``sim-triton``, ``triton-scrape``,
-``config check``, and the operator commands of ``qosctl`` (``status``, ``watch``,
-``leases``, ``pin``, ``unpin``, ``health``; qosd.ctl)."""
+"""``qosd`` command line: ``serve``, ``triton-scrape``, ``config check``, the operator
+commands of ``qosctl`` (``status``, ``watch``, ``leases``, ``pin``, ``unpin``,
+``health``; qosd.ctl), and the commands other distributions add through the
+``qosd.commands`` entry points (the simulator's ``demo`` and ``sim-triton``)."""
 
 from __future__ import annotations
 
@@ -18,28 +19,57 @@ if TYPE_CHECKING:
     from qosd_client import ServerLoad
 
 # Only argparse and the parser's own modules at import: each command imports what it
-# runs (grpc, the config schema, the server), so `qosd --help` is quick. The simulator
-# (`demo`, `sim-triton`) is another distribution, qosd-sim: imported by those commands
-# alone, never by the daemon (tests/test_packages.py).
-SIMULATOR_MODULES = frozenset({"qosd_sim", "tritonclient", "matplotlib", "numpy"})
-SIMULATOR_HINT = (
-    "qosd {command} needs the simulator, which is not installed ({missing}): it is the "
-    "qosd-sim package in the source tree's sim/ (docs/simulator.md). Install it beside "
-    "qosd: pip install ./clients . ./sim (from the source tree), or run make demo there"
+# runs (grpc, the config schema, the server), so `qosd --help` is quick.
+
+#: Entry points of this group add commands: each names a function that takes the
+#: parser's subcommands and adds one, with ``set_defaults(run=...)`` (a function of
+#: the parsed arguments that returns the exit status).
+COMMAND_GROUP = "qosd.commands"
+#: Commands that come with another distribution, and what to install for them.
+ELSEWHERE = {
+    "demo": "the simulator, the qosd-sim package in the source tree's sim/",
+    "sim-triton": "the simulator, the qosd-sim package in the source tree's sim/",
+}
+ELSEWHERE_HINT = (
+    "qosd {command} needs {what} (docs/simulator.md), which is not installed. Install "
+    "it beside qosd: pip install ./clients . ./harness ./sim (from the source tree), or "
+    "run make demo there"
 )
 
 
-def _simulator_missing(command: str, exc: ModuleNotFoundError) -> int:
-    """Says how to install the simulator and returns 2, when ``exc`` is the simulator
-    (or one of its own dependencies) missing; any other missing module is a bug, and is
-    raised."""
-    if (exc.name or "").partition(".")[0] not in SIMULATOR_MODULES:
-        raise exc
-    print(SIMULATOR_HINT.format(command=command, missing=exc.name), file=sys.stderr)
+def _add_plugin_commands(commands: Any) -> dict[str, Any]:
+    """The commands of the ``qosd.commands`` entry points, and for each command of
+    ``ELSEWHERE`` none provides, one that says how to install it (returned, by name, to
+    run whatever its arguments). A plugin that cannot be imported (half installed) adds
+    nothing: the daemon's own commands still work."""
+    from importlib.metadata import entry_points
+
+    broken: dict[str, str] = {}
+    for point in entry_points(group=COMMAND_GROUP):
+        try:
+            register = point.load()
+        except ImportError as exc:
+            broken[point.name] = str(exc)
+            continue
+        register(commands)
+    missing: dict[str, Any] = {}
+    for command, what in ELSEWHERE.items():
+        if command not in commands.choices:
+            commands.add_parser(command, help=f"needs {what}")
+            reason = broken.get(command, "")
+            missing[command] = lambda c=command, w=what, r=reason: _not_installed(c, w, r)
+    return missing
+
+
+def _not_installed(command: str, what: str, reason: str) -> int:
+    print(ELSEWHERE_HINT.format(command=command, what=what), file=sys.stderr)
+    if reason:
+        print(f"(importing it failed: {reason})", file=sys.stderr)
     return 2
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """The config flags of `serve` (and of commands that run a daemon: `demo`)."""
     parser.add_argument("--config", "-c", help="YAML config file (default: built-in defaults)")
     parser.add_argument(
         "--listen",
@@ -90,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_cmd = commands.add_parser("serve", help="run the admission daemon")
-    _add_config_flags(serve_cmd)
+    add_config_flags(serve_cmd)
     serve_cmd.add_argument("--ready-file", help="write {pid, addresses} as JSON here once serving")
     serve_cmd.add_argument(
         "--workers",
@@ -98,46 +128,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="worker processes sharing the listen ports (SO_REUSEPORT; needs Redis); auto: "
         "one per CPU this process may use (overrides server.workers)",
     )
-
-    demo = commands.add_parser(
-        "demo",
-        help="qosd, a simulated Triton GPU and a trace replay: the seed's problem, fixed "
-        "(needs the simulator, qosd-sim)",
-    )
-    _add_config_flags(demo)
-    demo.add_argument(
-        "--duration", "--seconds", type=float, default=60.0, help="seconds of arrivals"
-    )
-    demo.add_argument("--load", type=float, default=1.5, help="offered load / GPU capacity")
-    demo.add_argument("--trace", help="arrival_s,input_tokens,output_tokens CSV (default: bundled)")
-    demo.add_argument(
-        "--inject-every", type=float, default=10.0, help="a 32K-token prompt every N s (0: none)"
-    )
-    demo.add_argument("--out", default="qosd-demo", help="directory for the plots")
-
-    sim = commands.add_parser(
-        "sim-triton",
-        help="run a simulated Triton server (KServe v2 gRPC, Triton metrics) for demos "
-        "and benchmarks; needs the simulator, qosd-sim",
-    )
-    sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--port", type=int, default=8001, help="gRPC port (0: a free one)")
-    sim.add_argument("--metrics-port", type=int, default=8002, help="HTTP /metrics port")
-    sim.add_argument(
-        "--http-port", type=int, default=8000, help="KServe v2 HTTP/REST port (-1: none)"
-    )
-    sim.add_argument("--model", default="llm", help="the model name it serves")
-    sim.add_argument("--qosd", default="", metavar="ADDR", help="Report latencies to this qosd")
-    sim.add_argument("--stream-every", type=int, default=0, help="stream a response every N tokens")
-    sim.add_argument(
-        "--gpu",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a cost model constant, e.g. prefill_chunk_tokens=2048 (docs/simulator.md)",
-    )
-    sim.add_argument("--ready-file", help="write {pid, port, metrics_port} as JSON once serving")
-    sim.add_argument("--log-level", default="WARNING")
 
     scrape = commands.add_parser(
         "triton-scrape",
@@ -178,8 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_cmd = check.add_parser("check", help="validate a config file and print it resolved")
     check_cmd.add_argument("path")
     ctl.add_commands(commands)
+    missing = _add_plugin_commands(commands)
+    if argv and argv[0] in missing:
+        return int(missing[argv[0]]())
 
     args = parser.parse_args(argv)
+    if getattr(args, "run", None) is not None:
+        return int(args.run(args))
     if args.command in ctl.COMMANDS:
         return ctl.run(args)
     if args.command == "config":
@@ -188,9 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from qosd import logs
     from qosd.config import ConfigError
 
-    if args.command == "sim-triton":
-        logs.configure(args.log_level)
-        return _sim_triton(args)
     if args.command == "triton-scrape":
         logs.configure(args.log_level)
         return _triton_scrape(args)
@@ -201,21 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logs.configure(config.logging.level, config.logging.format)
 
-    if args.command == "serve":
-        return _serve(args, config, argv)
-
-    try:
-        from qosd_sim.demo import run_demo
-    except ModuleNotFoundError as exc:
-        return _simulator_missing("demo", exc)
-    return run_demo(
-        config,
-        duration_s=args.duration,
-        load=args.load,
-        out_dir=args.out,
-        trace=args.trace,
-        inject_every_s=args.inject_every,
-    )
+    return _serve(args, config, argv)
 
 
 def _serve(args: argparse.Namespace, config: Config, argv: Sequence[str]) -> int:
@@ -249,30 +227,6 @@ def _serve(args: argparse.Namespace, config: Config, argv: Sequence[str]) -> int
         print(f"qosd: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def _sim_triton(args: argparse.Namespace) -> int:
-    try:
-        from qosd_sim.gpu import GpuModel
-        from qosd_sim.server import SimulatorSettings, serve_until_signalled
-    except ModuleNotFoundError as exc:
-        return _simulator_missing("sim-triton", exc)
-    try:
-        gpu = GpuModel.from_options(dict(_parse_option(item) for item in args.gpu))
-    except ValueError as exc:
-        print(f"qosd sim-triton: {exc}", file=sys.stderr)
-        return 2
-    settings = SimulatorSettings(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        http_port=None if args.http_port < 0 else args.http_port,
-        model_name=args.model,
-        gpu=gpu,
-        qosd_target=args.qosd,
-        stream_every=args.stream_every,
-    )
-    return serve_until_signalled(settings, args.ready_file)
 
 
 def _triton_scrape(args: argparse.Namespace) -> int:
@@ -323,21 +277,6 @@ def _triton_scrape(args: argparse.Namespace) -> int:
 
     uvloop.run(main())
     return 0
-
-
-def _parse_option(item: str) -> tuple[str, int | float | None]:
-    key, sep, text = item.partition("=")
-    if not sep:
-        raise ValueError(f"--gpu takes KEY=VALUE, got {item!r}")
-    if text.lower() in ("", "none", "null"):
-        return key, None
-    try:
-        return key, int(text)
-    except ValueError:
-        try:
-            return key, float(text)
-        except ValueError:
-            raise ValueError(f"--gpu {key}: not a number: {text!r}") from None
 
 
 if __name__ == "__main__":

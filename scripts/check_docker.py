@@ -135,9 +135,12 @@ def replay_build(build: list[tuple[str, str]], scratch: Path, python: Path) -> P
 CONSTRAINTS = ROOT / "docker" / "constraints.txt"
 
 
-# What the image must not hold: the simulator and the tests' harness (sim/, qosd-sim),
-# their libraries, and the modules they were before issue 14 moved them out of qosd.
-NOT_IN_IMAGE = ("qosd_sim", "tritonclient", "matplotlib", "qosd.sim", "qosd.testing", "qosd.demo")
+# What the image must not hold: the simulator and the tests' harness (sim/, qosd-sim;
+# harness/, qosd-harness), their libraries, and modules of those names under qosd.
+NOT_IN_IMAGE = (
+    "qosd_sim", "qosd_harness", "tritonclient", "matplotlib", "qosd.sim", "qosd.testing",
+    "qosd.demo",
+)  # fmt: skip
 IN_IMAGE = ("qosd", "qosd-client")
 
 

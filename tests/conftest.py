@@ -27,7 +27,7 @@ import uvloop
 from qosd.config import Config
 from qosd.server import Daemon, start
 from qosd_client import QosdClient
-from qosd_sim.harness import RedisCluster, RedisServer, redis_cluster, redis_server
+from qosd_harness import RedisCluster, RedisServer, redis_cluster, redis_server
 
 
 def pytest_asyncio_loop_factories(
@@ -58,15 +58,24 @@ class Backend:
 BACKENDS = ["embedded", "redis", "cluster"]
 
 
+# A store deadline for tests whose subject is not an outage: the default 100 ms is
+# what a sidecar next to its Redis should wait, and a loaded 2-CPU machine running
+# two test files at once can hold a healthy call past it. Tests of timeouts and
+# outages set their own.
+TEST_REDIS_TIMEOUT_MS = 1_000
+
+
 def backend_settings(name: str, request: pytest.FixtureRequest) -> dict[str, Any] | None:
     prefix = f"t{uuid.uuid4().hex[:12]}"
     if name == "embedded":
         return None
     if name == "redis":
         server: RedisServer = request.getfixturevalue("redis_standalone")
-        return {"url": server.url, "mode": "standalone", "key_prefix": prefix}
+        return {"url": server.url, "mode": "standalone", "key_prefix": prefix,
+                "timeout_ms": TEST_REDIS_TIMEOUT_MS}  # fmt: skip
     cluster: RedisCluster = request.getfixturevalue("redis_cluster3")
-    return {"url": cluster.url, "mode": "cluster", "key_prefix": prefix}
+    return {"url": cluster.url, "mode": "cluster", "key_prefix": prefix,
+            "timeout_ms": TEST_REDIS_TIMEOUT_MS}  # fmt: skip
 
 
 @pytest.fixture(params=BACKENDS)

@@ -36,7 +36,7 @@ from qosd_client import (
     Unavailable,
 )
 from qosd_client.v1 import qosd_pb2
-from qosd_sim.harness import DaemonProcess, free_port
+from qosd_harness import DaemonProcess, free_port
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
 from tests.waiting import eventually
 

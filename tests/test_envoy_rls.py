@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from qosd.config import ConfigError, load_config
 from qosd.v1 import envoy_rls_pb2 as rls
 from qosd.v1 import envoy_rls_pb2_grpc
-from qosd_sim.harness import RedisServer, daemon_processes, free_port
+from qosd_harness import RedisServer, daemon_processes, free_port
 from tests.conftest import DaemonFactory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ from qosd_client import (
     QosdClient,
     Status,
 )
-from qosd_sim.harness import daemon_processes
+from qosd_harness import daemon_processes
 from tests.conftest import Backend, DaemonFactory, merge
 from tests.test_fleet import fleet_redis  # noqa: F401 - a fixture
 from tests.waiting import eventually

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qosd.config import Config
 from qosd.server import Daemon, StartupError, start
-from qosd_sim.harness import RedisServer, free_port, redis_server
+from qosd_harness import RedisServer, free_port, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import eventually
 

@@ -25,7 +25,7 @@ from qosd_client import (
     ServerLoad,
     Unauthenticated,
 )
-from qosd_sim.harness import RedisServer, redis_server
+from qosd_harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 
 CONFIG = merge(

@@ -20,7 +20,7 @@ import pytest
 from qosd.config import Config
 from qosd.server import Daemon, start
 from qosd_client import LatencySample, QosdClient, Reason, Unavailable
-from qosd_sim.harness import RedisServer, redis_server
+from qosd_harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 
 TIMEOUT_MS = 100

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qosd_client import SyncQosdClient
-from qosd_sim.harness import daemon_processes
+from qosd_harness import daemon_processes
 
 QOSCTL = [sys.executable, "-c", "from qosd.ctl import main; raise SystemExit(main())"]
 CONFIG = {"pools": {"default": {"capacity_tokens_s": 10_000, "models": ["m"]}}}

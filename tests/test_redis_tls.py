@@ -19,7 +19,7 @@ import pytest
 from qosd.config import ConfigError, load_config
 from qosd.server import start
 from qosd_client import QosdClient, Reason
-from qosd_sim.harness import free_port, redis_server_binary
+from qosd_harness import free_port, redis_server_binary
 from tests.tls import Authority, Pem, authority
 
 

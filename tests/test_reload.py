@@ -26,7 +26,7 @@ from qosd.reload import ConfigReloader, plan_reload
 from qosd.server import Daemon, start
 from qosd.store.redis import RedisStore
 from qosd_client import InvalidRequest, QosdClient, Reason
-from qosd_sim.harness import RedisServer, free_port
+from qosd_harness import RedisServer, free_port
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import eventually
 

@@ -19,7 +19,7 @@ import pytest
 import redis
 import redis.cluster
 
-from qosd_sim.harness import RedisCluster, RedisServer, daemon_processes
+from qosd_harness import RedisCluster, RedisServer, daemon_processes
 from tests.load import ClassLoadResult, class_load, wait_for_workers
 
 RATE = 10_000.0  # tokens/s for the hammered class (share 0.5 of 20,000)

@@ -21,10 +21,10 @@ from tritonclient.utils import InferenceServerException
 
 from qosd_client import LatencySample, Outcome, QosdClient
 from qosd_client.triton import ThreadedLatencyReporter, reporting
+from qosd_harness import daemon_processes
 from qosd_sim.experiment import SimulatorAddresses, simulator_process
 from qosd_sim.gateway import token_inputs
 from qosd_sim.gpu import GpuModel
-from qosd_sim.harness import daemon_processes
 
 FAST = GpuModel(speed=4.0)  # a decode step is ~3 ms, a 1K prefill ~7 ms
 

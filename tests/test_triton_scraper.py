@@ -23,10 +23,10 @@ from qosd_client.triton_metrics import (
     parse_triton_metrics,
     samples_between,
 )
+from qosd_harness import daemon_processes
 from qosd_sim.experiment import simulator_process
 from qosd_sim.gateway import token_inputs
 from qosd_sim.gpu import GpuModel
-from qosd_sim.harness import daemon_processes
 from tests.waiting import wait_until
 
 DATA = Path(__file__).parent / "data" / "triton"

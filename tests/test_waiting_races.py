@@ -31,7 +31,7 @@ from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.redis import RedisStore
 from qosd.waiting import WaitingRoom
-from qosd_sim.harness import RedisServer, redis_server
+from qosd_harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 

