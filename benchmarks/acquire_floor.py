@@ -13,8 +13,8 @@ Redis's own time per request from ``INFO commandstats``:
 - ``empty``: answers an empty message (the ceiling);
 - ``messages``: parses the AcquireRequest and answers an AcquireResponse;
 - ``batched-script``: also awaits one script call per batch through qosd's batcher
-  and RESP client (``qosd/store/batching.py``, ``qosd/store/resp.py``), with a script
-  that only answers: the cost of one awaited, batched Redis round trip;
+  and Redis transport (``qosd/store/batching.py``, ``qosd/store/redis_client.py``),
+  with a script that only answers: the cost of one awaited, batched Redis round trip;
 - ``store``: also prices a lease and awaits ``RedisStore.acquire`` (the real acquire
   script): everything but the servicer, validation, the waiting room and metrics;
 - ``daemon``: ``qosd serve`` itself.
@@ -45,9 +45,9 @@ from qosd.model import LeaseSpec, new_daemon_id, new_lease_token
 from qosd.policy import resolve_pools
 from qosd.store.batching import ScriptBatcher
 from qosd.store.redis import RedisStore
-from qosd.store.resp import RespClient
+from qosd.store.redis_client import redis_transport
 from qosd_client.v1 import qosd_pb2
-from qosd_sim.harness import free_port, redis_command, redis_server, serve_raw_unary
+from qosd_harness import free_port, redis_command, redis_server, serve_raw_unary
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/acquire_floor.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,12 +82,12 @@ def serve(rung: str, port: int, redis_url: str) -> None:
         pool = resolve_pools(config)["default"]
         cls = next(c for c in pool.classes if c.name == "P1")
         daemon = new_daemon_id()
-        resp = RespClient(redis_url, cluster=False, timeout_s=1.0, connect_timeout_s=1.0)
+        transport = redis_transport(config.redis)
         sha = hashlib.sha1(ANSWER_ONLY.encode()).hexdigest()
-        await resp.execute_on_primaries("SCRIPT", "LOAD", ANSWER_ONLY)
+        await transport.execute_on_primaries("SCRIPT", "LOAD", ANSWER_ONLY)
 
         async def answer_only(keys: Any, args: Any) -> list[Any]:
-            return list(await resp.execute("k", "EVALSHA", sha, len(keys), *keys, *args))
+            return list(await transport.execute("k", "EVALSHA", sha, len(keys), *keys, *args))
 
         batcher = ScriptBatcher(answer_only, fields=1)
         parse = qosd_pb2.AcquireRequest.FromString

@@ -27,8 +27,8 @@ from qosd.server import start
 from qosd.v1 import envoy_rls_pb2 as rls
 from qosd_client import QosdClient
 from qosd_client.v1 import qosd_pb2 as pb
-from qosd_sim.harness import DaemonProcess, RedisServer, daemon_processes, free_port
-from tests.conftest import BASE_CONFIG, merge
+from qosd_harness import DaemonProcess, RedisServer, daemon_processes, free_port
+from tests.conftest import BASE_CONFIG, TEST_REDIS_TIMEOUT_MS, merge
 from tests.fuzz import messages, mutations
 from tests.waiting import eventually
 
@@ -205,7 +205,11 @@ async def test_keys_of_many_tenants_and_request_ids_expire(redis_standalone: Red
     config = merge(
         BASE_CONFIG,
         {
-            "redis": {"url": redis_standalone.url, "key_prefix": prefix},
+            "redis": {
+                "url": redis_standalone.url,
+                "key_prefix": prefix,
+                "timeout_ms": TEST_REDIS_TIMEOUT_MS,
+            },
             "lease": {"ttl_s": 5, "tombstone_s": 1},
             "classes": {"P1": {"tenant_max_share": 0.5}},
             "pools": {"default": {"capacity_tokens_s": 10_000_000}},
@@ -222,7 +226,7 @@ async def test_keys_of_many_tenants_and_request_ids_expire(redis_standalone: Red
 
     previous_events = str(keys.config_get("notify-keyspace-events")["notify-keyspace-events"])
     keys.config_set("notify-keyspace-events", "Ex")
-    subscriber = keys.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    subscriber = keys.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
     subscriber.psubscribe(**{"__keyevent@*__:expired": on_expired})
     listener = subscriber.run_in_thread(sleep_time=0.05, daemon=True)
     daemon = await start(Config.model_validate(config))

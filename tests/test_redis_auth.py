@@ -19,7 +19,7 @@ from qosd.model import Outcome, Sample, ServerLoad, UsageReport, Waiter
 from qosd.server import start
 from qosd.store.redis import RedisStore
 from qosd_client import QosdClient, Reason
-from qosd_sim.harness import RedisServer, redis_command, redis_server
+from qosd_harness import RedisServer, redis_command, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_redis_store import DAEMON, lease_spec, policies
 
@@ -174,7 +174,8 @@ async def test_a_wrong_acl_password_is_named_at_start(
     try:
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert any(
-            "redis refused qosd's credentials" in message and "WRONGPASS" in message
+            "redis refused qosd's credentials" in message
+            and "invalid username-password pair" in message
             for message in errors
         ), errors
         async with QosdClient(daemon.addresses[0]) as qos:

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from qosd.config import Config, ConfigError, load_config
+from qosd.config import Config, ConfigError, RedisConfig, RedisMode, RedisTlsConfig, load_config
 from qosd.model import StoreUnavailable
 from qosd.server import Daemon, start
-from qosd.store.resp import RespClient, SentinelOptions, TlsFiles, pack
+from qosd.store.redis_client import ClientOptions
+from qosd.store.sentinel import SentinelTransport
 from qosd_client import QosdClient, Reason
-from qosd_sim.harness import RedisSentinel, free_port, redis_command, redis_sentinel
+from qosd_harness import RedisSentinel, free_port, redis_command, redis_sentinel
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_redis_store import Monitor
 from tests.waiting import eventually, until
@@ -287,27 +288,36 @@ async def test_with_every_sentinel_down_a_call_is_answered_within_its_timeout(ho
     assert start_s < 5
 
 
-def sentinel_client(
+def sentinel_transport(
     group: RedisSentinel,
     *,
     url: str = "redis://sentinel-named-master/0",
-    files: TlsFiles | None = None,
+    tls: RedisTlsConfig | None = None,
     sentinel_tls: bool | None = None,
-    check_interval_s: float = 1.0,
-) -> RespClient:
-    """The store's client on its own, to look at the nodes it keeps."""
-    return RespClient(
-        url,
-        cluster=False,
-        timeout_s=1.0,
-        connect_timeout_s=0.25,
-        tls=files,
-        sentinel=SentinelOptions(
-            addresses=[("127.0.0.1", sentinel.port) for sentinel in group.sentinels],
-            master=group.name,
-            check_interval_s=check_interval_s,
-            tls=sentinel_tls,
-        ),
+    check_interval_ms: int = 1_000,
+) -> SentinelTransport:
+    """The store's transport on its own, to watch what it does to the servers."""
+    config = RedisConfig(
+        url=url,
+        mode=RedisMode.SENTINEL,
+        sentinels=group.sentinel_addresses,
+        sentinel_master=group.name,
+        timeout_ms=1_000,
+        tls=tls,
+        sentinel_tls=sentinel_tls,
+        sentinel_check_interval_ms=check_interval_ms,
+    )
+    return SentinelTransport(ClientOptions.of(config), config)
+
+
+def client_connections(port: int) -> int:
+    """Connections of plain clients to the server on ``port`` (qosd's), leaving out
+    sentinels (named ``sentinel-...``), replicas (flag S) and this check's own."""
+    clients = str(redis_command(port, "CLIENT", "LIST")).splitlines()
+    return sum(
+        1
+        for line in clients
+        if " name= " in f"{line} " and " flags=N " in f" {line} " and "cmd=client|list" not in line
     )
 
 
@@ -316,25 +326,27 @@ async def test_an_old_master_is_closed_and_never_reopened_after_a_failover(
 ) -> None:
     group = sentinel_group
     assert group.master is not None and group.replica is not None
-    client = sentinel_client(group, check_interval_s=0.05)
+    old_port = group.master.port
+    transport = sentinel_transport(group, check_interval_ms=50)
     try:
-        assert await client.execute("k", "PING") == "PONG"
-        [old] = [node for node in client.nodes() if node.address == client.master]
-        assert old.address[1] == group.master.port and old.open_connections > 0
+        assert await transport.execute("k", "ECHO", "hello") == "hello"
+        assert transport.master == ("127.0.0.1", old_port)
+        assert client_connections(old_port) > 0
+        old = transport._master  # what a NOSCRIPT retry in flight would still hold
+        assert old is not None
         new_master = ("127.0.0.1", group.replica.port)
         await asyncio.to_thread(group.failover)
-        assert await until(lambda: client.master == new_master, 20)
-        assert old.retired and old not in client.nodes()
+        assert await until(lambda: transport.master == new_master, 20)
         # Its connections go once replies already on their way had time to arrive.
-        assert await until(lambda: old.open_connections == 0, 10)
-        # A caller that still holds it (the NOSCRIPT retry does) is told the store is
-        # unavailable; no connection to the demoted master is opened for it.
+        assert await until(lambda: client_connections(old_port) == 0, 10)
+        # A caller that still holds it is told the store is unavailable; no
+        # connection to the demoted master is opened for it.
         with pytest.raises(StoreUnavailable, match="retired"):
-            await old.execute(pack("PING"), 1.0)
-        assert old.open_connections == 0
-        assert await client.execute("k", "PING") == "PONG"  # the new master serves
+            await old.execute("PING")
+        assert await transport.execute("k", "ECHO", "hello") == "hello"  # the new master
+        assert client_connections(old_port) == 0
     finally:
-        await client.close()
+        await transport.close()
 
 
 def role_probes(port: int) -> int:
@@ -357,17 +369,16 @@ async def test_a_replica_a_sentinel_names_is_closed_and_forgotten() -> None:
             == "OK"
         )
         assert group.master_port(0) == group.replica.port
-        client = sentinel_client(group, check_interval_s=0)
+        transport = sentinel_transport(group, check_interval_ms=0)
         try:
-            assert await client.execute("k", "PING") == "PONG"
-            assert client.master == ("127.0.0.1", group.master.port)
-            addresses = [node.address for node in client.nodes()]
-            assert ("127.0.0.1", group.replica.port) not in addresses, addresses
+            assert await transport.execute("k", "ECHO", "hello") == "hello"
+            assert transport.master == ("127.0.0.1", group.master.port)
             # The ROLE probe's connection to the replica is closed, not left open.
             replica_port = group.replica.port
             assert await until(lambda: role_probes(replica_port) == 0, 10)
+            assert client_connections(replica_port) == 0
         finally:
-            await client.close()
+            await transport.close()
 
 
 async def test_sentinels_take_tls_apart_from_the_master(sentinel_group: RedisSentinel) -> None:
@@ -375,10 +386,10 @@ async def test_sentinels_take_tls_apart_from_the_master(sentinel_group: RedisSen
     assert group.master is not None
     # The group is plain. TLS to the master, plain to the sentinels: the sentinels
     # answer and name the master, and only the TLS handshake with the master fails.
-    client = sentinel_client(
+    client = sentinel_transport(
         group,
         url="rediss://sentinel-named-master/0",
-        files=TlsFiles(verify=False),
+        tls=RedisTlsConfig(verify=False),
         sentinel_tls=False,
     )
     try:
@@ -388,7 +399,7 @@ async def test_sentinels_take_tls_apart_from_the_master(sentinel_group: RedisSen
     finally:
         await client.close()
     # Plain master, TLS to the sentinels: no sentinel can be asked.
-    client = sentinel_client(group, files=TlsFiles(verify=False), sentinel_tls=True)
+    client = sentinel_transport(group, tls=RedisTlsConfig(verify=False), sentinel_tls=True)
     try:
         with pytest.raises(StoreUnavailable) as raised:
             await client.execute("k", "PING")
@@ -397,8 +408,8 @@ async def test_sentinels_take_tls_apart_from_the_master(sentinel_group: RedisSen
     finally:
         await client.close()
     # And by default the sentinels follow the URL: plain here, and all works.
-    client = sentinel_client(group)
+    client = sentinel_transport(group)
     try:
-        assert await client.execute("k", "PING") == "PONG"
+        assert await client.execute("k", "ECHO", "hello") == "hello"
     finally:
         await client.close()
