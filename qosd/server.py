@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from qosd.admission import Admission
 from qosd.auth import Authorizer
 from qosd.config import Config, FailMode, parse_listen_address
-from qosd.control import Controller
+from qosd.control.leader import Controller
 from qosd.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.health import DaemonHttp, HealthMonitor
 from qosd.metrics import Metrics
@@ -58,13 +58,16 @@ class StartupError(RuntimeError):
 def make_store(config: Config) -> BucketStore:
     tombstone_ms = int(config.lease.tombstone_s * 1000)
     stale_after_ms = config.waiting.stale_after_ms
+    lease_ttl_ms = int(config.lease.ttl_s * 1000)
     if config.redis.url is None:
-        return EmbeddedStore(tombstone_ms=tombstone_ms, stale_after_ms=stale_after_ms)
+        return EmbeddedStore(
+            tombstone_ms, stale_after_ms, lease_ttl_ms, key_prefix=config.redis.key_prefix
+        )
     return RedisStore(
         config.redis,
         tombstone_ms=tombstone_ms,
         stale_after_ms=stale_after_ms,
-        lease_ttl_ms=int(config.lease.ttl_s * 1000),
+        lease_ttl_ms=lease_ttl_ms,
     )
 
 

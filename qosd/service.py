@@ -19,7 +19,7 @@ from opentelemetry.trace import Tracer
 from qosd import tracing
 from qosd.admission import Admission, InvalidArgument
 from qosd.auth import Authorizer, Group
-from qosd.control import Controller
+from qosd.control.leader import Controller
 from qosd.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.metrics import Metrics
 from qosd.model import (

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from qosd import slo as slo_stats
 from qosd.config import Config, SloConfig
-from qosd.control import Controller
+from qosd.control import windows as slo_stats
+from qosd.control.leader import Controller
+from qosd.control.windows import WindowStats, window_stats
 from qosd.model import Adjustment
-from qosd.policy import PoolPolicy, effective_pool
-from qosd.slo import WindowStats, window_stats
+from qosd.policy import PoolPolicy
 from qosd.store.base import BucketStore
 from qosd.waiting import WaitingRoom
 from qosd_client.types import (
@@ -127,7 +127,7 @@ class StatusService:
             name=name,
             capacity_tokens_s=pool.capacity,
             shared_tokens=status.shared_tokens,
-            shared_burst_tokens=effective_pool(pool, status.capacity).shared_burst,
+            shared_burst_tokens=pool.burst_s * status.capacity,  # as the scripts allocate
             classes=tuple(classes),
             admitted_rate_tokens_s=status.capacity,
             pinned=record.pinned,

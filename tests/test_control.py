@@ -20,12 +20,14 @@ import pytest
 
 from benchmarks import slo_stability
 from qosd.config import Config, ControlConfig, SloConfig
-from qosd.control import DOWN, HOLD, UNDO, UP, Controller, Evidence, judge, step
+from qosd.control.law import DOWN, HOLD, UNDO, UP, Evidence, judge, step
+from qosd.control.leader import Controller
+from qosd.control.windows import WindowStats, improving, percentiles, trend, window_stats
 from qosd.model import ControlRecord, LeaseSpec, Outcome, Sample, StoredSample, new_lease_token
 from qosd.policy import PoolPolicy, resolve_pools
 from qosd.server import make_store
-from qosd.slo import WindowStats, improving, percentiles, trend, window_stats
 from qosd.store.base import BucketStore
+from qosd.store.embedded import EmbeddedStore
 from tests.conftest import BASE_CONFIG, Backend, merge
 
 SLO = SloConfig(ttft_ms=500, tpot_ms=50, e2e_ms=None)
@@ -482,10 +484,16 @@ async def test_reports_from_several_replicas_share_one_window(backend: Backend) 
             await replica.close()
 
 
-async def test_the_embedded_store_always_leads_itself() -> None:
-    store = await started_store(Config.model_validate(BASE_CONFIG))
+async def test_the_embedded_store_leases_the_lead_as_redis_does() -> None:
+    """The same script: one leader at a time, another takes over once the lease has
+    lapsed, and a leader hands it back with a lease of 0."""
+    now = [1_000_000_000_000]
+    store = EmbeddedStore(tombstone_ms=1_000, clock=lambda: now[0])
+    await store.start()
     assert await store.lead("a", 300) == "a"
-    assert await store.lead("b", 300) == "b"  # one process, one store: no one else
+    assert await store.lead("b", 300) == "a"
+    now[0] += 301_000
+    assert await store.lead("b", 300) == "b"
     assert await store.lead("b", 0) == ""
     await store.close()
 

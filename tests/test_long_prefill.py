@@ -1,7 +1,7 @@
 """Long prompts that cannot stall P0: the learned threshold, and the gap rule.
 
 The SLO loop learns from reports how long a prompt's prefill stalls an unchunked
-server and how long a stall P0's requests can absorb (``qosd.stall``); the stores
+server and how long a stall P0's requests can absorb (``qosd.control.prefill``); the stores
 hold a longer prompt while P0 has requests in flight or waiting, so it waits for a
 gap in P0's traffic, steps aside for the requests behind it, and is refused with
 REASON_LONG_PREFILL if no gap comes within its max wait. The store-level rules run on
@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from qosd.config import SloConfig
-from qosd.model import Outcome, StoredSample
-from qosd.stall import (
+from qosd.control.prefill import (
     PrefillModel,
     learn_prefill,
     long_prefill_threshold,
     stall_tolerance_ms,
 )
+from qosd.model import Outcome, StoredSample
 from qosd_client import LatencySample, QosdClient, Reason
 from qosd_sim.gpu import GpuModel
 from tests.conftest import DaemonFactory, RunningDaemon

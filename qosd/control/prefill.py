@@ -40,8 +40,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from qosd.config import SloConfig
+from qosd.control.windows import sample_objectives
 from qosd.model import Outcome, StoredSample
-from qosd.slo import sample_objectives
 
 MIN_SAMPLES = 20  # evidence needed for either estimate
 MIN_PROMPT_TOKENS = 256  # shorter prompts' TTFT is mostly fixed overhead
