@@ -63,7 +63,8 @@ def docs_block() -> str:
     out += [
         "",
         "Script arguments and replies, in order. Every pool script (the six that start "
-        "with `_pool.lua`) takes `ARGV[1]`, the number of calls, then POOL, CLASS once "
+        "with the pool prelude, `lua/pool/`) takes `ARGV[1]`, the number of calls, then "
+        "POOL, CLASS once "
         "per class, EPOCH, then its own; its keys are the state hash, one queue per "
         "class, the waiters and the daemons hashes, then its own.",
         "",

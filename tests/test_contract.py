@@ -36,8 +36,8 @@ from qosd.model import (
 )
 from qosd.policy import resolve_pools
 from qosd.store import contract
-from qosd.store.redis import POOL_SCRIPTS, SCRIPTS, RedisStore
-from qosd_sim.harness import RedisServer
+from qosd.store.redis import POOL_PRELUDE, POOL_SCRIPTS, SCRIPTS, RedisStore
+from qosd_harness import RedisServer
 from tests.conftest import BASE_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,12 +47,18 @@ DECLARED = {name: literal for name, literal, _ in contract.lua_constants()}
 REDIS_GLOBALS = {"ARGV", "KEYS"}
 
 
+def prelude() -> str:
+    """The pool prelude's files, in the order the loader prepends them."""
+    pool = LUA.joinpath("pool")
+    return "".join(pool.joinpath(f"{part}.lua").read_text("utf-8") for part in POOL_PRELUDE)
+
+
 def own_sources(script: str) -> str:
     """A script as written (the prelude first for a pool script), without the
     constants the loader prepends."""
     source = LUA.joinpath(f"{script}.lua").read_text("utf-8")
     if script in POOL_SCRIPTS:
-        source = LUA.joinpath("_pool.lua").read_text("utf-8") + source
+        source = prelude() + source
     return source
 
 
@@ -89,7 +95,7 @@ def test_no_hand_counted_positions_or_bare_codes(script: str) -> None:
     settlement states are named."""
     code = code_only(LUA.joinpath(f"{script}.lua").read_text("utf-8"))
     if script in POOL_SCRIPTS:
-        code += code_only(LUA.joinpath("_pool.lua").read_text("utf-8"))
+        code += code_only(prelude())
     counted = re.findall(r"\b(?:ARGV|reply|late)\[(?:[^\]]*[+-]\s*)?\d+\s*\]", code)
     assert not counted, f"{script}.lua counts positions by hand: {counted}"
     bare = re.findall(r"\banswer\(\s*(?:\d|'')|\bstatus = \d", code)
@@ -149,12 +155,12 @@ def test_the_control_hash_is_read_in_reply_order() -> None:
 
 
 def test_the_state_fields_read_are_declared() -> None:
-    """The fields _pool.lua reads from the state hash are the ones the docs show."""
-    prelude = LUA.joinpath("_pool.lua").read_text("utf-8")
-    read = re.search(r"local fields = \{('u'.*?)\}", prelude, re.S)
+    """The fields the prelude reads from the state hash are the ones the docs show."""
+    state = LUA.joinpath("pool").joinpath("state.lua").read_text("utf-8")
+    read = re.search(r"local fields = \{('u'.*?)\}", state, re.S)
     assert read is not None
     fixed = re.findall(r"'([^']+)'", read.group(1))
-    names = re.search(r"local names = \{(.*?)\}", prelude)
+    names = re.search(r"local names = \{(.*?)\}", state)
     assert names is not None
     per_class = re.findall(r"'(\w):' \.\. name", names.group(1))
     declared = [field.key for field in contract.STATE_HASH]

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from qosd_client import QosdClient
-from qosd_sim.harness import RedisCluster, RedisServer, daemon_processes
-from tests.conftest import DaemonFactory, merge
+from qosd_harness import RedisCluster, RedisServer, daemon_processes
+from tests.conftest import TEST_REDIS_TIMEOUT_MS, DaemonFactory, merge
 
 
 async def _flight(qos: QosdClient) -> dict[str, tuple[int, float]]:
@@ -94,6 +94,7 @@ async def test_in_flight_is_exact_across_four_daemons(
         cluster: RedisCluster = request.getfixturevalue("redis_cluster3")
         redis = {"url": cluster.url, "mode": "cluster"}
     redis["key_prefix"] = f"flight-{topology}-{random.randrange(1 << 30):x}"
+    redis["timeout_ms"] = TEST_REDIS_TIMEOUT_MS
     tree = merge(
         {
             "pools": {"default": {"capacity_tokens_s": 1_000_000}},

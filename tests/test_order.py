@@ -13,22 +13,12 @@ from qosd.config import Config
 from qosd.model import LeaseSpec, Waiter, new_lease_token
 from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.store.embedded import EmbeddedStore
+from tests.clock import Clock
 from tests.conftest import BASE_CONFIG, merge
 
 pytestmark = pytest.mark.fast
 
 A, B = "daemon-a", "daemon-b"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_us = 1_000_000_000_000
-
-    def __call__(self) -> int:
-        return self.now_us
-
-    def advance(self, ms: float) -> None:
-        self.now_us += int(ms * 1000)
 
 
 def setup(extra: dict[str, Any] | None = None) -> tuple[EmbeddedStore, Clock, PoolPolicy]:
@@ -115,3 +105,24 @@ async def test_a_silent_daemons_entries_stop_holding_the_queue_after_stale_after
     clock.advance(150)  # 550 ms: A's entry is dropped, B's goes
     assert await states(store, pool, B, mine) == ["ADMITTED"]
     assert (await store.status(pool)).classes["P1"].waiting == 0
+
+
+async def test_a_waiter_past_its_deadline_is_never_admitted() -> None:
+    """A wait ends by its max wait: once a waiter's deadline has passed, no pump admits
+    it, though the tokens are there and its entry stays until its daemon cancels it
+    (or the store drops it ``stale_after_ms`` later); a new request is not held
+    behind it."""
+    store, clock, pool = setup()
+    p1 = of(pool, "P1")
+    assert (await store.acquire(pool, p1, 1_500, lease("P1", 1_500), 0, A)).admitted  # drained
+    spec = lease("P1", 200)
+    assert (await store.acquire(pool, p1, 200, spec, 100, A)).queued  # may wait 100 ms
+    late = Waiter("P1", 200.0, spec)
+    clock.advance(150)  # 450 tokens refilled, but its 100 ms ended 50 ms ago
+    assert await states(store, pool, A, late) == ["WAITING"]
+    assert (await store.acquire(pool, p1, 200, lease("P1", 200), 0, B)).admitted
+    # A wait pumped within its deadline is admitted.
+    on_time = lease("P1", 400)
+    assert (await store.acquire(pool, p1, 400, on_time, 100, A)).queued  # 250 tokens left
+    clock.advance(90)  # 520
+    assert await states(store, pool, A, Waiter("P1", 400.0, on_time)) == ["ADMITTED"]

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -31,7 +32,7 @@ from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.server import start
 from qosd.store.redis import RedisStore
 from qosd_client import LatencySample, QosdClient, Reason
-from qosd_sim.harness import RedisCluster, RedisServer, free_port, redis_server
+from qosd_harness import RedisCluster, RedisServer, free_port, redis_command, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 
@@ -86,16 +87,23 @@ async def test_uncontended_acquire_is_one_round_trip(own_redis: RedisServer) -> 
             await qos.acquire("P1", 10)  # connections open, scripts known
             with Monitor(own_redis.url) as monitor:  # listening once entered
                 result = await qos.acquire("P1", 10, request_id="one-trip")
-                await asyncio.sleep(0.2)  # time for a command that should not follow
-            released = await qos.release(result.lease_id)
+                # The release is a fence: it is sent once the Acquire is answered,
+                # so whatever the Acquire made the daemon send reached Redis first.
+                released = await qos.release(result.lease_id)
+                assert await until(lambda: len(scripts_seen(monitor)) >= 2)
         assert result.admitted and not released.already_released
         # Only the daemon talks to this server, apart from the monitor's own handshakes.
         sent = [c for c in monitor.commands if not c.startswith(("PING", "MONITOR", "HELLO"))]
-        print(f"\ncommands seen for one Acquire: {[c[:60] for c in sent]}")
-        assert len(sent) == 1
-        assert sent[0].startswith("EVALSHA")
+        print(f"\ncommands seen for one Acquire and its Release: {[c[:60] for c in sent]}")
+        assert len(sent) == 2  # one script call each, nothing between or after
+        assert all(c.startswith("EVALSHA") for c in sent)
+        assert sent[0] != sent[1]
     finally:
         await daemon.stop(0)
+
+
+def scripts_seen(monitor: Monitor) -> list[str]:
+    return [c for c in monitor.commands if c.startswith("EVALSHA")]
 
 
 def keys_with_prefix(url: str, prefix: str, cluster: bool) -> list[str]:
@@ -204,22 +212,54 @@ def lease_spec(pool: str, qos_class: str) -> LeaseSpec:
     )
 
 
-async def test_cluster_follows_moved_redirects(cluster_store: RedisStore) -> None:
+def move_slot(cluster: RedisCluster, slot: int) -> tuple[RedisServer, RedisServer]:
+    """Reshards ``slot`` to another node as ``redis-cli --cluster reshard`` does:
+    IMPORTING and MIGRATING, its keys MIGRATEd, then every node told the new owner.
+    Returns the old owner and the new one."""
+    by_port = {node.port: node for node in cluster.nodes}
+    ids = {node.port: str(redis_command(node.port, "CLUSTER", "MYID")) for node in cluster.nodes}
+    [owner_port] = [
+        int(entry[2][1])
+        for entry in redis_command(cluster.nodes[0].port, "CLUSTER", "SLOTS")
+        if int(entry[0]) <= slot <= int(entry[1])
+    ]
+    source = by_port[owner_port]
+    target = next(node for node in cluster.nodes if node is not source)
+    s = str(slot)
+    setslot = ("CLUSTER", "SETSLOT", s)
+    assert redis_command(target.port, *setslot, "IMPORTING", ids[source.port]) == "OK"
+    assert redis_command(source.port, *setslot, "MIGRATING", ids[target.port]) == "OK"
+    keys = [str(k) for k in redis_command(source.port, "CLUSTER", "GETKEYSINSLOT", s, "1000")]
+    assert keys, "the pool's keys live in the slot"
+    moved = redis_command(
+        source.port, "MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", "KEYS", *keys
+    )
+    assert moved == "OK", moved
+    for node in [target, source, *(n for n in cluster.nodes if n not in (source, target))]:
+        assert redis_command(node.port, *setslot, "NODE", ids[target.port]) == "OK"
+    return source, target
+
+
+async def test_cluster_follows_a_slot_that_moved(
+    cluster_store: RedisStore, redis_cluster3: RedisCluster
+) -> None:
     pool, policy = policies(Config.model_validate(BASE_CONFIG), "P1")
+    started = time.monotonic()
     first = await cluster_store.acquire(pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON)
     assert first.admitted
-    # Corrupt the client's slot map on purpose: the next call goes to the wrong node.
-    client = cluster_store._client
-    slot = key_slot(cluster_store._args_for(pool).keys[0].encode())
-    owner = client._slot_owner[slot]
-    wrong = next(node for node in client.nodes() if node is not owner)
-    client._slot_owner[slot] = wrong
+    state_key = cluster_store._args_for(pool).keys[0]
+    source, target = move_slot(redis_cluster3, key_slot(state_key.encode()))
+    # The store's next call goes to the old owner, which answers MOVED.
     decision = await cluster_store.acquire(
         pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON
     )
+    took = time.monotonic() - started
     assert decision.admitted
-    assert decision.remaining == pytest.approx(1500 - 200, abs=30)  # the same bucket
-    assert client._slot_owner[slot] is owner
+    # The same bucket: both charges taken from it, refilled by at most the time the
+    # calls and the move took (a new bucket would stand at 1500 - 100).
+    assert 1500 - 200 - 1 <= decision.remaining <= 1500 - 200 + policy.rate * took + 1
+    assert redis_command(target.port, "EXISTS", state_key) == 1
+    assert str(redis_command(source.port, "EXISTS", state_key)).startswith("MOVED")
 
 
 BUSY_SCRIPT = """
@@ -327,7 +367,10 @@ async def test_departed_caller_with_request_id_keeps_its_admission(
         await blocker
         # Redis has run the call, and given its answer to nobody ...
         assert await until(lambda: unread_bytes(redis_standalone.port) == 0)
-        await asyncio.sleep(0.1)  # ... long enough for a wrong refund of it to land
+        # A ping is a fence: its reply comes after the call's, so once it is back the
+        # call's reply has been handled, and any undo of it has been started.
+        await store.ping()
+        assert not store._orphans  # no refund behind the caller's back
         retry = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
         replay = await store.acquire(pool, policy, 600, retry, 0, DAEMON)
         assert replay.replayed and replay.lease_id == spec.lease_id

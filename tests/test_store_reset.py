@@ -16,12 +16,12 @@ import pytest
 import redis
 
 from qosd.config import Config
-from qosd.control import _restorable
+from qosd.control.leader import _restorable
 from qosd.model import ControlRecord, LeaseSpec, new_lease_token
 from qosd.policy import resolve_pools
 from qosd.server import Daemon, make_store
 from qosd_client import QosdClient, Reason, Status
-from qosd_sim.harness import RedisCluster, RedisServer, redis_server
+from qosd_harness import RedisCluster, RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, Backend, DaemonFactory, merge
 from tests.waiting import eventually
 

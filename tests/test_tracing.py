@@ -24,9 +24,7 @@ from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
 from qosd_client.tracing import trace_metadata
 from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
-from qosd_sim.experiment import simulator_process
-from qosd_sim.gpu import GpuModel
-from qosd_sim.harness import (
+from qosd_harness import (
     DaemonProcess,
     OtlpReceiver,
     RedisServer,
@@ -34,6 +32,8 @@ from qosd_sim.harness import (
     free_port,
     otlp_receiver,
 )
+from qosd_sim.experiment import simulator_process
+from qosd_sim.gpu import GpuModel
 
 ACQUIRE = "qosd.v1.QoS/Acquire"
 

@@ -31,7 +31,8 @@ from qosd.config import ConfigError, load_config
 from qosd.workers import available_cpus, cgroup_cpu_limit, resolve_workers
 from qosd_client import QosdClient
 from qosd_client.types import Status
-from qosd_sim.harness import DaemonProcess, RedisServer, free_port
+from qosd_harness import DaemonProcess, RedisServer, free_port
+from tests.conftest import TEST_REDIS_TIMEOUT_MS
 from tests.waiting import eventually, wait_until
 
 # -- auto, and what the config refuses (no processes) --------------------------------
@@ -150,7 +151,11 @@ def worker_group(
 
 def redis_config(redis: RedisServer, **server: Any) -> dict[str, Any]:
     return {
-        "redis": {"url": redis.url, "key_prefix": f"w{uuid.uuid4().hex[:10]}"},
+        "redis": {
+            "url": redis.url,
+            "key_prefix": f"w{uuid.uuid4().hex[:10]}",
+            "timeout_ms": TEST_REDIS_TIMEOUT_MS,
+        },
         "server": {"listen": ["127.0.0.1:0"], **server},
         "pools": {"default": {"capacity_tokens_s": 10_000}},
     }

@@ -43,13 +43,21 @@ class BucketStore(Protocol):
         lease: LeaseSpec,
         wait_ms: int,
         daemon_id: str,
+        *,
+        ttft_ms: float = 0.0,
+        wait_cap_ms: int | None = None,
     ) -> BucketDecision:
         """Admits (creating the lease), queues, or rejects one request, atomically.
 
         One round trip. With ``wait_ms`` > 0 a request that cannot be admitted now,
-        and could be within ``wait_ms``, is queued behind its class's waiters for
-        ``daemon_id`` to collect with ``pump``. Replays the first admission when
-        ``lease.request_id`` was already admitted and its lease still lives.
+        and could be within ``wait_ms``, is queued among its class's waiters for
+        ``daemon_id`` to collect with ``pump``; the decision's ``retry_after_ms``
+        then says how long it may wait. ``ttft_ms``, the request's TTFT objective (0:
+        none), orders the queue (earliest due first) and, once the pool has a prefill
+        model, sets the wait from the request's slack, up to ``wait_cap_ms`` (None:
+        ``wait_ms``), or refuses it with REASON_DEADLINE (qosd/store/lua/pool/deadline.lua).
+        Replays the first admission when ``lease.request_id`` was already admitted
+        and its lease still lives.
         """
         ...
 
@@ -99,7 +107,7 @@ class BucketStore(Protocol):
     async def set_prefill(
         self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
     ) -> None:
-        """Sets what the SLO loop learned of the pool's prefill (``qosd.stall``): the
+        """Sets what the SLO loop learned of the pool's prefill (``qosd.control.prefill``): the
         prompt length above which a request waits for a gap in the top class's traffic
         (0: no such rule), and the prefill model ``(c, a, b)`` (c + a n + b n^2 ms),
         with which a GPU-gated pool bounds its prefill backlog (None: no bound)."""

@@ -1,9 +1,8 @@
 """The one declaration of what qosd/store/redis.py and the Lua scripts exchange.
 
 Script arguments and replies are flat positional lists: Redis passes ``ARGV`` as
-strings and returns a Lua table as an array. Both sides used to count positions by
-hand (12 values per class here, ``ARGV[a + 11]`` there, reason 4 as a bare number),
-and nothing told them apart when one side moved. Here each list is declared once:
+strings and returns a Lua table as an array. Counting positions by hand on both
+sides would let one side move unseen, so each list is declared once, here:
 
 - a layout is a ``NamedTuple``: its fields, in order, are the positions. redis.py
   builds arguments by keyword and reads replies by name through them;
@@ -46,6 +45,7 @@ class Status(enum.IntEnum):
     WAITING = WaiterState.WAITING
     GONE = WaiterState.GONE
     HELD = WaiterState.HELD
+    LATE = WaiterState.LATE
 
 
 class Settled(enum.StrEnum):
@@ -56,6 +56,25 @@ class Settled(enum.StrEnum):
     EXPIRED = "expired"
     UNKNOWN = "unknown"
 
+
+@enum.unique
+class Take(enum.IntEnum):
+    """How an admission is paid for (``TAKE_*`` in Lua; 0: it cannot be, now)."""
+
+    OWN = 1  # from the class's own tokens (or, above its burst, from a full bucket)
+    BORROW = 2  # its own, then the pool's shared tokens
+    OVER = 3  # a GPU-gated pool's admission over the class's share, into bounded debt
+
+
+#: The scripts' tunables: numbers that shape behaviour but no layout.
+TUNABLES: tuple[tuple[str, int, str], ...] = (
+    ("SWEEP_SECONDS", 64, "seconds of lease expiries one pool call ends, at most"),
+    ("WAITER_PAGE", 8, "queue entries read at a time while looking for a class's head"),
+    ("WAITER_LOOKAHEAD", 64, "blocked entries looked past for a class's head, at most"),
+    ("MAX_ADMITTED_PER_PUMP", 64, "waiters one pump admits, at most"),
+    ("ROOM_RETRY_MS", 50, "a GPU-gated refusal's retry-after: room comes with no refill"),
+    ("LONG_PREFILL_RETRY_MS", 1000, "a long prompt's retry-after: gaps are unpredictable"),
+)
 
 #: ARGV position, in every pool script, of the number of calls in the batch
 #: (qosd/store/batching.py puts it first); the pool's policy follows it.
@@ -127,7 +146,11 @@ class RequestArgs(NamedTuple):
     weight: str
     input_tokens: int
     output_tokens: int
-    wait_ms: int  # 0: answer now
+    wait_ms: int  # 0: answer now; the class's max wait, as the caller capped it
+    # The request's TTFT objective, ms ('0': none). With the pool's prefill model it
+    # sets the wait: the slack, up to wait_cap_ms (qosd/store/lua/pool/deadline.lua).
+    ttft_ms: str
+    wait_cap_ms: int  # the longest the caller allows (its max wait or deadline)
     has_request: int  # 1: a request-id key follows the lease hash in KEYS
     has_tenant: int  # 1: then a tenant bucket key
 
@@ -241,7 +264,7 @@ class Decision(NamedTuple):
     lease_id: str
     charged: str
     remaining: str
-    retry_after_ms: int  # when queued: none
+    retry_after_ms: int  # when queued: the wait granted, ms (its max wait from now)
     lease_ttl_ms: int
     replayed: int
 
@@ -274,7 +297,7 @@ class StatusClass(NamedTuple):
 
     tokens: str
     waiting: int
-    oldest_us: str  # the oldest waiter's enqueue time; '' when none waits
+    oldest_us: str  # enqueue time of the waiter at the head (earliest due); '' when none
     rate: str  # at R
     burst: str
     in_flight: int
@@ -390,6 +413,7 @@ CODES: tuple[tuple[str, type[enum.Enum]], ...] = (
     ("REASON", Reason),
     ("STATUS", Status),
     ("SETTLED", Settled),
+    ("TAKE", Take),
 )
 
 
@@ -402,8 +426,8 @@ class HashField:
     meaning: str
 
 
-#: The pool state hash, ``qosd:{pool}:state``: fields read and written by _pool.lua
-#: (P and M by redis.py: set_prefill; Sw, Sk, St by load.lua).
+#: The pool state hash, ``qosd:{pool}:state``: fields read and written by the pool
+#: prelude, lua/pool/ (P and M by redis.py: set_prefill; Sw, Sk, St by load.lua).
 STATE_HASH: tuple[HashField, ...] = (
     HashField("u", "last update, us of Redis TIME"),
     HashField("s", "shared tokens"),
@@ -497,6 +521,8 @@ def lua_constants() -> list[tuple[str, str, str]]:
             constants.append(
                 (f"{prefix}_{member.name}", literal, f"{codes.__name__}.{member.name}")
             )
+    for name, value, comment in TUNABLES:
+        constants.append((name, str(value), comment))
     constants.append(("ARG_CALLS", str(ARG_CALLS), "ARGV of the number of calls (pool scripts)"))
     for layout in LAYOUTS:
         constants.append((layout.size_name, str(len(layout.fields)), layout.shape.__name__))

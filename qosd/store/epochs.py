@@ -1,6 +1,6 @@
 """Noticing a store that came back empty, from the pool epochs its replies carry.
 
-Each pool's state holds an epoch (``E`` in the state hash; _pool.lua), written when
+Each pool's state holds an epoch (``E`` in the state hash; lua/pool/save.lua), written when
 the state is first created and never changed. A store that loses its data (a Redis
 restarted without persistence, ``FLUSHALL``, a failover to an empty replica) loses
 the epoch with it, and the next state written gets a new one. Replies that read the

@@ -42,7 +42,7 @@ class InstrumentedStore(BucketStore):
     """Wraps ``store``; ``tracer`` None means no spans (and no tracing cost at all).
 
     Every method of the interface is spelled out, so the wrapper is checked against
-    it like any store (it was a ``__getattr__`` proxy that mypy could not see into).
+    it like any store.
 
     Spans are made only for calls inside a recording span, that is for calls an RPC
     made: the waiting room's pump and the SLO loop poll the store many times a
@@ -86,9 +86,15 @@ class InstrumentedStore(BucketStore):
         lease: LeaseSpec,
         wait_ms: int,
         daemon_id: str,
+        *,
+        ttft_ms: float = 0.0,
+        wait_cap_ms: int | None = None,
     ) -> BucketDecision:
         return await self._measured(
-            "acquire", self._store.acquire(pool, cls, cost, lease, wait_ms, daemon_id)
+            "acquire",
+            self._store.acquire(
+                pool, cls, cost, lease, wait_ms, daemon_id, ttft_ms=ttft_ms, wait_cap_ms=wait_cap_ms
+            ),
         )
 
     async def pump(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from qosd.config import RedisConfig, RedisMode, parse_host_port
+from qosd.config import RedisConfig, RedisMode
 from qosd.model import (
     Adjustment,
     BucketDecision,
@@ -49,14 +49,18 @@ from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
 from qosd.store.contract import Settled, Status
 from qosd.store.epochs import EpochWatch, ResetListener
+from qosd.store.redis_client import AuthFailed, redis_transport
 from qosd.store.redis_clock import RedisClock
-from qosd.store.resp import AuthFailed, RespClient, SentinelOptions, TlsFiles
+from qosd.store.transport import Transport
 
 log = logging.getLogger(__name__)
 
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
-#: Scripts that start with the shared pool prelude, _pool.lua.
+#: Scripts that start with the shared pool prelude.
 POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status", "adjust"})
+#: The prelude's files in lua/pool/, by concern, in the order they run.
+POOL_PRELUDE = ("args", "allocation", "state", "in_flight", "save", "budget", "deadline",
+                "tenants", "waiters", "lease_writes")  # fmt: skip
 #: Every script qosd loads.
 SCRIPTS = (
     "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead", "report",
@@ -68,7 +72,7 @@ _NAME = re.compile(r"\b[A-Z][A-Z0-9_]*\b")
 
 def script_source(name: str) -> str:
     """What qosd loads as script ``name``: the constants of _contract.lua it names,
-    then _pool.lua for a pool script, then the script.
+    then the pool prelude (``POOL_PRELUDE``) for a pool script, then the script.
 
     Only the constants a script names: a Lua function holds at most 200 locals, and
     the prelude has most of them already (a table of constants instead would cost
@@ -77,7 +81,9 @@ def script_source(name: str) -> str:
     folder = resources.files("qosd.store").joinpath("lua")
     source = folder.joinpath(f"{name}.lua").read_text("utf-8")
     if name in POOL_SCRIPTS:
-        source = folder.joinpath("_pool.lua").read_text("utf-8") + source
+        pool = folder.joinpath("pool")
+        prelude = [pool.joinpath(f"{part}.lua").read_text("utf-8") for part in POOL_PRELUDE]
+        source = "".join(prelude) + source
     used = set(_NAME.findall(source))
     constants = [
         line
@@ -114,28 +120,23 @@ class RedisStore:
         tombstone_ms: int,
         stale_after_ms: int = 500,
         lease_ttl_ms: int = 300_000,
+        transport: Transport | None = None,
+        deadlines: bool = True,
     ) -> None:
         """``lease_ttl_ms`` is the usual lease TTL: its expiry second is read with the
-        pool's state, so counting a lease in flight costs no extra command."""
-        assert config.url is not None
+        pool's state, so counting a lease in flight costs no extra command.
+        ``transport``: where the scripts run; by default the Redis ``config`` names.
+        ``deadlines``: batches carry the Redis time after which they must change
+        nothing (``_acquire_deadline``); a transport in process runs a call when it is
+        made, so it needs none."""
         self._config = config
+        self._deadlines = deadlines
         self._stale_after_ms = stale_after_ms
         self._lease_ttl_ms = lease_ttl_ms
         # A lease hash must outlive its newest lease's TTL by the tombstone time, plus
         # its one-second filing width and some clock skew between replicas.
         self._keep_extra_ms = tombstone_ms + 5_000
-        self._client = RespClient(
-            config.url,
-            cluster=config.mode is RedisMode.CLUSTER,
-            timeout_s=config.timeout_ms / 1000,
-            connect_timeout_s=config.connect_timeout_ms / 1000,
-            connections_per_node=config.connections_per_node,
-            password=config.password.get_secret_value() if config.password else None,
-            username=config.username,
-            tls=None if config.tls is None else TlsFiles(**config.tls.model_dump()),
-            seeds=[parse_host_port(seed) for seed in config.cluster_seeds],
-            sentinel=_sentinel_options(config),
-        )
+        self._client: Transport = transport or redis_transport(config)
         self._scripts = {name: _Script.load(name) for name in SCRIPTS}
         self._pool_args: dict[str, _PoolArgs] = {}
         self._pools: dict[str, PoolPolicy] = {}
@@ -218,7 +219,8 @@ class RedisStore:
                     burst_s=repr(cls.burst_s),
                     tenant_share=repr(cls.tenant_share),
                 )
-            cached = _PoolArgs(prefix, keys, tuple(policy))
+            # As text once: Redis reads every argument as a string anyway.
+            cached = _PoolArgs(prefix, keys, tuple(str(value) for value in policy))
             self._pool_args[pool.name] = cached
             self._pools[pool.name] = pool
         return cached
@@ -227,7 +229,7 @@ class RedisStore:
         return self._pool_args[pool_name].keys
 
     def _policy(self, pool_name: str) -> tuple[Any, ...]:
-        """The arguments _pool.lua reads: the pool's policy, then the epoch this store
+        """The arguments the pool prelude reads: the pool's policy, then the epoch this store
         last saw (a state found missing while one was known was lost: it starts
         empty) and the nonce a new epoch takes."""
         epoch = contract.EpochArgs(known=self._epochs.known(pool_name), nonce=self._epoch_nonce)
@@ -246,7 +248,7 @@ class RedisStore:
         duration; 0 (no deadline) until the offset to Redis time is known.
         """
         deadline = self._redis_clock.redis_time_in(self._deadline_budget_us)
-        return "0" if deadline is None else f"{deadline:.0f}"
+        return "0" if deadline is None or not self._deadlines else f"{deadline:.0f}"
 
     def _acquire_header(self, pool_name: str, values: list[Any]) -> None:
         """An acquire batch's reply header: Redis time, then the pool's epoch."""
@@ -329,6 +331,9 @@ class RedisStore:
         lease: LeaseSpec,
         wait_ms: int,
         daemon_id: str,
+        *,
+        ttft_ms: float = 0.0,
+        wait_cap_ms: int | None = None,
     ) -> BucketDecision:
         self._daemon_id = daemon_id
         args_for = self._args_for(pool)
@@ -344,6 +349,8 @@ class RedisStore:
             input_tokens=lease.input_tokens,
             output_tokens=lease.output_tokens,
             wait_ms=wait_ms,
+            ttft_ms=repr(float(ttft_ms)),
+            wait_cap_ms=wait_ms if wait_cap_ms is None else wait_cap_ms,
             has_request=has_request,
             has_tenant=has_tenant,
         )
@@ -583,7 +590,7 @@ class RedisStore:
             probe_step=repr(update.probe_step),
             probe_wait=update.probe_wait,
             last_good=repr(update.last_good),
-            direction=update.direction,
+            direction=int(update.direction),
             pinned=1 if update.pinned else 0,
             ceiling=repr(update.ceiling),
         )
@@ -661,22 +668,6 @@ class RedisStore:
         key = f"{self._config.key_prefix}:{{{pool}}}:window:{qos_class}"
         raw = await self._client.execute(key, "LRANGE", key, 0, -1)
         return [StoredSample.decode(item) for item in raw]
-
-
-def _sentinel_options(config: RedisConfig) -> SentinelOptions | None:
-    if config.mode is not RedisMode.SENTINEL:
-        return None
-    assert config.sentinel_master is not None  # checked at load
-    return SentinelOptions(
-        addresses=[parse_host_port(address) for address in config.sentinels],
-        master=config.sentinel_master,
-        username=config.sentinel_username,
-        password=(
-            config.sentinel_password.get_secret_value() if config.sentinel_password else None
-        ),
-        check_interval_s=config.sentinel_check_interval_ms / 1000,
-        tls=config.sentinel_tls,
-    )
 
 
 def _lease_stub(lease_id: str) -> LeaseSpec:

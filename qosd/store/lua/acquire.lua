@@ -1,19 +1,20 @@
 -- Admit, queue or reject a batch of requests of one pool, in order, atomically.
--- One request is a batch of one. Mirrors qosd/store/embedded.py (acquire).
--- The pool state, policy, budget functions and waiter helpers come from _pool.lua.
+-- One request is a batch of one. The pool state, policy, budget functions and
+-- waiter helpers come from the pool prelude (lua/pool/).
 --
 -- Script arguments (qosd/store/contract.py): ACQUIRE (the deadline in us of Redis
 -- time, 0: none, a batch that runs later was given up by its callers and changes
 -- nothing; the daemon's id), then REQUEST per request (the lease field
 -- "<class>:<token>" is also the waiter id; keep_ms is how long the lease hash must
--- live; wait_ms 0: answer now).
+-- live; wait_ms 0: answer now; ttft_ms, the request's TTFT objective, makes its queue
+-- entry due at arrival plus that, and with a prefill model sets its wait: deadline.lua).
 -- Keys per request: lease hash, then the request-id key and the tenant bucket if any.
 -- Request-id string: "lease_id|charged|expiry_us".
 --
 -- Returns HEADER (Redis time, us, string; the pool's epoch, '' while its state was
--- never written: _pool.lua), then a DECISION per request: status (STATUS_REJECTED,
+-- never written: pool/state.lua), then a DECISION per request: status (STATUS_REJECTED,
 -- STATUS_ADMITTED or STATUS_QUEUED), reason, lease_id, charged, remaining,
--- retry_after_ms (when queued: none), lease_ttl_ms, replayed.
+-- retry_after_ms (when queued: the wait granted), lease_ttl_ms, replayed.
 local reply = {}
 reply[REPLY_HEADER_NOW_US] = string.format('%.0f', now)
 reply[REPLY_HEADER_EPOCH] = state.epoch or ''
@@ -50,6 +51,7 @@ for _ = 1, count do
   local lease_id = ARGV[a + ARG_REQUEST_LEASE_ID]
   local field = ARGV[a + ARG_REQUEST_FIELD]
   local ttl_ms = tonumber(ARGV[a + ARG_REQUEST_TTL_MS])
+  local ttft_ms = tonumber(ARGV[a + ARG_REQUEST_TTFT_MS])
   local wait_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_MS])
   local lease_key = KEYS[k]
   k = k + 1
@@ -86,18 +88,27 @@ for _ = 1, count do
       local how = 0
       local input = tonumber(ARGV[a + ARG_REQUEST_INPUT_TOKENS])
       local kv = input + tonumber(ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
+      local due = by_deadline.due_us(enqueued_at, ttft_ms)
+      local wait_cap_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_CAP_MS])
+      wait_ms = by_deadline.granted_wait_ms(wait_ms, ttft_ms, wait_cap_ms, input)
       local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic
       elseif pool_gated then
-        how = gated_how_for_new(i, cost, kv)
-      elseif not has_live_waiter(i) then  -- FIFO: no overtaking this class's waiters
+        how = gated_how_for_new(i, cost, kv, due)
+      elseif not has_live_waiter(i, due) then  -- no overtaking a waiter due earlier
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
       end
+      local miss_ms = nil
+      if not held then
+        miss_ms = by_deadline.miss_ms(i, ttft_ms, input, how ~= 0)
+      end
       local tenant = nil
       local tenant_wait = 0
-      if how ~= 0 and tenant_key then
+      if miss_ms then
+        how = 0  -- refused below: late whenever it went
+      elseif how ~= 0 and tenant_key then
         tenant = tenant_load(tenant_key, c.tenant_rate, c.tenant_burst)
         if tenant[1] < math.min(cost, tenant[4]) then
           tenant_wait = tenant_wait_ms(tenant, cost)
@@ -131,7 +142,10 @@ for _ = 1, count do
         else
           retry = math.max(retry_after_ms(i, cost), tenant_wait)
         end
-        if held and wait_ms <= 0 then
+        if miss_ms then
+          answer(STATUS_REJECTED, REASON_DEADLINE, '', ARGV[a + ARG_REQUEST_COST],
+            num(state.tokens[i]), miss_ms, 0, 0)
+        elseif held and wait_ms <= 0 then
           answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', ARGV[a + ARG_REQUEST_COST],
             num(state.tokens[i]), LONG_PREFILL_RETRY_MS, 0, 0)
         elseif wait_ms <= 0 or (not pool_gated and not held and retry > wait_ms) then
@@ -146,7 +160,7 @@ for _ = 1, count do
           if tenant_wait > 0 then
             blocked = now + tenant_wait * 1000
           end
-          redis.call('ZADD', c.queue, enqueued_at, field)
+          redis.call('ZADD', c.queue, due, field)
           redis.call('HSET', WAITERS, field, waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
             cost = cost, blocked = blocked, input = input, kv = kv,
@@ -156,7 +170,7 @@ for _ = 1, count do
           state.waiting[i] = state.waiting[i] + 1
           state_changed = true
           answer(STATUS_QUEUED, REASON_NONE, lease_id, ARGV[a + ARG_REQUEST_COST],
-            num(state.tokens[i]), 0, 0, 0)
+            num(state.tokens[i]), wait_ms, 0, 0)
         end
       end
     end

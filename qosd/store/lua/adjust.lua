@@ -1,7 +1,7 @@
 -- Set a pool's admitted rate (R), for the SLO loop or an operator's pin, atomically.
--- Pool state, allocate() and save_state() come from _pool.lua: the pool is refilled
+-- Pool state, allocate() and save_state() come from the pool prelude: the pool is refilled
 -- at the old rate up to now, then runs at the new one; tokens above the new bursts
--- are dropped, as a refill would. Mirrors qosd/store/embedded.py (adjust).
+-- are dropped, as a refill would.
 --
 -- The script, not the caller, enforces the cooldown: two controllers that both
 -- believe they lead (a lease handed over in a partition, say) still cannot change
@@ -13,7 +13,7 @@
 -- probe_step, probe_wait, last_good, direction, pinned, ceiling.
 -- Control hash (contract.py: CONTROL_HASH): p pinned, c changed_ms, r reason, f from,
 -- b by, s probe_step, w probe_wait, g last_good, d direction, h ceiling, k configured
--- capacity, e the pool state's epoch it was written under (_pool.lua: E): a record
+-- capacity, e the pool state's epoch it was written under (pool/args.lua: E): a record
 -- whose e is not the state's epoch was not written since the state was last made anew.
 -- Returns ADJUSTED: {1, changed_ms} when applied, {0, 'pinned' | 'cooldown'} when
 -- refused.

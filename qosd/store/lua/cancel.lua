@@ -1,5 +1,5 @@
 -- Take waiters out of their queues: their caller timed out or went away. A waiter
--- holds no tokens, so nothing else changes. Pool state and helpers from _pool.lua.
+-- holds no tokens, so nothing else changes. Pool state and helpers from the pool prelude.
 -- Script arguments: CANCEL per waiter (qosd/store/contract.py: its lease field, the
 -- waiter id, and class).
 -- Returns CANCELLED per waiter: 1 if it was still waiting, 0 if it was not there.

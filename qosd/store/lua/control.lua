@@ -2,7 +2,7 @@
 -- control hash (see adjust.lua). Returns CONTROL (qosd/store/contract.py): Redis time
 -- (ms), R ('' if never set), K (the configured capacity R was written under), then
 -- the control fields in CONTROL_HASH order ('' where unset), then the pool's epoch E
--- ('' while its state was never written; _pool.lua).
+-- ('' while its state was never written; pool/args.lua).
 local now_parts = redis.call('TIME')
 local reply = {}
 reply[REPLY_CONTROL_NOW_MS] = string.format('%.0f', tonumber(now_parts[1]) * 1000 +

@@ -1,5 +1,5 @@
 -- Keep each model server's latest load and the pool's aggregate of them
--- (qosd/budget.py: servers_load), which the pool scripts read with the state.
+-- (the servers' waiting summed, the highest KV usage), which the pool scripts read with the state.
 --
 -- KEYS[1]  the pool's state hash: Sw (waiting requests, summed), Sk (largest KV cache
 --          usage), St (when, us, Redis time); a field is deleted when no fresh read

@@ -1,6 +1,6 @@
 -- Let a daemon's waiters in, in fleet-wide order, and report on the rest.
--- Mirrors qosd/store/embedded.py (pump). Pool state, policy, budget functions and
--- waiter helpers come from _pool.lua. A GPU-gated pool is pumped by pump_gated()
+-- Pool state, policy, budget functions and waiter helpers come from the pool
+-- prelude (lua/pool/). A GPU-gated pool is pumped by pump_gated()
 -- below; the walk that follows describes the other pools.
 --
 -- A daemon calls this every few milliseconds while it has waiters in the pool. It
@@ -22,7 +22,7 @@
 -- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
 -- Returns a DECISION per waiter: status (STATUS_ADMITTED; STATUS_WAITING; STATUS_GONE:
 -- its entry was dropped as stale; STATUS_HELD: still waiting, held for a gap in the
--- top class's traffic), REASON_NONE, lease_id, charged, remaining, 0, ttl_ms, 0.
+-- top class's traffic; STATUS_LATE: dropped, as it would now miss its TTFT objective), REASON_NONE, lease_id, charged, remaining, 0, ttl_ms, 0.
 local daemon = ARGV[ARGS_BEFORE + ARG_PUMP_DAEMON]
 local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_PUMP_DEADLINE_US])
 -- Even a late pump proves its daemon alive: it still holds its waiters (it retries a
@@ -78,7 +78,6 @@ do
   end
 end
 
-local MAX_ADMITTED = 64
 local admitted = 0
 
 -- Over its tenant's ceiling, a waiter steps aside (not holding up other tenants).
@@ -118,7 +117,7 @@ end
 -- A GPU-gated pool: the best-standing head goes when the pool has room for it, if it
 -- is this daemon's; another daemon's head holds the room for that daemon's next
 -- pump, and a head without room holds it too, except the top class's reserve: past
--- it only top-class heads may go (qosd/store/embedded.py: _pump_gated). Returns
+-- it only top-class heads may go. Returns
 -- whether it admitted one.
 local function pump_gated()
   local order_heads = heads()
@@ -136,7 +135,7 @@ local function pump_gated()
     if x.class ~= y.class then
       return x.class < y.class
     end
-    return x.enqueued < y.enqueued
+    return x.due < y.due
   end)
   local blocked = nil  -- the class of the better-standing head without room
   for _, w in ipairs(order_heads) do
@@ -165,7 +164,7 @@ local function pump_gated()
 end
 
 local progress = true
-while progress and admitted < MAX_ADMITTED do
+while progress and admitted < MAX_ADMITTED_PER_PUMP do
   progress = false
   if pool_gated then
     progress = pump_gated()
@@ -183,7 +182,7 @@ while progress and admitted < MAX_ADMITTED do
           break  -- the heads changed: walk again
         end
       elseif how ~= 0 then
-        if how == BORROW then
+        if how == TAKE_BORROW then
           shared_open = false  -- kept for another daemon's waiter
         end
       elseif classes[i].can_borrow then
@@ -198,7 +197,10 @@ local n = 0
 for _, m in ipairs(order) do
   local status = STATUS_ADMITTED
   if not m.admitted then
-    if redis.call('HEXISTS', WAITERS, m.field) == 0 then
+    if by_deadline.late_waiters[m.field] then
+      remove_waiter(by_deadline.late_waiters[m.field], m.field)  -- answered REASON_DEADLINE
+      status = STATUS_LATE
+    elseif redis.call('HEXISTS', WAITERS, m.field) == 0 then
       status = STATUS_GONE
     elseif held_for_gap(m.class, tonumber(m.input)) then
       status = STATUS_HELD

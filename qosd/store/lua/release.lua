@@ -1,7 +1,7 @@
 -- Settle leases of one pool, for a batch of releases, in order, atomically: move
 -- each lease's class tokens by (charged - actual), bounded by one burst unless the
--- release undoes an admission. Mirrors qosd/store/embedded.py (release); pool state,
--- policy and settle() come from _pool.lua (a refund above the class's burst
+-- release undoes an admission. Pool state,
+-- policy and settle() come from the pool prelude (a refund above the class's burst
 -- overflows into the shared tokens, as refill does).
 --
 -- Script arguments: RELEASE per release (qosd/store/contract.py): class, lease
@@ -9,10 +9,10 @@
 -- outcome, exact (1: undo an admission, refunding the whole charge; 0: a release).
 -- Keys per release: its lease hash.
 --
--- An active lease field is "expiry_us|charged|weight|input|output" (_pool.lua);
+-- An active lease field is "expiry_us|charged|weight|input|output" (pool/lease_writes.lua);
 -- settling turns it into "R|final|adjustment|outcome", which stays until the lease
 -- hash expires, so a repeated release gets the first answer.
--- A lease released before its expiry stops counting as in flight (_pool.lua:
+-- A lease released before its expiry stops counting as in flight (pool/in_flight.lua:
 -- lease_ended).
 -- Returns a SETTLEMENT per release: status (SETTLED_RELEASED now, SETTLED_AGAIN if
 -- settled before, SETTLED_EXPIRED or SETTLED_UNKNOWN), final charge, adjustment,

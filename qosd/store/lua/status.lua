@@ -1,8 +1,9 @@
--- A pool's budget and queues now, read-only: an admin query. From _pool.lua.
+-- A pool's budget and queues now, read-only: an admin query. From the pool prelude.
 -- Returns (qosd/store/contract.py) STATUS: Redis time (us), shared tokens, admitted
 -- rate (R), tokens admitted so far, the long-prefill threshold (0: none); then a
--- STATUS_CLASS per class: tokens, waiters, the enqueue time (us) of the oldest waiter
--- or '' when none waits, rate and burst at R, leases in flight and their prompt plus
+-- STATUS_CLASS per class: tokens, waiters, the enqueue time (us) of the waiter at the
+-- head of its queue (the earliest due; in a class without objectives the oldest) or
+-- '' when none waits, rate and burst at R, leases in flight and their prompt plus
 -- expected output tokens; then STATUS_SERVERS: the servers' waiting requests and KV
 -- cache usage ('' when not known). Costs O(classes), never O(leases): the counts are
 -- kept by the scripts that change them.
@@ -14,10 +15,12 @@ reply[REPLY_STATUS_ADMITTED] = num(state.admitted)
 reply[REPLY_STATUS_LONG_PREFILL] = num(state.long_prefill)
 local n = STATUS_FIELDS
 for i = 1, class_count do
-  local oldest = redis.call('ZRANGE', classes[i].queue, 0, 0, 'WITHSCORES')
+  local head = redis.call('ZRANGE', classes[i].queue, 0, 0)[1]
+  local record = head and redis.call('HGET', WAITERS, head)
+  local oldest = record and string.format('%.0f', parse_waiter(record).enqueued)
   reply[n + REPLY_STATUS_CLASS_TOKENS] = num(state.tokens[i])
   reply[n + REPLY_STATUS_CLASS_WAITING] = state.waiting[i]
-  reply[n + REPLY_STATUS_CLASS_OLDEST_US] = oldest[2] or ''
+  reply[n + REPLY_STATUS_CLASS_OLDEST_US] = oldest or ''
   reply[n + REPLY_STATUS_CLASS_RATE] = num(classes[i].rate)
   reply[n + REPLY_STATUS_CLASS_BURST] = num(classes[i].burst)
   reply[n + REPLY_STATUS_CLASS_IN_FLIGHT] = state.in_n[i]

@@ -1,0 +1,93 @@
+-- The pool prelude, the first of its files (qosd/store/redis.py: POOL_PRELUDE): qosd
+-- prepends them, in order, to acquire.lua, pump.lua, cancel.lua, release.lua,
+-- status.lua and adjust.lua when it loads them (a script cannot import another),
+-- after the constants of _contract.lua they use. This is the one copy of the budget
+-- rules: the Redis store runs them in Redis, the embedded store in process.
+--
+-- args.lua: Redis time, the pool's policy, its classes and keys. allocation.lua: the
+-- class rates at the admitted rate. state.lua: the pool's state, refilled to now.
+-- in_flight.lua: leases in flight and their sweep. save.lua: writing the state back.
+-- budget.lua: paying for an admission. tenants.lua: tenant ceilings. waiters.lua:
+-- the waiting room's order. lease_writes.lua: new leases.
+--
+-- What the arguments and replies hold, in order, and the state hash's fields, are
+-- declared once in qosd/store/contract.py; _contract.lua (generated from it) names
+-- their positions and codes, and docs/design.md ("Redis layout") shows them.
+--
+-- KEYS[1]        pool state hash (contract.py: STATE_HASH)
+-- KEYS[2..n+1]   one FIFO per class, in priority order: sorted set of waiter ids
+--                (lease fields "<class>:<token>") scored by enqueue time, us
+-- KEYS[n+2]      waiters hash: waiter id -> "enqueued|deadline|daemon|cost|
+--                tenant_blocked_until|input_tokens|kv_tokens" (times in us; kv:
+--                prompt plus expected output)
+-- KEYS[n+3]      daemons hash: daemon id -> last heard from, us
+-- ARGV[ARG_CALLS] number of calls in the batch, then the pool's policy as
+--                configured (POOL_ARGS), then per class in priority order
+--                (CLASS_ARGS), then the pool's epoch as the calling daemon last saw
+--                it and that daemon's nonce (EPOCH_ARGS; see E below)
+-- Then the script's own arguments, after ARGS_BEFORE; its keys from KEYS[NEXT_KEY].
+--
+-- E, the pool's epoch: "<Redis time, us>-<nonce>", written by save_state() when the
+-- state is first created and never changed. A store that comes back empty (restart
+-- without persistence, FLUSHALL, a failover to an empty replica) loses it with the
+-- rest: the next state written gets a new one. Daemons compare the epoch replies
+-- carry with the one they knew (qosd/store/redis.py), and the SLO loop's leader then
+-- restores the rates and pins it knew (qosd/control.py).
+
+local now_parts = redis.call('TIME')
+local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
+
+-- Floats travel as strings (Redis truncates a Lua number to an integer), with all
+-- 17 significant digits; tostring() keeps only 14.
+local function num(x)
+  return string.format('%.17g', x)
+end
+
+local p = ARG_CALLS  -- the pool's policy follows the number of calls
+local capacity = tonumber(ARGV[p + ARG_POOL_CAPACITY])
+local pool_burst_s = tonumber(ARGV[p + ARG_POOL_BURST_S])
+local stale_after_us = tonumber(ARGV[p + ARG_POOL_STALE_AFTER_MS]) * 1000
+local class_count = tonumber(ARGV[p + ARG_POOL_CLASS_COUNT])
+local default_ttl_us = tonumber(ARGV[p + ARG_POOL_LEASE_TTL_MS]) * 1000
+local max_in_flight = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT])
+local max_in_flight_tokens = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT_TOKENS])
+local top_reserve = tonumber(ARGV[p + ARG_POOL_TOP_RESERVE])
+local prefill_backlog_us = tonumber(ARGV[p + ARG_POOL_PREFILL_BACKLOG_US])
+local prefill_share = tonumber(ARGV[p + ARG_POOL_PREFILL_SHARE])
+local max_server_waiting = tonumber(ARGV[p + ARG_POOL_MAX_SERVER_WAITING])
+local max_kv_cache_usage = tonumber(ARGV[p + ARG_POOL_MAX_KV_CACHE_USAGE])
+local server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US])
+local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
+local classes = {}
+local class_index = {}
+do
+  local a = p + POOL_ARGS
+  for i = 1, class_count do
+    local c = {
+      name = ARGV[a + ARG_CLASS_NAME], rate = tonumber(ARGV[a + ARG_CLASS_RATE]),
+      burst = tonumber(ARGV[a + ARG_CLASS_BURST]),
+      max_cost = tonumber(ARGV[a + ARG_CLASS_MAX_COST]),
+      can_borrow = ARGV[a + ARG_CLASS_CAN_BORROW] == '1',
+      max_queue = tonumber(ARGV[a + ARG_CLASS_MAX_QUEUE]),
+      aging_us = tonumber(ARGV[a + ARG_CLASS_AGING_MS]) * 1000,
+      tenant_rate = tonumber(ARGV[a + ARG_CLASS_TENANT_RATE]),
+      tenant_burst = tonumber(ARGV[a + ARG_CLASS_TENANT_BURST]),
+      floor_rate = tonumber(ARGV[a + ARG_CLASS_FLOOR_RATE]),
+      burst_s = tonumber(ARGV[a + ARG_CLASS_BURST_S]),
+      tenant_share = tonumber(ARGV[a + ARG_CLASS_TENANT_SHARE]),
+      rank = i - 1, queue = KEYS[i + 1],
+    }
+    c.nominal_rate, c.nominal_burst, c.nominal_tenant_burst = c.rate, c.burst, c.tenant_burst
+    classes[i] = c
+    class_index[c.name] = i
+    a = a + CLASS_ARGS
+  end
+end
+local e = p + POOL_ARGS + CLASS_ARGS * class_count  -- arguments before the epoch's
+local known_epoch = ARGV[e + ARG_EPOCH_KNOWN]
+local epoch_nonce = ARGV[e + ARG_EPOCH_NONCE]
+local ARGS_BEFORE = e + EPOCH_ARGS  -- the arguments before the script's own
+local NEXT_KEY = class_count + 4
+local STATE = KEYS[1]
+local WAITERS = KEYS[class_count + 2]
+local DAEMONS = KEYS[class_count + 3]

@@ -1,0 +1,164 @@
+-- Paying for an admission: how (contract.Take), take, settle, retry-after, aging.
+local function how_to_take(i, cost, shared_open)
+  local c = classes[i]
+  local own = state.tokens[i]
+  if own >= cost then
+    return TAKE_OWN
+  end
+  if shared_open and c.can_borrow and math.max(own, 0) + state.shared >= cost then
+    return TAKE_BORROW
+  end
+  if own >= math.min(cost, c.burst) then
+    return TAKE_OWN  -- above the burst, from a full bucket, into debt
+  end
+  return 0
+end
+
+-- GPU-gated pools: room in flight, the class's share, and how to pay.
+
+-- The predicted prefill of a prompt of `input` tokens, us, by the pool's prefill model
+-- (learned from reports, qosd/control/prefill.py); nil while there is none.
+local function prefill_us(input)
+  local m = state.prefill_model
+  if not m then
+    return nil
+  end
+  local n = tonumber(input)
+  return (m[1] + n * (m[2] + m[3] * n)) * 1000
+end
+
+-- The prefill backlog: an admitted prompt is prefilled after those admitted before
+-- it, on the share clock and the real one.
+local function prefill_started(input)
+  local work_us = prefill_us(input)
+  if work_us then
+    state.prefill_until = math.max(now, state.prefill_until) + work_us / prefill_share
+    state.prefill_real_until = math.max(now, state.prefill_real_until) + work_us
+    state_changed = true
+  end
+end
+
+local function has_room(i, tokens)
+  local count, held = 0, 0
+  for j = 1, class_count do
+    count = count + state.in_n[j]
+    held = held + state.in_c[j]
+  end
+  if count == 0 then
+    return true  -- alone in an idle pool: always, whatever its size
+  end
+  if state.prefill_model and prefill_backlog_us > 0 then
+    -- The prefill lead: the top class by the real clock, the others by the share's
+    local backlog_end = state.prefill_until
+    if i == 1 then
+      backlog_end = state.prefill_real_until
+    end
+    if backlog_end - now > prefill_backlog_us then
+      return false  -- the servers' prefill backlog is full: wait here, in priority order
+    end
+  end
+  -- The servers full: below the top class, the servers' own load
+  if i ~= 1 and ((max_server_waiting >= 0 and state.server_waiting
+      and state.server_waiting > max_server_waiting)
+    or (max_kv_cache_usage > 0 and state.server_kv and state.server_kv >= max_kv_cache_usage)) then
+    return false
+  end
+  local share = 1
+  if i ~= 1 then
+    share = 1 - top_reserve  -- the rest is the top class's alone
+  end
+  if bound_count > 0 and count + 1 > bound_count * share then
+    return false
+  end
+  return not (bound_tokens > 0 and held + tokens > bound_tokens * share)
+end
+
+-- Passing the reserve: the top class goes past a better-standing waiter of a lower
+-- class that has no room, into the reserve that waiter could not use anyway.
+local function passes_reserve(i, ahead, ahead_has_room)
+  return i == 1 and ahead ~= 1 and not ahead_has_room
+end
+
+local function within_share(i, cost)
+  return state.tokens[i] >= math.min(cost, classes[i].burst)
+end
+
+local function gated_how(i, cost)
+  local own = state.tokens[i]
+  if own >= math.min(cost, classes[i].burst) then
+    return TAKE_OWN
+  end
+  if classes[i].can_borrow and math.max(own, 0) + state.shared >= cost then
+    return TAKE_BORROW
+  end
+  if prefill_backlog_us > 0 and not state.prefill_model then
+    return 0  -- room is known only once the prefill backlog can be predicted
+  end
+  return TAKE_OVER
+end
+
+local function take(i, cost, how)
+  state_changed = true
+  state.admitted = state.admitted + cost
+  if how == TAKE_OWN then
+    state.tokens[i] = state.tokens[i] - cost
+    return
+  end
+  if how == TAKE_OVER then
+    local tokens = state.tokens[i]
+    state.tokens[i] = math.max(tokens - cost, math.min(tokens, -classes[i].burst))
+    return
+  end
+  local own = math.max(state.tokens[i], 0)
+  state.tokens[i] = state.tokens[i] - own
+  state.shared = state.shared - (cost - own)
+end
+
+local function settle(i, delta)
+  state_changed = true
+  local tokens = state.tokens[i] - delta
+  if tokens > classes[i].burst then
+    state.shared = math.min(shared_burst, state.shared + tokens - classes[i].burst)
+    tokens = classes[i].burst
+  end
+  state.tokens[i] = tokens
+end
+
+local function retry_after_ms(i, cost)
+  local c = classes[i]
+  local own = state.tokens[i]
+  local best = nil
+  if c.rate > 0 then
+    best = (math.min(cost, c.burst) - own) * 1000 / c.rate
+  end
+  if c.can_borrow then
+    local inflow = free_rate
+    for j = 1, class_count do
+      if j ~= i and state.tokens[j] >= classes[j].burst then
+        inflow = inflow + classes[j].rate
+      end
+    end
+    local own_refill = 0
+    if own < c.burst then
+      own_refill = c.rate
+    end
+    if inflow + own_refill > 0 then
+      local borrow = (cost - math.max(own, 0) - state.shared) * 1000 / (inflow + own_refill)
+      if best == nil or borrow < best then
+        best = borrow
+      end
+    end
+  end
+  if best == nil then
+    return 60000
+  end
+  return math.max(1, math.ceil(best))
+end
+
+local function effective_rank(i, waited_us)
+  local c = classes[i]
+  if c.aging_us <= 0 or waited_us <= 0 then
+    return c.rank
+  end
+  return math.max(0, c.rank - math.floor(waited_us / c.aging_us))
+end

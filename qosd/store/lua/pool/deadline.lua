@@ -1,0 +1,98 @@
+-- Admission by deadline. A request with a TTFT objective is due at its arrival plus
+-- that objective: its queue entry's score (so a class's waiters go earliest deadline
+-- first; a class without objectives scores by arrival, first come first served).
+-- In a GPU-gated pool with a prefill model, the scripts also know the request's own
+-- prefill and the backlog admitted before it, so they know how long it may wait and
+-- when it can no longer be on time.
+
+-- One table, not a local per function: a script's main chunk has at most 200 locals.
+local by_deadline = {}
+
+-- Waiters that can no longer be on time, found by heads() (waiters.lua): id -> class.
+-- A pump drops its own daemon's with STATUS_LATE; other daemons' pumps drop theirs.
+by_deadline.late_waiters = {}
+
+-- A queue entry's score: when the request is due (us of Redis time).
+function by_deadline.due_us(enqueued, ttft_ms)
+  if ttft_ms > 0 then
+    return enqueued + ttft_ms * 1000
+  end
+  return enqueued
+end
+
+-- How long until the prefill backlog lets class i in (us; 0: now, or no backlog
+-- bound): the lead of its clock (the real one for the top class, the share's for
+-- the others) beyond the bound.
+function by_deadline.backlog_wait_us(i)
+  if not pool_gated or prefill_backlog_us <= 0 or not state.prefill_model then
+    return 0
+  end
+  local backlog_end = state.prefill_until
+  if i == 1 then
+    backlog_end = state.prefill_real_until
+  end
+  return math.max(0, backlog_end - now - prefill_backlog_us)
+end
+
+-- The longest a new request may wait, ms. With an objective and a prefill model: its
+-- slack, the objective less its own prefill (admitted later, even onto an idle GPU,
+-- it is late), up to what the caller allows; otherwise the class's max wait.
+function by_deadline.granted_wait_ms(wait_ms, ttft_ms, cap_ms, input)
+  local own = prefill_us(input)
+  if wait_ms <= 0 or ttft_ms <= 0 or not own then
+    return wait_ms
+  end
+  return math.max(0, math.min(cap_ms, math.floor(ttft_ms - own / 1000)))
+end
+
+-- How late a request of class i, due at `due`, would be (us; <= 0: on time) if it
+-- were admitted now or at any later time: its first token comes after the prefill
+-- admitted before it (the real clock) and its own, and waiting does not shorten
+-- that. nil where nothing predicts it: no objective, or no prefill model, or a pool
+-- that is not GPU-gated (no backlog is kept).
+function by_deadline.lateness_us(due, input)
+  if not pool_gated then
+    return nil
+  end
+  local own = prefill_us(input)
+  if not own then
+    return nil
+  end
+  return math.max(now, state.prefill_real_until) + own - due
+end
+
+-- May a waiter no longer be on time? Then it is not admitted, and its daemon answers
+-- it REASON_DEADLINE at once.
+function by_deadline.late_if_admitted(due, enqueued, input)
+  if due <= enqueued then
+    return false  -- no objective: served whenever
+  end
+  local late = by_deadline.lateness_us(due, input)
+  return late ~= nil and late > 0
+end
+
+-- A new request of class i with a TTFT objective that it cannot meet: the wait (ms)
+-- predicted before it could be on time, for its retry-after; nil when it can be (or
+-- nothing predicts it). `ready`: it could be admitted now. Late, now or later, if the
+-- prefill admitted before it and its own outlast the objective; and if it cannot go
+-- now, late if the backlog bound lets it in too late for its own prefill.
+function by_deadline.miss_ms(i, ttft_ms, input, ready)
+  if ttft_ms <= 0 then
+    return nil
+  end
+  local late = by_deadline.lateness_us(now + ttft_ms * 1000, input)
+  if late == nil then
+    return nil
+  end
+  local wait_us = late
+  if not ready then
+    local gate_us = by_deadline.backlog_wait_us(i)
+    if gate_us + prefill_us(input) > ttft_ms * 1000 then
+      wait_us = math.max(wait_us, gate_us)
+    end
+  end
+  if wait_us <= 0 then
+    return nil
+  end
+  return math.max(1, math.ceil(wait_us / 1000))
+end

@@ -1,0 +1,142 @@
+-- The pool's state, refilled to now (a new pool starts full).
+local now_s = math.floor(now / 1000000)
+local state = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
+-- Expiry buckets of leases in flight, by second: read
+-- lazily, each at most once per call, and written back by save_state().
+local expiring = {}      -- second -> {class index -> {count, tokens}}
+local expiring_dirty = {} -- second -> true when changed
+local expiring_gone = {}  -- 'x:<second>' fields to delete
+-- Classes this caller's config does not have (a replica on another config, mid-way
+-- through a rollout that adds a class): their "name|count|tokens" parts of a second,
+-- kept as they are and written back with it, and ended by the sweep by name.
+local expiring_other = {}  -- second -> {part, ...}
+local function parse_expiring(value, second)
+  local entry = {}
+  local other = {}
+  if value then
+    for name, count, tokens in string.gmatch(value, '([^|]+)|([^|]+)|([^|]+)') do
+      local i = class_index[name]
+      if i then
+        entry[i] = {tonumber(count), tonumber(tokens)}
+      else
+        other[#other + 1] = {name, tonumber(count), tonumber(tokens)}
+      end
+    end
+  end
+  if second then
+    expiring_other[second] = other
+  end
+  return entry, other
+end
+-- A class of another config: its leases in flight, ended without its policy.
+local function end_other(name, count, tokens)
+  local n, c = unpack(redis.call('HMGET', STATE, 'n:' .. name, 'c:' .. name))
+  if n then
+    redis.call('HSET', STATE, 'n:' .. name, math.max(0, tonumber(n) - count),
+      'c:' .. name, num(math.max(0, (tonumber(c) or 0) - tokens)))
+  end
+end
+local HEADER = 16  -- fields read before the per-class ones
+local values_fresh = false  -- no state was found: it is made now
+-- Each class's state fields ('t:', 'w:', 'n:', 'c:' and its name), named once a call.
+local class_fields = {}
+-- The state's fields as read (numbers; nil where absent): save_state() writes only
+-- the fields whose value changed. Writing all of them, floats formatted to 17
+-- digits, was a fifth of the acquire script's time (docs/performance.md).
+local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
+do
+  local default_second = math.floor((now + default_ttl_us) / 1000000)
+  local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
+    'Sw', 'Sk', 'St', 'Bt', 'E'}
+  for i = 1, class_count do
+    local name = classes[i].name
+    local names = {'t:' .. name, 'w:' .. name, 'n:' .. name, 'c:' .. name}
+    class_fields[i] = names
+    fields[#fields + 1] = names[1]
+    fields[#fields + 1] = names[2]
+    fields[#fields + 1] = names[3]
+    fields[#fields + 1] = names[4]
+  end
+  local values = redis.call('HMGET', STATE, unpack(fields))
+  stored.capacity = tonumber(values[3])
+  stored.admitted = tonumber(values[4])
+  state.capacity = stored.capacity or capacity
+  state.admitted = stored.admitted or 0
+  -- R is kept relative to the configured capacity: a pool re-configured (or a fleet
+  -- mid-way through a rolling deploy) runs at the same fraction of its capacity.
+  local written_under = tonumber(values[5])
+  stored.written_under = written_under
+  if written_under and written_under > 0 and written_under ~= capacity then
+    state.capacity = state.capacity * capacity / written_under
+  end
+  state.expiry_from = tonumber(values[6])
+  state.expiry_to = tonumber(values[7])
+  stored.expiry_from = state.expiry_from
+  stored.expiry_to = state.expiry_to
+  expiring[default_second] = parse_expiring(values[8], default_second)
+  state.long_prefill = tonumber(values[9]) or 0
+  if values[10] then
+    local c, a, b = string.match(values[10], '^([^|]*)|([^|]*)|([^|]*)$')
+    state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}
+  end
+  stored.prefill_until = tonumber(values[11])
+  stored.prefill_real_until = tonumber(values[15])
+  state.prefill_until = stored.prefill_until or 0
+  state.prefill_real_until = stored.prefill_real_until or 0
+  -- The servers' own load (load.lua), while fresh; nil: not known.
+  if now - (tonumber(values[14]) or 0) <= server_load_max_age_us then
+    state.server_waiting = tonumber(values[12])
+    state.server_kv = tonumber(values[13])
+  end
+  allocate(state.capacity)
+  state.epoch = values[16]
+  stored.epoch = state.epoch
+  if values[1] then
+    stored.updated = tonumber(values[1])
+    stored.shared = tonumber(values[2])
+    state.updated = stored.updated
+    state.shared = stored.shared
+    for i = 1, class_count do
+      local at = HEADER + 4 * (i - 1)
+      stored.tokens[i] = tonumber(values[at + 1])
+      stored.waiting[i] = tonumber(values[at + 2])
+      stored.in_n[i] = tonumber(values[at + 3])
+      stored.in_c[i] = tonumber(values[at + 4])
+      state.tokens[i] = stored.tokens[i] or classes[i].burst
+      state.waiting[i] = stored.waiting[i] or 0
+      state.in_n[i] = stored.in_n[i] or 0
+      state.in_c[i] = stored.in_c[i] or 0
+    end
+  else
+    -- A new pool starts full; one whose state the caller
+    -- saw before (known_epoch) was lost with its store, and starts empty.
+    values_fresh = true
+    local lost = known_epoch ~= nil and known_epoch ~= ''
+    state.updated = now
+    state.shared = lost and 0 or shared_burst
+    for i = 1, class_count do
+      state.tokens[i] = lost and 0 or classes[i].burst
+      state.waiting[i] = 0
+      state.in_n[i] = 0
+      state.in_c[i] = 0
+    end
+  end
+  if now > state.updated then
+    local elapsed = now - state.updated
+    local shared = state.shared
+    for i = 1, class_count do
+      local tokens = state.tokens[i] + classes[i].rate * elapsed / 1000000
+      if tokens > classes[i].burst then
+        shared = shared + tokens - classes[i].burst
+        tokens = classes[i].burst
+      end
+      state.tokens[i] = tokens
+    end
+    state.shared = math.min(shared_burst, shared + free_rate * elapsed / 1000000)
+    state.updated = now
+  end
+end
+-- A state made just now is written even by a call that changes nothing else: it
+-- holds the epoch, and a lost pool's empty buckets must refill from now, not start
+-- empty again at every call that finds nothing.
+local state_changed = values_fresh
