@@ -1,41 +1,50 @@
-"""``qosd demo``: the seed's story on one machine, in about a minute, with no Redis.
+"""``qosd demo``: the seed's problem beside qosd's fix, on one machine, in two minutes.
 
-It starts a qosd daemon (embedded store unless a Redis URL is given) and a simulated
-Triton server that reports latencies to it, then replays the bundled Azure
-conversation trace sample (CC BY 4.0, see ``examples/README.md``) at 1.5× the
-simulated GPU's capacity, with a 32K-token prompt every 10 s. Classes come from a
-seeded hash (P0 20 %, P1 50 %, P2 30 %), whatever a prompt's length; the 32K prompts
-are P1, an ordinary user's. The gateway loop is the real one: Acquire, stream through
-``tritonclient``, Release.
+It replays the bundled Azure conversation trace sample (CC BY 4.0, see
+``traces/README.md``) at 1.5x a simulated GPU's capacity, with a 32K-token prompt
+every 10 s, twice, on exactly the same requests: first with no QoS (every request
+straight to the server, first come first served), then through a qosd daemon on the
+embedded store (or Redis, with a URL). Classes come from a seeded hash (P0 20 %,
+P1 50 %, P2 30 %), whatever a prompt's length; the 32K prompts are P1, an ordinary
+user's. The gateway loop is the real one: Acquire, stream through ``tritonclient``,
+Release. The engine is unchunked by default, the seed's case: a 32K prefill stalls
+every stream for seconds.
 
-Every two seconds it prints a table per class; at the end (or on Ctrl-C) a report and
-the plots. ``benchmarks/qos_replay.py`` runs the same experiment against no QoS and
-static buckets, side by side.
+It prints a line per class every five seconds, then one summary of both runs side by
+side and one picture of both (TTFT and TPOT of every request by arrival).
+Requests are scored by the benchmark's objectives (``qosd_sim.objectives``).
+``benchmarks/qos_replay.py`` runs the full comparison (static buckets too, several
+seeds, both engines, a proven bound).
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from qosd.config import Config
-from qosd.slo import percentiles
+from qosd.control.windows import percentiles
 from qosd_sim.experiment import (
-    MODEL,
+    CapacityChoice,
     Policy,
     PolicyRun,
     RatePoint,
     calibrated_workload,
     configured_capacity,
     run_policy,
+    workload_capacity,
 )
 from qosd_sim.gateway import RequestRecord
 from qosd_sim.gpu import GpuModel
+from qosd_sim.objectives import CLASSES, SCALED
 from qosd_sim.plots import plot_runs
 from qosd_sim.replay import ClassRule, read_trace
-from qosd_sim.results import Objectives, policy_summary
+from qosd_sim.results import ClassFacts, RunSamples, policy_summary
+
+OUTPUT_WEIGHT = 4.0
+NAMES = {Policy.FIFO: "no QoS", Policy.QOSD: "qosd"}
 
 
 def run_demo(
@@ -46,10 +55,10 @@ def run_demo(
     out_dir: str,
     trace: str | None = None,
     inject_every_s: float = 10.0,
+    engine: str = "unchunked",
 ) -> int:
-    gpu = GpuModel()
-    output_weight = 4.0
-    workload, capacity, _ = calibrated_workload(
+    gpu = GpuModel() if engine == "chunked" else GpuModel(prefill_chunk_tokens=None)
+    workload, _, _ = calibrated_workload(
         read_trace(trace),
         gpu,
         ClassRule(),
@@ -57,117 +66,151 @@ def run_demo(
         duration_s=duration_s,
         inject_every_s=inject_every_s,
     )
-    pool = configured_capacity(gpu, workload, output_weight, config, window_s=duration_s)
-    cost_capacity = pool.cost_s
-    objectives = Objectives.from_config(config)
-    class_names = sorted(config.classes, key=lambda n: config.classes[n].priority)
-    records: list[RequestRecord] = []
-    interactive = sys.stdout.isatty()
-    store = f"redis {config.redis.url}" if config.redis.url else "the embedded store"
+    capacity = workload_capacity(gpu, workload, 1.0)
+    pool = configured_capacity(gpu, OUTPUT_WEIGHT, SCALED["P0"], choice=CapacityChoice.SLO)
+    store = f"Redis {config.redis.url}" if config.redis.url else "the embedded store"
+    stall = GpuModel(prefill_chunk_tokens=None).prefill_s([32_768])
     print(
-        f"qosd demo: a daemon on {store}, a simulated Triton GPU (~{capacity:,.0f} tokens/s "
-        f"on this trace; 32K prefill ~{gpu.prefill_s([32_768]):.1f}s unchunked), and "
-        f"{len(workload)} requests over {duration_s:.0f}s at {load:g}x capacity, plus a "
-        f"32K-token prompt every {inject_every_s:g}s. Ctrl-C stops early.\n",
+        f"qosd demo: {len(workload)} requests over {duration_s:.0f}s at {load:g}x a simulated "
+        f"GPU's capacity (~{capacity:,.0f} tokens/s; {engine} prefill"
+        + (f": a 32K prompt stalls every stream for {stall:.1f}s" if not gpu.chunked else "")
+        + f"), with a 32K-token prompt every {inject_every_s:g}s; replayed with no QoS, then "
+        f"through qosd on {store}. Ctrl-C stops early.",
         flush=True,
     )
+    runs: list[PolicyRun] = []
+    interrupted = False
+    for number, policy in enumerate((Policy.FIFO, Policy.QOSD), start=1):
+        print(f"\nrun {number}/2: {NAMES[policy]}", flush=True)
+        records: list[RequestRecord] = []
+        started = time.monotonic()
+        try:
+            runs.append(
+                run_policy(
+                    policy,
+                    workload,
+                    gpu=gpu,
+                    capacity_cost_s=pool.cost_s,
+                    output_weight=OUTPUT_WEIGHT,
+                    redis_url=config.redis.url,
+                    drain_s=10.0,
+                    window_s=duration_s,
+                    base_config=config,
+                    on_record=records.append,
+                    on_tick=_ticker(records),
+                )
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping the daemon and the simulated server ...", flush=True)
+            runs.append(PolicyRun(policy, records, duration_s=time.monotonic() - started))
+            break
+    facts = ClassFacts.from_config(config)
+    summaries = {
+        run.policy: policy_summary(
+            run.records,
+            SCALED,
+            RunSamples(max(run.duration_s, 1.0), run.busy),
+            window_s=min(duration_s, max(run.duration_s, 1.0)),
+            capacity_tokens_s=capacity,
+            facts=facts,
+        )
+        for run in runs
+    }
+    print("\nqosd demo report: the same requests, with no QoS and through qosd")
+    print(report(summaries))
+    qosd = next((run for run in runs if run.policy is Policy.QOSD), None)
+    if qosd is not None and qosd.adjustments:
+        print("SLO loop changes:\n  " + "\n  ".join(qosd.adjustments[:6]))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for path in plot_runs(runs, SCALED, facts, Path(out_dir) / "qosd_demo", OUTPUT_WEIGHT):
+        print(f"plot: {path}")
+    print(
+        "\nThe full comparison (static buckets too, both engines, several seeds, P0's proven "
+        "bound): python benchmarks/qos_replay.py --json r.json"
+    )
+    return 130 if interrupted else 0
+
+
+def _ticker(records: list[RequestRecord]) -> Callable[[float, RatePoint | None], None]:
+    """Every five seconds: per class, requests answered so far, and the p99 TTFT and
+    TPOT of those that arrived in the last 10 s and completed."""
 
     def tick(t_s: float, rates: RatePoint | None) -> None:
-        if int(t_s) % 2:
+        if round(t_s) % 5:
             return
-        recent = [r for r in records if r.completed and r.request.at_s >= t_s - 10]
-        lines = [
-            f"t={t_s:4.0f}s  pool rate R {rates.pool_rate if rates else 0:,.0f} cost/s "
-            f"(configured {cost_capacity:,.0f})",
-            f"  {'class':<6}{'admitted':>10}{'rejected':>10}{'waiting':>9}"
-            f"{'TTFT p99':>11}{'TPOT p99':>11}{'rate/s':>10}",
-        ]
-        for name in class_names:
-            mine = [r for r in records if r.request.qos_class == name]
-            ttft = percentiles(
-                [r.ttft_ms for r in recent if r.request.qos_class == name and r.ttft_ms]
+        parts = []
+        for name in CLASSES:
+            recent = [
+                r
+                for r in records
+                if r.request.qos_class == name and r.completed and r.request.at_s >= t_s - 10
+            ]
+            ttft = percentiles([r.ttft_ms for r in recent if r.ttft_ms is not None])
+            tpot = percentiles([t for r in recent if (t := r.tpot_ms) is not None])
+            parts.append(
+                f"{name} {sum(1 for r in records if r.request.qos_class == name):>4} done, "
+                f"TTFT p99 {_ms(ttft.p99 if ttft else None):>8}, "
+                f"TPOT p99 {_ms(tpot.p99 if tpot else None):>7}"
             )
-            tpot = percentiles(
-                [t for r in recent if r.request.qos_class == name and (t := r.tpot_ms)]
-            )
-            lines.append(
-                f"  {name:<6}{sum(r.admitted for r in mine):>10}"
-                f"{sum(not r.admitted for r in mine):>10}"
-                f"{rates.waiting.get(name, 0) if rates else 0:>9}"
-                f"{_ms(ttft.p99 if ttft else None):>11}"
-                f"{_ms(tpot.p99 if tpot else None):>11}"
-                f"{rates.class_rates.get(name, 0) if rates else 0:>10,.0f}"
-            )
-        if interactive:
-            print("\033[2J\033[H", end="")
-        print("\n".join(lines), flush=True)
+        rate = f"  R {rates.pool_rate:,.0f}/s" if rates is not None else ""
+        print(f"t={t_s:3.0f}s  " + " | ".join(parts) + rate, flush=True)
 
-    started = time.monotonic()
-    interrupted = False
-    run = None
-    try:
-        run = run_policy(
-            Policy.QOSD,
-            workload,
-            gpu=gpu,
-            capacity_cost_s=cost_capacity,
-            output_weight=output_weight,
-            redis_url=config.redis.url,
-            drain_s=10.0,
-            window_s=duration_s,
-            base_config=config,
-            on_record=records.append,
-            on_tick=tick,
-        )
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\ninterrupted: stopping the daemon and the simulated server ...", flush=True)
-    window = min(duration_s, time.monotonic() - started)
-    summary = policy_summary(
-        records,
-        objectives,
-        window_s=max(window, 1.0),
-        capacity_tokens_s=capacity,
-        busy=run.busy if run is not None else (),
-    )
-    print(f"\nqosd demo report ({len(records)} requests finished or answered, {MODEL!r} pool)")
-    for name in class_names:
-        c = summary[name]
-        if not c["offered"]:
-            attainment = "none offered"
-        elif c["slo_attainment"] is None:
-            attainment = f"{c['attainment_of_offered']:.1%} of offered served (no SLO)"
-        else:
-            attainment = (
-                f"{c['attainment_of_offered']:.1%} of offered ({c['slo_attainment']:.1%} of "
-                "admitted) met SLO"
+    return tick
+
+
+def report(summaries: dict[Policy, dict[str, Any]]) -> str:
+    """The runs side by side, one row per figure."""
+    policies = list(summaries)
+    rows: list[tuple[str, list[str]]] = []
+    for name in CLASSES:
+        label = "served" if not SCALED[name].has_slo else "on time"
+        rows.append(
+            (
+                f"{name} {label}, of offered (admitted)",
+                [
+                    f"{_pct(summaries[p][name]['attainment_of_offered'])} "
+                    f"({summaries[p][name]['admitted']}/{summaries[p][name]['offered']})"
+                    for p in policies
+                ],
             )
-        reasons = ", ".join(f"{k} {v}" for k, v in Counter(c["reasons"]).most_common()) or "none"
-        print(
-            f"  {name}: {c['admitted']}/{c['offered']} admitted, {attainment}; TTFT p99 "
-            f"{_ms(c['ttft_p99_ms'])}, TPOT p99 {_ms(c['tpot_p99_ms'])}; worst wait "
-            f"{c['worst_wait_ms']:,.0f} ms (max {c['max_wait_ms']:,.0f}); not admitted: {reasons}"
         )
-    total = summary["all"]
-    busy = "n/a" if total["busy_fraction"] is None else f"{total['busy_fraction']:.0%}"
-    print(
-        f"  goodput {total['goodput_window_tokens_s']:,.0f} tokens/s over the arrival window "
-        f"= {total['goodput_of_saturated']:.0%} of the GPU's saturated capacity (work done "
-        f"in the drain included; {total['goodput_of_capacity']:.0%} over the "
-        f"{total['goodput_span_s']:.0f}s to the last completion); GPU busy {busy}; 32K "
-        "prompts admitted "
-        f"{total['long_prompts_admitted']}/{total['long_prompts_offered']}"
+        rows.append(
+            (
+                f"{name} TTFT / TPOT p99",
+                [
+                    f"{_ms(summaries[p][name]['ttft_p99_ms'])} / "
+                    f"{_ms(summaries[p][name]['tpot_p99_ms'])}"
+                    for p in policies
+                ],
+            )
+        )
+    rows.append(
+        (
+            "32K prompts admitted / on time",
+            [
+                f"{summaries[p]['all']['long_prompts_admitted']} / "
+                f"{summaries[p]['all']['long_prompts_attained']} of "
+                f"{summaries[p]['all']['long_prompts_offered']}"
+                for p in policies
+            ],
+        )
     )
-    if run is not None and run.adjustments:  # not known after Ctrl-C
-        print("  SLO loop changes:\n    " + "\n    ".join(run.adjustments[:6]))
-    if run is None and records:
-        run = PolicyRun(Policy.QOSD, records)
-    if run is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for path in plot_runs([run], objectives, Path(out_dir) / "qosd_demo"):
-            print(f"  plot: {path}")
-    print("\nCompare with no QoS and static buckets: python benchmarks/qos_replay.py --json r.json")
-    return 130 if interrupted else 0
+    rows.append(
+        (
+            "goodput over the span / saturated",
+            [f"{summaries[p]['all']['goodput_span_of_saturated']:.2f}" for p in policies],
+        )
+    )
+    width = max(len(label) for label, _ in rows)
+    header = f"  {'':<{width}}" + "".join(f"  {NAMES[p]:>22}" for p in policies)
+    lines = [header]
+    lines += [f"  {label:<{width}}" + "".join(f"  {v:>22}" for v in vs) for label, vs in rows]
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _ms(value: float | None) -> str:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
+import random
 import subprocess
 import sys
 import tempfile
@@ -29,9 +31,11 @@ import uvloop
 
 from qosd.config import Config
 from qosd_client import QosdClient, Status
+from qosd_harness import daemon_processes, stop_process
 from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS, Gateway, RequestRecord
 from qosd_sim.gpu import GpuModel, run_virtual, saturated_throughput
-from qosd_sim.harness import daemon_processes
+from qosd_sim.gpu import Sequence as GpuSequence
+from qosd_sim.objectives import Objectives
 from qosd_sim.replay import (
     SEED_LONG_PROMPT_TOKENS,
     ClassRule,
@@ -89,13 +93,7 @@ def simulator_process(
                 metrics_url=f"http://127.0.0.1:{ports['metrics_port']}/metrics",
             )
         finally:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process)
 
 
 def workload_capacity(gpu: GpuModel, workload: Sequence[Request], output_weight: float) -> float:
@@ -108,62 +106,69 @@ def workload_capacity(gpu: GpuModel, workload: Sequence[Request], output_weight:
     )
 
 
+#: The operator's load test, which sets the pool's capacity: Poisson arrivals of
+#: requests of one shape, as vLLM's serving benchmark sends with its random dataset.
+#: Nothing of the replayed trace goes into it.
+LOAD_TEST_PROMPT_TOKENS = 1024
+LOAD_TEST_OUTPUT_TOKENS = 256
+LOAD_TEST_SECONDS = 120.0
+
+
+def load_test_requests(rate_rps: float, seed: int = 0) -> list[tuple[float, int, int]]:
+    """``LOAD_TEST_SECONDS`` of Poisson arrivals at ``rate_rps``, as (arrival, prompt,
+    output)."""
+    rng = random.Random(f"load-test:{seed}")
+    arrivals: list[tuple[float, int, int]] = []
+    at = rng.expovariate(rate_rps)
+    while at < LOAD_TEST_SECONDS:
+        arrivals.append((at, LOAD_TEST_PROMPT_TOKENS, LOAD_TEST_OUTPUT_TOKENS))
+        at += rng.expovariate(rate_rps)
+    return arrivals
+
+
 @dataclass(frozen=True, slots=True)
 class SloCapacity:
-    """What an operator's load test finds: the share of the GPU's saturated capacity
-    that a first-come-first-served server can be loaded to within the strictest
-    objectives. A figure the benchmark reports, never a precondition.
+    """What an operator's load test at the top class's objectives finds: the share of
+    the server's saturated throughput (on the load test's own requests) at which a
+    first-come-first-served server keeps ``attainment`` of the requests within them.
+    A figure the benchmark reports, never a precondition.
 
-    - ``load``: the highest load (a fraction of saturation, to 1/256) at which
-      ``attainment`` of the requests meet the objectives; None when even a tenth of
-      capacity fails (unreachable): some prompts of the trace cannot meet them on an
-      idle GPU, or one long prefill stalls everyone at any load;
-    - ``floor_attainment``: the share of requests meeting them at a tenth of capacity.
-
-    The pool's ``slo`` capacity is the saturated throughput times ``load``; when that
-    is unreachable, the saturated throughput itself (``pool_load`` 1.0): a load test
-    that no load passes gives no lower figure to configure, and the SLO loop is left
-    to find the rate. Below the floor there is no figure to find either.
+    - ``load``: the highest such share (to 1/256); None when even ``floor`` fails;
+    - ``floor_attainment``: the share of requests within them at ``floor``.
     """
 
     load: float | None
     floor_attainment: float
     attainment: float
-    ttft_ms: float
-    tpot_ms: float
-    # Beyond ttft_free_tokens, the TTFT objective grows by this per 1,000 prompt tokens.
-    ttft_ms_per_1k_tokens: float = 0.0
-    ttft_free_tokens: int = 0
-
-    @property
-    def objectives_text(self) -> str:
-        ttft = f"TTFT {self.ttft_ms:g} ms"
-        if self.ttft_ms_per_1k_tokens:
-            ttft += (
-                f" (+{self.ttft_ms_per_1k_tokens:g} ms per 1K prompt tokens beyond "
-                f"{self.ttft_free_tokens:,})"
-            )
-        return f"{ttft} and TPOT {self.tpot_ms:g} ms"
-
-    @property
-    def reachable(self) -> bool:
-        return self.load is not None
+    objectives: Objectives
 
     @property
     def pool_load(self) -> float:
-        """The fraction of saturation the pool's ``slo`` capacity is configured at."""
+        """The share of saturation the pool's ``slo`` capacity is configured at: the
+        load found, or the whole saturated throughput when none passes (a load test
+        that no load passes gives no lower figure; the SLO loop must find the rate)."""
         return 1.0 if self.load is None else self.load
 
     @property
     def rule(self) -> str:
+        test = (
+            f"a load test of Poisson arrivals of {LOAD_TEST_PROMPT_TOKENS:,}-token prompts "
+            f"and {LOAD_TEST_OUTPUT_TOKENS}-token outputs"
+        )
+        o = self.objectives
+        within = " and ".join(
+            f"{name} {value:g} ms"
+            for name, value in (("TTFT", o.ttft_ms), ("TPOT", o.tpot_ms))
+            if value is not None
+        )
         if self.load is not None:
             return (
-                f"saturated x slo_load {self.load:.3f}, the highest load at which FIFO keeps "
-                f"{self.attainment:.0%} of requests within {self.objectives_text}"
+                f"saturated x {self.load:.3f}: the highest load of {test} at which FIFO keeps "
+                f"{self.attainment:.0%} of requests within {within}"
             )
         return (
-            f"saturated, because slo_load is unreachable: even at 0.1 of capacity FIFO keeps "
-            f"only {self.floor_attainment:.1%} of requests within {self.objectives_text}"
+            f"saturated, because no load of {test} keeps {self.attainment:.0%} of requests "
+            f"within {within} (at the floor, {self.floor_attainment:.1%})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -172,103 +177,84 @@ class SloCapacity:
             "slo_load_status": "found" if self.load is not None else "unreachable",
             "slo_floor_attainment": round(self.floor_attainment, 4),
             "slo_attainment_target": self.attainment,
-            "slo_ttft_ms": self.ttft_ms,
-            "slo_tpot_ms": self.tpot_ms,
-            "slo_ttft_ms_per_1k_tokens": self.ttft_ms_per_1k_tokens,
-            "slo_ttft_free_tokens": self.ttft_free_tokens,
+            "load_test": {
+                "prompt_tokens": LOAD_TEST_PROMPT_TOKENS,
+                "output_tokens": LOAD_TEST_OUTPUT_TOKENS,
+                "seconds": LOAD_TEST_SECONDS,
+                "arrivals": "poisson",
+            },
         }
 
 
+@functools.cache
 def slo_capacity(
     gpu: GpuModel,
-    workload: Sequence[Request],
+    objectives: Objectives,
     *,
-    ttft_ms: float,
-    tpot_ms: float,
     attainment: float = 0.99,
-    window_s: float | None = None,
     floor: float = 0.1,
-    ttft_ms_per_1k_tokens: float = 0.0,
-    ttft_free_tokens: int = 0,
 ) -> SloCapacity:
-    """The highest fraction of saturated capacity at which the GPU, serving this
-    workload's requests first come first served, keeps ``attainment`` of them within
-    ``ttft_ms`` and ``tpot_ms`` (``SloCapacity``): what an operator's load test at the
-    strictest SLO would find, and so what they would configure as the pool's capacity.
-    A request's TTFT objective grows by ``ttft_ms_per_1k_tokens`` per 1,000 prompt
-    tokens beyond ``ttft_free_tokens``, as ``qosd.slo.request_objectives`` has it.
-
-    Found by bisection over time compressions of the workload's trace requests (their
-    offered rate over ``window_s``, by default the span of their arrivals), in virtual
-    time, between ``floor`` and 1.
-    """
-    trace = sorted((r for r in workload if not r.injected), key=lambda r: r.at_s)
-    if not trace:
-        raise ValueError("no trace requests to find the SLO load with")
-    span = window_s if window_s is not None else trace[-1].at_s - trace[0].at_s
-    capacity = workload_capacity(gpu, trace, 1.0)
-    offered = sum(r.tokens() for r in trace) / max(span, 1e-3)
+    """The highest share of the server's saturated throughput at which it serves the
+    load test's requests (``load_test_requests``) first come first served with
+    ``attainment`` of them within ``objectives``: what an operator's load test at the
+    strictest objectives finds, in virtual time, by bisection between ``floor`` and 1.
+    Pure, so remembered: every seed and policy of a run asks it the same."""
+    saturated_rps = saturated_throughput(
+        gpu, [(LOAD_TEST_PROMPT_TOKENS, LOAD_TEST_OUTPUT_TOKENS)] * 512
+    ) / (LOAD_TEST_PROMPT_TOKENS + LOAD_TEST_OUTPUT_TOKENS)
 
     def share(load: float) -> float:
-        stretch = offered / (load * capacity)  # > 1 slows the arrivals down
-        finished = run_virtual(
-            gpu, [(r.at_s * stretch, r.input_tokens, r.output_tokens) for r in trace]
-        )
-        good = 0
-        for s in finished:
-            assert s.first_token_at is not None and s.finished_at is not None
-            ttft = (s.first_token_at - s.submitted_at) * 1000
-            tpot = (
-                (s.finished_at - s.first_token_at) * 1000 / (s.output_tokens - 1)
-                if s.output_tokens > 1
-                else 0.0
-            )
-            beyond = max(0, s.input_tokens - ttft_free_tokens)
-            objective = ttft_ms + ttft_ms_per_1k_tokens * beyond / 1000
-            good += ttft <= objective and tpot <= tpot_ms
+        finished = run_virtual(gpu, load_test_requests(load * saturated_rps))
+        good = sum(1 for s in finished if objectives.met(s.input_tokens, _Outcome.of(s)))
         return good / len(finished)
 
-    scaling = (ttft_ms_per_1k_tokens, ttft_free_tokens)
     at_floor = share(floor)
     if at_floor < attainment:
-        return SloCapacity(None, at_floor, attainment, ttft_ms, tpot_ms, *scaling)
+        return SloCapacity(None, at_floor, attainment, objectives)
     low, high = floor, 1.0
     for _ in range(8):
         middle = (low + high) / 2
         low, high = (middle, high) if share(middle) >= attainment else (low, middle)
-    return SloCapacity(low, at_floor, attainment, ttft_ms, tpot_ms, *scaling)
+    return SloCapacity(low, at_floor, attainment, objectives)
 
 
-def slo_load(
-    gpu: GpuModel,
-    workload: Sequence[Request],
-    *,
-    ttft_ms: float,
-    tpot_ms: float,
-    attainment: float = 0.99,
-) -> float | None:
-    """``slo_capacity``'s load: None when even a tenth of capacity misses."""
-    found = slo_capacity(gpu, workload, ttft_ms=ttft_ms, tpot_ms=tpot_ms, attainment=attainment)
-    return found.load
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """A finished engine sequence, as scoring reads a gateway's record."""
+
+    completed: bool
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+    @classmethod
+    def of(cls, s: GpuSequence) -> _Outcome:
+        if s.first_token_at is None or s.finished_at is None:
+            return cls(False, None, None)
+        tpot = (
+            (s.finished_at - s.first_token_at) * 1000 / (s.output_tokens - 1)
+            if s.output_tokens > 1
+            else None
+        )
+        return cls(True, (s.first_token_at - s.submitted_at) * 1000, tpot)
 
 
 class CapacityChoice(Enum):
-    SLO = "slo"  # what the GPU serves within the strictest SLO (an operator's load test)
-    SATURATED = "saturated"  # its saturated throughput: optimistic, the loop must cut it
+    SLO = "slo"  # what the load test finds within the top class's objectives
+    SATURATED = "saturated"  # the load test's saturated throughput: optimistic
     HALF = "half"  # half the SLO capacity: too low, the loop must raise it
 
 
 @dataclass(frozen=True, slots=True)
 class PoolCapacity:
     cost_s: float  # the pool's configured capacity, in qosd's cost units per second
-    saturated_cost_s: float  # the GPU's saturated throughput, in cost units
+    saturated_cost_s: float  # the load test's saturated throughput, in cost units
     choice: CapacityChoice
     slo: SloCapacity
 
     @property
     def rule(self) -> str:
         if self.choice is CapacityChoice.SATURATED:
-            return "saturated: the GPU's saturated throughput on the trace's mix"
+            return "saturated: the server's saturated throughput on the load test's requests"
         if self.choice is CapacityChoice.HALF:
             return f"half of the slo capacity, which is {self.slo.rule}"
         return self.slo.rule
@@ -276,34 +262,21 @@ class PoolCapacity:
 
 def configured_capacity(
     gpu: GpuModel,
-    workload: Sequence[Request],
     output_weight: float,
-    config: Config,
+    objectives: Objectives,
     *,
     choice: CapacityChoice = CapacityChoice.SLO,
-    window_s: float | None = None,
 ) -> PoolCapacity:
-    """The pool capacity, in qosd's cost units, that an operator would configure for
-    this GPU and workload: the saturated throughput times the SLO capacity's load
-    (``SloCapacity.pool_load``: the load at which the strictest class objectives
-    still hold for 99 % of requests; 1.0 when no load does), or the saturated
-    throughput itself, or half the SLO capacity, by ``choice``. Measure it on the
-    trace's own arrivals, as a load test would, not on a bursty variant of them."""
-    # The strictest objectives: the class with the tightest TTFT (P0), each request's
-    # scaled with its prompt as qosd judges it.
-    judged = [c.slo for c in config.classes.values() if c.slo.ttft_ms is not None]
-    strictest = min(judged, key=lambda slo: slo.ttft_ms or math.inf, default=None)
-    slo = slo_capacity(
+    """The pool capacity, in qosd's cost units, that an operator configures from a load
+    test of their server (``load_test_requests``): its saturated throughput times the
+    SLO capacity's load, or the saturated throughput itself, or half the SLO capacity,
+    by ``choice``. Nothing of the replayed workload goes into it."""
+    slo = slo_capacity(gpu, objectives)
+    saturated = saturated_throughput(
         gpu,
-        workload,
-        ttft_ms=(strictest.ttft_ms or math.inf) if strictest else math.inf,
-        tpot_ms=(strictest.tpot_ms or math.inf) if strictest else math.inf,
-        window_s=window_s,
-        ttft_ms_per_1k_tokens=strictest.ttft_ms_per_1k_tokens if strictest else 0.0,
-        ttft_free_tokens=strictest.ttft_free_tokens if strictest else 0,
+        [(LOAD_TEST_PROMPT_TOKENS, LOAD_TEST_OUTPUT_TOKENS)] * 512,
+        cost_output_weight=output_weight,
     )
-    trace = [r for r in workload if not r.injected]
-    saturated = workload_capacity(gpu, trace, output_weight)
     factor = {
         CapacityChoice.SLO: slo.pool_load,
         CapacityChoice.SATURATED: 1.0,
@@ -356,21 +329,6 @@ def calibrated_workload(
     return workload, capacity, speedup
 
 
-def largest_cost(workload: Sequence[Request], output_weight: float, expected_output: int) -> float:
-    """The largest cost (input + output_weight × the gateway's output estimate) of a
-    request of the workload, before class weights."""
-    return max((r.input_tokens + output_weight * expected_output for r in workload), default=0.0)
-
-
-def prompt_for_prefill(gpu: GpuModel, ms: float) -> int:
-    """The longest prompt ``gpu`` prefills, unloaded and unchunked, within ``ms``."""
-    low, high = 1, gpu.kv_capacity_tokens
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if gpu.prefill_s([middle]) * 1000 <= ms else (low, middle - 1)
-    return low
-
-
 def daemon_config(
     policy: Policy,
     *,
@@ -378,32 +336,28 @@ def daemon_config(
     capacity_cost_s: float,
     output_weight: float,
     redis_url: str | None,
+    gpu: GpuModel,
     admit_long_prompts: bool = True,
-    largest_request_cost: float = 0.0,
-    gpu: GpuModel | None = None,
     overrides: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The daemon's config for a policy: ``base``'s classes and settings (by default
-    the built-in 60/35/5 classes, the seed's split), with one pool for the simulated
-    model sized at ``capacity_cost_s`` in qosd's cost units.
+    """The daemon's config for a policy, as an operator writes it: ``base``'s classes
+    and settings (by default the built-in 60/35/5 classes, the seed's split), with one
+    pool for the simulated model at ``capacity_cost_s`` (their load test's figure, in
+    qosd's cost units), and only what the operator knows of their servers: their
+    flags. Nothing comes from the replayed workload or the cost model's constants.
 
-    Bursts of half a second of a class's rate are smaller than some prompts' cost, so
-    classes may go into debt for one request from a full bucket (``max_cost_tokens``,
-    where the base config leaves it unset): with ``admit_long_prompts``, every class up
-    to the largest of 20,000 (40,000 for P2) and ``largest_request_cost`` (the
-    workload's largest request, times the class's weight), so that any request of the
-    workload, a 32K or a 191K prompt in any class, is admitted at its class's rate.
-    With ``admit_long_prompts`` False, every class's limit is 20,000: a request costing
-    more (a 32K prompt) is refused at once with COST_EXCEEDS_BURST, as an operator
-    would configure a pool whose servers cannot prefill one without stalling everyone
-    else. A limit is never below the class's burst (config validation requires it).
-
-    The ``qosd`` policy's pool is GPU-gated by ``gpu``'s own limits, as an operator
-    would set them from the server's: ``max_in_flight`` its batch slots,
-    ``max_in_flight_tokens`` its KV cache, ``chunked_prefill`` as the server runs, and
-    until the SLO loop has learned one, ``long_prefill_tokens``, the prompt whose
-    prefill alone takes P0's TTFT objective.
-    ``static`` keeps the seed's design: token buckets alone."""
+    - A prompt may cost more than a class's burst: each class may go into debt for one
+      request from a full bucket (``max_cost_tokens``, where the base config leaves it
+      unset), up to what the server accepts (its largest context, the KV cache here,
+      plus the gateway's output estimate at ``output_weight``), times the class's
+      weight. With ``admit_long_prompts`` False, 20,000 for every class: a request
+      costing more (a 32K prompt) is refused at once with COST_EXCEEDS_BURST. Never
+      below the class's burst (config validation requires it).
+    - ``qosd`` gates the pool by the server's own limits: ``max_in_flight`` its batch
+      slots (vLLM's ``max_num_seqs``), ``max_in_flight_tokens`` its KV cache, and
+      ``chunked_prefill`` as the server runs. What else it needs (how long a prompt's
+      prefill takes) it learns from reports.
+    - ``static`` keeps the seed's design: token buckets alone, no SLO loop."""
     tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
     # Runs may share a Redis; they must not share state.
@@ -411,28 +365,21 @@ def daemon_config(
     tree["pools"] = {MODEL: {"capacity_tokens_s": capacity_cost_s, "models": [MODEL]}}
     tree["default_pool"] = MODEL
     tree["cost"]["output_weight"] = output_weight
-    for name, cls in tree["classes"].items():
+    largest = gpu.kv_capacity_tokens + output_weight * EXPECTED_OUTPUT_TOKENS
+    for cls in tree["classes"].values():
         if cls["max_cost_tokens"] is not None:
             continue
-        debt = 20_000.0
-        if admit_long_prompts:
-            debt = max(40_000.0 if name == "P2" else debt, largest_request_cost * cls["weight"])
+        debt = largest * cls["weight"] if admit_long_prompts else 20_000.0
         burst = cls["burst_tokens"] or cls["burst_s"] * cls["share"] * capacity_cost_s
         cls["max_cost_tokens"] = float(math.ceil(max(debt, burst)))
-    if policy is Policy.QOSD and gpu is not None:
+    if policy is Policy.QOSD:
         tree["pools"][MODEL].update(
             max_in_flight=gpu.max_batch,
             max_in_flight_tokens=float(gpu.kv_capacity_tokens),
-            chunked_prefill=gpu.prefill_chunk_tokens is not None,
+            chunked_prefill=gpu.chunked,
         )
-        top = min(tree["classes"].values(), key=lambda c: c["priority"])
-        if gpu.prefill_chunk_tokens is None and top["slo"]["ttft_ms"]:
-            # Until learned: the prompt whose prefill alone takes P0's TTFT objective.
-            tree["pools"][MODEL]["long_prefill_tokens"] = float(
-                prompt_for_prefill(gpu, top["slo"]["ttft_ms"])
-            )
     tree["control"]["enabled"] = policy is Policy.QOSD
-    # A run lasts about a minute: decide on 20 samples rather than 50.
+    # A run lasts about two minutes: decide on 20 samples rather than 50.
     tree["control"]["min_samples"] = 20
     tree["server"].pop("listen", None)
     if overrides is not None:
@@ -620,7 +567,6 @@ def run_policy(
         output_weight=output_weight,
         redis_url=redis_url,
         admit_long_prompts=admit_long_prompts,
-        largest_request_cost=largest_cost(workload, output_weight, EXPECTED_OUTPUT_TOKENS),
         gpu=gpu,
         overrides=config_overrides,
     )

@@ -3,28 +3,31 @@
 The engine is pure and runs in virtual time: it plans one iteration, the caller lets
 the iteration's duration pass (really, with ``asyncio.sleep``, or virtually, in a
 calibration loop), and the engine then says which tokens came out. Keeping time out of
-the engine is what lets the same code serve the real-time simulated Triton server, the
-capacity calibration and fast unit tests.
+the engine is what lets the same code serve the real-time simulated servers, the
+capacity calibration, the P0 bound and fast unit tests.
 
-The model follows what iteration-level schedulers (Orca, vLLM) do, with the seed
-article's figures as defaults:
+**One forward pass** (an iteration) over T tokens costs a roofline:
+``max(iteration_floor_ms, us_per_token × T)`` (reading the weights bounds a small
+batch; the GEMMs bound a large one), plus attention: ``attention_us_per_token2`` per
+pair of prompt tokens a prefill chunk attends over, and ``decode_us_per_context_token``
+per token of context a decoding sequence reads from its KV cache, plus
+``us_per_sequence`` per sequence in the pass. The constants are fitted to a published
+table of measurements (``benchmarks/engine_calibration.py``, ``docs/simulator.md``).
 
-- **prefill** of a prompt of n tokens costs ``prefill_us_per_token × n +
-  prefill_us_per_token2 × n²`` (the matrix multiplies, then attention over the prompt),
-  plus ``prefill_base_ms`` per iteration: about 30 ms for a typical 1K-token chat
-  prompt, and about 2 s for a 32K-token one, as in the seed;
-- **decode**: every running sequence emits one token per step, and a step costs
-  ``decode_base_ms + decode_ms_per_seq × batch``: about 25 ms at a batch of 128;
-- **unchunked** (the default, and the seed's case): an iteration that admits new
-  sequences runs only their prefill, so every running sequence waits for it. One 32K
-  prompt therefore stalls every other stream for about 2 s;
-- **chunked** (``prefill_chunk_tokens`` set, as Sarathi-Serve and vLLM's chunked prefill
-  do): each iteration decodes every running sequence and spends what is left of a token
-  budget on prefill chunks, so a long prompt slows decoding a little for longer instead
-  of stopping it;
-- **capacity**: at most ``max_batch`` sequences run at once, and their prompts plus
-  outputs must fit in ``kv_capacity_tokens`` of KV cache; the rest wait, first come
-  first served, as in a server without QoS.
+**Two engines**, as servers run them:
+
+- **chunked** (``prefill_chunk_tokens`` set, the default: vLLM V1, SGLang,
+  Sarathi-Serve): every iteration is one fused pass under a token budget (vLLM's
+  ``max_num_batched_tokens``): one token for each decoding sequence, and what is left
+  spent on prefill chunks, oldest request first. A long prompt slows many steps a
+  little instead of stopping them all;
+- **unchunked** (``None``: vLLM V0, the seed's case): an iteration that takes new
+  prompts runs only their prefill, so every running sequence waits for it. One 32K
+  prompt therefore stalls every other stream for seconds.
+
+**Capacity**: at most ``max_batch`` sequences run at once, and their prompts plus
+outputs must fit in ``kv_capacity_tokens`` of KV cache; the rest wait, first come
+first served, as in a server without QoS. A sequence is never preempted.
 """
 
 from __future__ import annotations
@@ -35,62 +38,100 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+#: vLLM V1's token budget per iteration on an A100 (``max_num_batched_tokens``).
+VLLM_A100_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True, slots=True)
 class GpuModel:
-    """The cost model's constants; ``docs/simulator.md`` states and justifies them."""
+    """The cost model's constants; ``docs/simulator.md`` states where each comes from.
 
-    prefill_base_ms: float = 5.0
-    prefill_us_per_token: float = 25.0
-    prefill_us_per_token2: float = 0.0011
-    decode_base_ms: float = 12.0
-    decode_ms_per_seq: float = 0.1
-    max_batch: int = 128
+    The defaults are a 7B-class model with grouped-query attention (Llama-3-8B's
+    shape) in FP16 on one A100-80GB, served with vLLM V1's defaults for that GPU."""
+
+    iteration_floor_ms: float = 16.0
+    us_per_token: float = 61.2
+    attention_us_per_token2: float = 0.0012
+    decode_us_per_context_token: float = 0.047
+    us_per_sequence: float = 21.0
+    max_batch: int = 256
     kv_capacity_tokens: int = 400_000
-    #: Most prompt tokens one unchunked prefill iteration takes, beyond its first prompt.
+    #: Unchunked only: most prompt tokens one prefill iteration takes beyond its first.
     max_prefill_tokens: int = 8192
-    #: None: unchunked prefill. Otherwise the token budget of every iteration.
-    prefill_chunk_tokens: int | None = None
+    #: The token budget of every iteration (chunked prefill); None: unchunked.
+    prefill_chunk_tokens: int | None = VLLM_A100_BATCHED_TOKENS
     #: Multiplies the GPU's speed: 2.0 halves every duration.
     speed: float = 1.0
 
     def __post_init__(self) -> None:
         positive = {
-            "prefill_us_per_token": self.prefill_us_per_token,
-            "decode_base_ms": self.decode_base_ms,
+            "iteration_floor_ms": self.iteration_floor_ms,
+            "us_per_token": self.us_per_token,
             "speed": self.speed,
         }
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if min(self.prefill_base_ms, self.decode_ms_per_seq, self.prefill_us_per_token2) < 0:
+        rates = (
+            self.attention_us_per_token2,
+            self.decode_us_per_context_token,
+            self.us_per_sequence,
+        )
+        if min(rates) < 0:
             raise ValueError(
-                "prefill_base_ms, prefill_us_per_token2, decode_ms_per_seq must be >= 0"
+                "attention_us_per_token2, decode_us_per_context_token, us_per_sequence must be >= 0"
             )
         if self.max_batch < 1 or self.kv_capacity_tokens < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_batch, kv_capacity_tokens, max_prefill_tokens must be >= 1")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= self.max_batch:
             raise ValueError("prefill_chunk_tokens must exceed max_batch (decodes share it)")
 
-    def chunk_us(self, start: int, tokens: int) -> float:
-        """Prefill work of prompt tokens [start, start + tokens): linear plus attention."""
+    @property
+    def chunked(self) -> bool:
+        return self.prefill_chunk_tokens is not None
+
+    @property
+    def engine(self) -> str:
+        return "chunked" if self.chunked else "unchunked"
+
+    def attention_us(self, start: int, tokens: int) -> float:
+        """Prefill attention of prompt tokens [start, start + tokens) over the prompt so far."""
         end = start + tokens
-        return self.prefill_us_per_token * tokens + self.prefill_us_per_token2 * (
-            end * end - start * start
+        return self.attention_us_per_token2 * (end * end - start * start)
+
+    def prefill_work_s(self, tokens: int) -> float:
+        """The GPU time a whole prompt's prefill needs beyond any iteration's floor, in
+        any schedule: its tokens at the compute-bound rate, plus its attention (the
+        chunks of a prompt add up to the whole). The P0 bound's processing time."""
+        return (self.us_per_token * tokens + self.attention_us(0, tokens)) / 1e6 / self.speed
+
+    def iteration_s(
+        self,
+        tokens: int,
+        chunks: Iterable[tuple[int, int]] = (),
+        decode_context_tokens: int = 0,
+        sequences: int = 0,
+    ) -> float:
+        """One forward pass over ``tokens`` tokens: prefill ``chunks`` as ``(start,
+        tokens)``, decoding sequences reading ``decode_context_tokens`` of KV cache, and
+        ``sequences`` sequences in all."""
+        attention = sum(self.attention_us(start, n) for start, n in chunks)
+        us = (
+            max(self.iteration_floor_ms * 1000, self.us_per_token * tokens)
+            + attention
+            + self.decode_us_per_context_token * decode_context_tokens
+            + self.us_per_sequence * sequences
         )
+        return us / 1e6 / self.speed
 
     def prefill_s(self, prompts: Iterable[int]) -> float:
         """One unchunked prefill iteration over whole prompts of these lengths."""
-        work_us = sum(self.chunk_us(0, n) for n in prompts)
-        return (self.prefill_base_ms + work_us / 1000) / 1000 / self.speed
+        lengths = list(prompts)
+        return self.iteration_s(sum(lengths), ((0, n) for n in lengths), 0, len(lengths))
 
-    def decode_s(self, batch: int) -> float:
-        return (self.decode_base_ms + self.decode_ms_per_seq * batch) / 1000 / self.speed
-
-    def mixed_s(self, batch: int, chunks: Iterable[tuple[int, int]]) -> float:
-        """One chunked iteration: the decode step plus its ``(start, tokens)`` chunks."""
-        work_us = sum(self.chunk_us(start, tokens) for start, tokens in chunks)
-        return self.decode_s(batch) + work_us / 1_000_000 / self.speed
+    def decode_s(self, batch: int, context_tokens: int = 0) -> float:
+        """One decode step of ``batch`` sequences holding ``context_tokens`` in all."""
+        return self.iteration_s(batch, (), context_tokens, batch)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> GpuModel:
@@ -124,6 +165,11 @@ class Sequence:
     @property
     def kv_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens a decode step of this sequence attends over: its prompt and output so far."""
+        return self.input_tokens + self.generated
 
     @property
     def done(self) -> bool:
@@ -180,6 +226,10 @@ class Engine:
         if not self.waiting or len(self.running) >= self.model.max_batch:
             return None
         head = self.waiting[0]
+        # A server catching up on a late wake-up plans an iteration that began before
+        # now: what arrived after its start is not in it.
+        if head.submitted_at > now:
+            return None
         if self.kv_used + head.kv_tokens > self.model.kv_capacity_tokens:
             return None
         self.waiting.popleft()
@@ -199,8 +249,8 @@ class Engine:
         return iteration
 
     def _plan_unchunked(self, now: float) -> Iteration | None:
-        # Prefill first, as vLLM's default scheduler does: new prompts join the batch
-        # as soon as they fit, and running sequences wait for that iteration.
+        # Prefill first, as vLLM's V0 scheduler does: new prompts join the batch as
+        # soon as they fit, and running sequences wait for that iteration.
         prefill: list[tuple[Sequence, int]] = []
         tokens = 0
         while self.waiting and (
@@ -213,13 +263,16 @@ class Engine:
             prefill.append((admitted, admitted.input_tokens))
             tokens += admitted.input_tokens
         if prefill:
-            duration = self.model.prefill_s(n for _, n in prefill)
-            return Iteration(duration, prefill=prefill)
+            return Iteration(self.model.prefill_s(n for _, n in prefill), prefill=prefill)
         if self.running:
-            return Iteration(self.model.decode_s(len(self.running)), decode=list(self.running))
+            decode = list(self.running)
+            context = sum(s.context_tokens for s in decode)
+            return Iteration(self.model.decode_s(len(decode), context), decode=decode)
         return None
 
     def _plan_chunked(self, now: float, budget: int) -> Iteration | None:
+        # One fused pass, as vLLM V1 schedules it: a token for every decoding
+        # sequence, then prefill chunks, oldest request first, within the budget.
         while self._admit_head(now) is not None:
             pass
         decode = [s for s in self.running if s.prefilled == s.input_tokens]
@@ -237,7 +290,12 @@ class Engine:
                 left -= chunk
         if not decode and not prefill:
             return None
-        duration = self.model.mixed_s(len(decode), ((s.prefilled, n) for s, n in prefill))
+        duration = self.model.iteration_s(
+            budget - left,
+            ((s.prefilled, n) for s, n in prefill),
+            sum(s.context_tokens for s in decode),
+            len(decode) + len(prefill),
+        )
         return Iteration(duration, prefill=prefill, decode=decode)
 
     def complete(self, now: float) -> list[TokenEvent]:

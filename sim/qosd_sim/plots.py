@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from qosd_sim.experiment import PolicyRun
-from qosd_sim.results import Objectives, admitted_cost_series
+from qosd_sim.objectives import Scoring
+from qosd_sim.results import ClassFacts, admitted_cost_series
 
 CLASSES = ("P0", "P1", "P2")
 COLORS = {"P0": "tab:red", "P1": "tab:blue", "P2": "tab:gray"}
@@ -14,7 +15,8 @@ COLORS = {"P0": "tab:red", "P1": "tab:blue", "P2": "tab:gray"}
 
 def plot_runs(
     runs: Sequence[PolicyRun],
-    objectives: dict[str, Objectives],
+    scoring: Scoring,
+    facts: Mapping[str, ClassFacts],
     prefix: Path,
     output_weight: float = 4.0,
 ) -> list[Path]:
@@ -37,7 +39,7 @@ def plot_runs(
                 if points:
                     xs, ys = zip(*points, strict=True)
                     ax.scatter(xs, ys, s=4, alpha=0.5, color=COLORS[name], label=name)
-                slo = getattr(objectives[name], metric)
+                slo = getattr(scoring[name], metric)
                 if slo:
                     ax.axhline(slo, color=COLORS[name], linestyle="--", linewidth=1)
             injected = [r.request.at_s for r in run.records if r.request.injected and r.admitted]
@@ -59,7 +61,7 @@ def plot_runs(
     for col, run in enumerate(runs):
         ax = axes[0][col]
         bin_s = 4.0
-        series = admitted_cost_series(run.records, objectives, output_weight, bin_s=bin_s)
+        series = admitted_cost_series(run.records, facts, output_weight, bin_s=bin_s)
         bins = len(next(iter(series.values()), [0.0]))
         starts = [i * bin_s for i in range(bins)]
         stacked = [series.get(name, [0.0] * bins) for name in CLASSES]

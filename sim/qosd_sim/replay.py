@@ -1,6 +1,7 @@
-"""Trace workloads: reading ``arrival_s,input_tokens,output_tokens`` CSVs, assigning
-classes by a stated rule, injecting the seed's 32K-token prompts, scaling time to a
-target load, making any trace bursty, and measuring the shape of its arrivals.
+"""Trace workloads: reading ``arrival_s,input_tokens,output_tokens`` CSVs, starting
+them at a seeded point, assigning classes by a stated rule, injecting the seed's
+32K-token prompts, scaling time to a target load, making any trace bursty, and
+measuring the shape of its arrivals.
 
 Everything here is deterministic for a given seed, so that policies compared side by
 side replay exactly the same requests at exactly the same offsets.
@@ -11,7 +12,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
-import itertools
 import math
 import random
 import statistics
@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+import numpy as np
 
 TRACE_COLUMNS = ("arrival_s", "input_tokens", "output_tokens")
 SEED_LONG_PROMPT_TOKENS = 32_768
@@ -130,6 +132,28 @@ class Request:
         return self.input_tokens + self.output_tokens
 
 
+def trace_from(rows: Sequence[TraceRow], start_s: float) -> list[TraceRow]:
+    """The trace read from ``start_s`` of its own time, wrapping round to its start:
+    rows from there on come first, re-timed from 0, and the rows before follow one
+    mean gap after the last. The trace's order, gaps and rows are all kept."""
+    first, last = rows[0].arrival_s, rows[-1].arrival_s
+    if not first <= start_s <= last:
+        raise ValueError(f"start_s must lie within the trace ({first} to {last}), got {start_s}")
+    gap = (last - first) / max(1, len(rows) - 1)
+    later = [r for r in rows if r.arrival_s >= start_s]
+    earlier = [r for r in rows if r.arrival_s < start_s]
+    lap = last - start_s + gap
+    moved = [dataclasses.replace(r, arrival_s=r.arrival_s - start_s) for r in later]
+    moved += [dataclasses.replace(r, arrival_s=lap + r.arrival_s - first) for r in earlier]
+    return moved
+
+
+def seeded_start(rows: Sequence[TraceRow], seed: int) -> float:
+    """Where in the trace a replay of ``seed`` starts: a seeded uniform point, so that
+    each seed replays another stretch of the trace."""
+    return random.Random(f"start:{seed}").uniform(rows[0].arrival_s, rows[-1].arrival_s)
+
+
 def trace_token_rate(rows: Sequence[TraceRow]) -> float:
     """Input plus output tokens per second the trace offers at its own pace."""
     span = rows[-1].arrival_s - rows[0].arrival_s
@@ -212,99 +236,139 @@ def build_workload(
 
 
 @dataclass(frozen=True, slots=True)
-class Bursts:
-    """An on/off modulation that makes any trace bursty (``burst_times``).
+class BurstTargets:
+    """The statistics of bursty production traffic that ``BurstProcess`` is fitted to,
+    over 1-second bins: the share of bins with no arrival, the busiest bin over the
+    mean rate, and the coefficient of variation of the gaps between arrivals.
 
-    Replay time is cut into cycles of ``period_s`` seconds (the last one may be
-    shorter). Each cycle's arrivals are moved into one on-period of ``duty`` × the
-    cycle's length, which starts at a seeded random offset inside the cycle; the rest
-    of the cycle has no arrivals at all. Inside the on-period, the first ``front_s``
-    seconds (the burst's front) arrive at ``peak`` × the mean rate, and the rest of the
-    cycle's arrivals are spread evenly over the remainder of the on-period. The map is
-    monotone, so the trace's own order and fine structure survive, compressed.
+    The defaults are those of a production code-completion trace (``docs/simulator.md``):
+    73 % of bins empty, one peak bin 26x the mean, inter-arrival CV 13; the non-empty
+    bins then carry about 1 / (1 - 0.73) = 3.7x the mean."""
 
-    Every request is kept, and each cycle keeps its own requests, so the mean rate over
-    every cycle, and so the load over the window, is unchanged. With a front denser
-    than the cycle holds (``peak`` × ``front_s`` > the cycle's length) the whole cycle
-    arrives in its front; with ``peak`` at or below 1 / ``duty`` the on-period is even.
-
-    The defaults give the Azure conversation trace at 1.5× load, over 120 s, about
-    72 % empty 1-s bins, a 1-s peak about 25× the mean rate, and a coefficient of
-    variation of inter-arrival times about 18 (``docs/simulator.md``).
-    """
-
-    duty: float = 0.25
-    peak: float = 26.0
-    period_s: float = 30.0
-    front_s: float = 1.0
+    empty_bin_share: float = 0.73
+    peak_to_mean: float = 26.0
+    interarrival_cv: float = 13.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.duty <= 1:
-            raise ValueError(f"burst duty must be in (0, 1], got {self.duty}")
-        if not self.peak >= 1:
-            raise ValueError(f"burst peak must be >= 1 (a multiple of the mean), got {self.peak}")
-        if not (self.period_s > 0 and self.front_s > 0):
-            raise ValueError("burst period and front must be > 0")
+        if not 0 <= self.empty_bin_share < 1:
+            raise ValueError(f"empty bin share must be in [0, 1), got {self.empty_bin_share}")
+        if not self.peak_to_mean >= 1 or not self.interarrival_cv > 0:
+            raise ValueError("peak to mean must be >= 1 and the inter-arrival CV > 0")
 
     @classmethod
-    def parse(cls, text: str) -> Bursts:
-        """``DUTY:PEAK[:PERIOD_S]``, e.g. ``0.25:26:30``; empty: the defaults."""
+    def parse(cls, text: str) -> BurstTargets:
+        """``EMPTY:PEAK:CV``, e.g. ``0.73:26:13``; empty: the defaults."""
         if not text.strip():
             return cls()
         parts = text.split(":")
-        if not 2 <= len(parts) <= 3:
-            raise ValueError(f"bursts look like DUTY:PEAK[:PERIOD_S], got {text!r}")
-        values = [float(p) for p in parts]
-        names = ("duty", "peak", "period_s")
-        return cls(**dict(zip(names, values, strict=False)))
+        if len(parts) != 3:
+            raise ValueError(f"burst targets look like EMPTY:PEAK:CV, got {text!r}")
+        empty, peak, cv = (float(p) for p in parts)
+        return cls(empty, peak, cv)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
 
-def burst_times(times: Sequence[float], window_s: float, bursts: Bursts, seed: int) -> list[float]:
-    """``times`` (sorted replay offsets in [0, ``window_s``)) moved into bursts.
+@dataclass(frozen=True, slots=True)
+class BurstProcess:
+    """Bursty arrivals as a compound Poisson process with power-law burst sizes.
 
-    Pure and deterministic for a seed; see ``Bursts`` for the definition. Returns the
-    new offsets, in the same order, all in [0, ``window_s``).
-    """
-    if window_s <= 0:
-        raise ValueError("window_s must be > 0")
-    if any(b < a for a, b in itertools.pairwise(times)):
-        raise ValueError("times must be sorted")
-    if times and (times[0] < 0 or times[-1] >= window_s):
-        raise ValueError(f"times must lie in [0, {window_s})")
-    rng = random.Random(seed)
-    period = bursts.period_s
-    cycles: list[tuple[float, float, float]] = []  # (start of on-period, cycle, on-length)
-    for k in range(math.ceil(window_s / period)):
-        length = min(period, window_s - k * period)
-        on = bursts.duty * length
-        cycles.append((k * period + rng.uniform(0.0, length - on), length, on))
-    moved: list[float] = []
-    for t in times:
-        k = min(int(t // period), len(cycles) - 1)
-        start, length, on = cycles[k]
-        share = (t - k * period) / length  # where it falls in its cycle, in [0, 1)
-        front = min(bursts.front_s, on)
-        in_front = min(1.0, bursts.peak * front / length)  # share of the cycle in the front
-        if in_front <= front / on or on <= front:
-            offset = share * on  # no denser than even
-        elif share < in_front:
-            offset = share / in_front * front
-        else:
-            offset = front + (share - in_front) / (1.0 - in_front) * (on - front)
-        moved.append(min(start + offset, k * period + length * (1 - 1e-12)))
-    return moved
+    Bursts begin at the events of a Poisson process of ``bursts_per_s``. Their sizes
+    follow a power law: the k-th largest of K bursts holds a share proportional to
+    k^-``size_exponent`` of the requests (Zipf), in a random order in time, so a few
+    bursts carry much of the traffic and one may dwarf the rest, as in production
+    traces. Within a burst, requests follow its start by exponential delays of mean
+    ``spread_s``. The window is treated as a circle, so that a burst near its end
+    spills over into its start and the rate stays even on average. ``fit`` chooses the
+    three parameters for a workload."""
+
+    bursts_per_s: float
+    size_exponent: float
+    spread_s: float
+
+    def times(self, requests: int, window_s: float, seed: int) -> list[float]:
+        """``requests`` arrival offsets in [0, ``window_s``), sorted; pure for a seed."""
+        return [float(t) for t in self._times(requests, window_s, seed)]
+
+    def _times(self, requests: int, window_s: float, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        count = max(1, int(rng.poisson(self.bursts_per_s * window_s)))
+        starts = rng.uniform(0.0, window_s, count)
+        weights = np.arange(1, count + 1, dtype=float) ** -self.size_exponent
+        rng.shuffle(weights)
+        exact = requests * weights / weights.sum()
+        sizes = np.floor(exact).astype(int)
+        # Largest remainders first, so that the sizes add up to ``requests``.
+        sizes[np.argsort(sizes - exact)[: requests - int(sizes.sum())]] += 1
+        offsets = np.repeat(starts, sizes) + rng.exponential(self.spread_s, requests)
+        return np.sort(np.minimum(np.mod(offsets, window_s), np.nextafter(window_s, 0)))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "bursts_per_s": round(self.bursts_per_s, 4),
+            "size_exponent": self.size_exponent,
+            "spread_s": round(self.spread_s, 4),
+        }
+
+    @classmethod
+    def fit(cls, requests: int, window_s: float, targets: BurstTargets) -> BurstProcess:
+        """The parameters whose arrivals, for this many requests over this window,
+        come closest to ``targets`` (the median over ``FIT_SEEDS``, by squared log
+        error, the share of non-empty bins weighted four times): a grid search,
+        deterministic, so that every seed of a run replays the same process. The
+        inter-arrival CV grows with the arrival rate, so the fit is per workload."""
+        best: tuple[float, BurstProcess] | None = None
+        for rate in np.geomspace(0.05, 1.0, 12):
+            for exponent in (0.6, 0.8, 1.0, 1.2, 1.4, 1.7, 2.0):
+                for spread in np.geomspace(0.02, 2.0, 10):
+                    process = cls(float(rate), exponent, float(spread))
+                    error = _shape_error(process.median_shape(requests, window_s), targets)
+                    if best is None or error < best[0]:
+                        best = (error, process)
+        assert best is not None
+        return best[1]
+
+    def median_shape(
+        self, requests: int, window_s: float, seeds: Iterable[int] = ()
+    ) -> dict[str, float]:
+        """The median of each arrival statistic over ``seeds`` (default ``FIT_SEEDS``)."""
+        shapes = [
+            arrival_shape(self._times(requests, window_s, seed), window_s)
+            for seed in (seeds or FIT_SEEDS)
+        ]
+        return {
+            "empty_bin_share": statistics.median(s.empty_bin_share for s in shapes),
+            "peak_to_mean": statistics.median(s.peak_to_mean for s in shapes),
+            "interarrival_cv": statistics.median(s.interarrival_cv or 0.0 for s in shapes),
+            "nonempty_to_mean": statistics.median(s.nonempty_to_mean for s in shapes),
+            "nonempty_cv": statistics.median(s.nonempty_cv for s in shapes),
+        }
+
+
+#: The seeds ``BurstProcess.fit`` averages over: never a reported run's seed.
+FIT_SEEDS = tuple(range(1000, 1008))
+
+
+def _shape_error(shape: dict[str, float], targets: BurstTargets) -> float:
+    def log_error(value: float, target: float) -> float:
+        return math.log(max(value, 1e-6) / max(target, 1e-6)) ** 2
+
+    return (
+        4 * log_error(1 - shape["empty_bin_share"], 1 - targets.empty_bin_share)
+        + log_error(shape["peak_to_mean"], targets.peak_to_mean)
+        + log_error(shape["interarrival_cv"], targets.interarrival_cv)
+    )
 
 
 def bursty_workload(
-    workload: Sequence[Request], window_s: float, bursts: Bursts, seed: int
+    workload: Sequence[Request], window_s: float, process: BurstProcess, seed: int
 ) -> list[Request]:
-    """The workload with its trace requests moved into bursts (``burst_times``); the
-    injected prompts keep their schedule. Sorted by arrival."""
+    """The workload with its trace requests' arrivals drawn from ``process``, in the
+    trace's own order (so each request keeps its size, class and tenant); the injected
+    prompts keep their schedule. Every request is kept, and so is the load."""
     trace = sorted((r for r in workload if not r.injected), key=lambda r: (r.at_s, r.index))
-    moved = burst_times([r.at_s for r in trace], window_s, bursts, seed)
+    moved = process.times(len(trace), window_s, seed)
     result = [dataclasses.replace(r, at_s=at) for r, at in zip(trace, moved, strict=True)]
     result += [r for r in workload if r.injected]
     result.sort(key=lambda r: (r.at_s, r.index))
@@ -320,6 +384,8 @@ class ArrivalShape:
     empty_bin_share: float  # share of 1-s bins with no arrival
     peak_to_mean: float  # most arrivals in one 1-s bin / mean arrivals per second
     interarrival_cv: float | None  # std / mean of the gaps between arrivals
+    nonempty_to_mean: float  # mean arrivals of the non-empty bins / mean per second
+    nonempty_cv: float  # std / mean of the arrivals of the non-empty bins
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
@@ -330,24 +396,29 @@ class ArrivalShape:
             "interarrival_cv": None
             if self.interarrival_cv is None
             else round(self.interarrival_cv, 2),
+            "nonempty_to_mean": round(self.nonempty_to_mean, 2),
+            "nonempty_cv": round(self.nonempty_cv, 2),
         }
 
 
-def arrival_shape(times: Sequence[float], window_s: float) -> ArrivalShape:
+def arrival_shape(times: Sequence[float] | np.ndarray, window_s: float) -> ArrivalShape:
     """The shape of arrivals at ``times`` (offsets in [0, ``window_s``))."""
     if window_s <= 0:
         raise ValueError("window_s must be > 0")
-    ordered = sorted(times)
-    bins = [0] * max(1, math.ceil(window_s))
-    for t in ordered:
-        bins[min(len(bins) - 1, max(0, int(t)))] += 1
+    ordered = np.sort(np.asarray(times, dtype=float))
+    count = max(1, math.ceil(window_s))
+    bins = np.bincount(np.clip(ordered.astype(int), 0, count - 1), minlength=count)
     mean_per_s = len(ordered) / window_s
-    gaps = [b - a for a, b in itertools.pairwise(ordered)]
-    mean_gap = statistics.fmean(gaps) if len(gaps) >= 2 else 0.0
+    gaps = np.diff(ordered)
+    mean_gap = float(gaps.mean()) if len(gaps) >= 2 else 0.0
+    busy = bins[bins > 0]
+    busy_mean = float(busy.mean()) if len(busy) else 0.0
     return ArrivalShape(
         requests=len(ordered),
         window_s=window_s,
-        empty_bin_share=sum(1 for b in bins if b == 0) / len(bins),
-        peak_to_mean=max(bins) / mean_per_s if mean_per_s > 0 else 0.0,
-        interarrival_cv=statistics.pstdev(gaps) / mean_gap if mean_gap > 0 else None,
+        empty_bin_share=float((bins == 0).mean()),
+        peak_to_mean=float(bins.max()) / mean_per_s if mean_per_s > 0 else 0.0,
+        interarrival_cv=float(gaps.std()) / mean_gap if mean_gap > 0 else None,
+        nonempty_to_mean=busy_mean / mean_per_s if mean_per_s > 0 else 0.0,
+        nonempty_cv=float(busy.std()) / busy_mean if busy_mean > 0 else 0.0,
     )
