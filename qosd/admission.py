@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from opentelemetry.trace import Tracer
 
 from qosd.config import Config, FailMode
+from qosd.control.windows import request_objectives
 from qosd.model import (
     BucketDecision,
     LeaseNotFound,
@@ -49,6 +50,12 @@ LONG_PREFILL_MESSAGE = (
     "they can absorb, and no gap in their traffic came within its max wait; retry "
     "later or use a pool whose servers chunk prefill"
 )
+DEADLINE_MESSAGE = (
+    "its TTFT objective cannot be met here: the predicted wait (retry_after_ms) and its "
+    "own prefill outlast it; try another pool or replica"
+)
+# With no max wait of its own, a request with a TTFT objective may wait its slack.
+UNCAPPED_WAIT_MS = 3_600_000
 
 
 class InvalidArgument(ValueError):
@@ -264,25 +271,11 @@ class Admission:
         if len(request_id) > MAX_ID_LENGTH or len(tenant) > MAX_ID_LENGTH:
             self._identifier(request_id, "request_id")
             self._identifier(tenant, "tenant")
-        if max_wait_ms is None:
-            wait_ms = policy.max_wait_ms
-        elif max_wait_ms < 0:
-            raise InvalidArgument(f"max_wait_ms must not be negative (got {max_wait_ms})")
-        else:
-            wait_ms = min(max_wait_ms, policy.max_wait_ms)
         if slo_ttft_ms is not None or slo_tpot_ms is not None:
             _objective(slo_ttft_ms, "slo_ttft_ms")
             _objective(slo_tpot_ms, "slo_tpot_ms")
-            if slo_ttft_ms is not None:
-                # Admitted after its TTFT objective has passed, it has missed it already.
-                wait_ms = min(wait_ms, math.ceil(slo_ttft_ms))
-
-        wait_s = wait_ms / 1000
-        if deadline_s is not None:
-            # Answer before the caller's deadline: a late admission would leak a lease.
-            wait_s = min(wait_s, deadline_s - min(0.05, deadline_s * 0.1))
-        if self._draining:
-            wait_s = 0.0
+        ttft_ms = self._ttft_ms(policy.name, input_tokens, slo_ttft_ms)
+        wait_ms, wait_cap_ms = self._waits(policy, max_wait_ms, ttft_ms, slo_ttft_ms, deadline_s)
         cost = (input_tokens + self._output_weight * expected_output_tokens) * policy.weight
         lease = LeaseSpec(
             lease_id=f"{pool}:{policy.name}:{new_lease_token()}",
@@ -294,8 +287,9 @@ class Admission:
             ttl_ms=self._lease_ttl_ms if lease_ttl_ms is None else lease_ttl_ms,
         )
         pool_policy = self._pools[pool]
-        decision = await self._take(pool_policy, policy, cost, lease, max(0, int(wait_s * 1000)))
+        decision = await self._take(pool_policy, policy, cost, lease, wait_ms, ttft_ms, wait_cap_ms)
         if decision.queued:
+            wait_s = decision.retry_after_ms / 1000  # as the store granted it
             waiter = Waiter(policy.name, cost, lease)
             if self._tracer is None:
                 decision, waited_ms = await self._wait(pool_policy, waiter, wait_s)
@@ -306,6 +300,8 @@ class Admission:
                 message = "max wait exhausted"
             elif decision.reason is Reason.LONG_PREFILL:
                 message = LONG_PREFILL_MESSAGE
+            elif decision.reason is Reason.DEADLINE:
+                message = DEADLINE_MESSAGE
             elif decision.reason is Reason.SHUTTING_DOWN:
                 message = "daemon is draining; retry on another replica"
             return AcquireOutcome(decision, pool, waited_ms, message)
@@ -318,7 +314,49 @@ class Admission:
             )
         if decision.reason is Reason.LONG_PREFILL:
             return AcquireOutcome(decision, pool, 0, LONG_PREFILL_MESSAGE)
+        if decision.reason is Reason.DEADLINE:
+            return AcquireOutcome(decision, pool, 0, DEADLINE_MESSAGE)
         return AcquireOutcome(decision, pool, 0)
+
+    def _waits(
+        self,
+        policy: ClassPolicy,
+        max_wait_ms: int | None,
+        ttft_ms: float,
+        slo_ttft_ms: float | None,
+        deadline_s: float | None,
+    ) -> tuple[int, int]:
+        """The request's wait and its cap, ms: the class's max wait (as the caller cut
+        it), and the most the store may grant a request with a TTFT objective once it
+        can predict prefill (its slack: qosd/store/lua/pool/deadline.lua): the
+        caller's own max wait, else the objective."""
+        wait_cap_ms = UNCAPPED_WAIT_MS
+        if max_wait_ms is None:
+            wait_ms = policy.max_wait_ms
+        elif max_wait_ms < 0:
+            raise InvalidArgument(f"max_wait_ms must not be negative (got {max_wait_ms})")
+        else:
+            wait_ms = min(max_wait_ms, policy.max_wait_ms)
+            wait_cap_ms = max_wait_ms
+        if slo_ttft_ms is not None:
+            # Admitted after its TTFT objective has passed, it has missed it already.
+            wait_ms = min(wait_ms, math.ceil(slo_ttft_ms))
+        wait_cap_ms = min(wait_cap_ms, math.ceil(ttft_ms)) if ttft_ms else wait_ms
+        if deadline_s is not None:
+            # Answer before the caller's deadline: a late admission would leak a lease.
+            latest_ms = max(0, int((deadline_s - min(0.05, deadline_s * 0.1)) * 1000))
+            wait_ms, wait_cap_ms = min(wait_ms, latest_ms), min(wait_cap_ms, latest_ms)
+        if self._draining:
+            return 0, 0
+        return wait_ms, wait_cap_ms
+
+    def _ttft_ms(self, qos_class: str, input_tokens: int, stated_ms: float | None) -> float:
+        """The request's TTFT objective (its own, else its class's for its prompt;
+        0: none): what its queue entry is due by."""
+        cls = self._config.classes.get(qos_class)
+        if cls is None:
+            return stated_ms or 0.0
+        return request_objectives(cls.slo, input_tokens, ttft_ms=stated_ms).ttft_ms or 0.0
 
     async def _wait(
         self, pool: PoolPolicy, waiter: Waiter, wait_s: float
@@ -353,14 +391,24 @@ class Admission:
             return decision, waited_ms
 
     async def _take(
-        self, pool: PoolPolicy, policy: ClassPolicy, cost: float, lease: LeaseSpec, wait_ms: int
+        self,
+        pool: PoolPolicy,
+        policy: ClassPolicy,
+        cost: float,
+        lease: LeaseSpec,
+        wait_ms: int,
+        ttft_ms: float,
+        wait_cap_ms: int,
     ) -> BucketDecision:
         guard = self.guard
         probe = False
         try:
             if guard.down:
                 probe = guard.enter()
-            decision = await self._store.acquire(pool, policy, cost, lease, wait_ms, self.daemon_id)
+            decision = await self._store.acquire(
+                pool, policy, cost, lease, wait_ms, self.daemon_id,
+                ttft_ms=ttft_ms, wait_cap_ms=wait_cap_ms,
+            )  # fmt: skip
         except StoreUnavailable as error:
             if probe or not guard.down:
                 guard.failed(error)

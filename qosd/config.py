@@ -60,7 +60,7 @@ class SloConfig(_Strict):
 
     The TTFT objective grows with the prompt: ``ttft_ms`` (the base) plus
     ``ttft_ms_per_1k_tokens`` for every 1,000 prompt tokens beyond
-    ``ttft_free_tokens``. ``qosd.slo.request_objectives`` is the one place that
+    ``ttft_free_tokens``. ``qosd.control.windows.request_objectives`` is the one place that
     applies the rule (and a request's own objectives, which replace the class's).
     """
 
@@ -141,17 +141,19 @@ class PoolConfig(_Strict):
     top_reserve: Annotated[float, Field(ge=0, lt=1)] = 0.05
     # The pool's servers chunk prefill (vLLM --enable-chunked-prefill, Sarathi): a long
     # prompt slows every step a little instead of stalling them all, so it needs no
-    # gap in the top class's traffic (qosd/stall.py). False: the SLO loop learns which
-    # prompts would stall the top class too long, and they wait for a gap.
+    # gap in the top class's traffic (qosd/control/prefill.py). False: the SLO loop learns which
+    # prompts would stall the top class too long, and they wait for a gap. The
+    # prefill backlog bound below holds either way.
     chunked_prefill: bool = False
     # Until the SLO loop has learned a long-prefill threshold from reports (and
     # whenever it cannot), prompts longer than this wait for a gap in the top class's
     # traffic; e.g. the prompt whose prefill alone takes the top class's TTFT
     # objective on these servers. None: no rule before one is learned.
     long_prefill_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
-    # A GPU-gated pool on servers that do not chunk prefill: admit while the prompts
-    # already admitted would be prefilled within this long, by the prefill time the
-    # SLO loop learns from reports (qosd/stall.py), so that requests queue in qosd, in
+    # A GPU-gated pool: admit while the prompts already admitted would be prefilled
+    # within this long (on a chunked server a backlog of prompts fills every pass, and
+    # every stream's time per output token grows with it), by the prefill time the
+    # SLO loop learns from reports (qosd/control/prefill.py), so that requests queue in qosd, in
     # priority order, rather than at the servers, first come first served. None: the
     # top class's base TTFT objective less its max wait, at least half the objective
     # (no such bound if it has none).
@@ -244,8 +246,10 @@ class RedisConfig(_Strict):
     key_prefix: str = "qosd"
     timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 100
     connect_timeout_ms: Annotated[int, Field(ge=1, le=60_000)] = 250
-    # Each connection pipelines every command in flight, so a few per node suffice.
-    connections_per_node: Annotated[int, Field(ge=1, le=64)] = 2
+    # The most commands in flight from this daemon to one node (in a cluster: to all
+    # of them); each takes a connection of its own, and more wait within their
+    # timeout. A pool's batches take at most three at a time.
+    connections_per_node: Annotated[int, Field(ge=1, le=64)] = 16
     # After a failure, calls fail fast for this long before one probe tries again,
     # so an outage costs one timeout per interval instead of one per request.
     retry_interval_ms: Annotated[int, Field(ge=0, le=60_000)] = 500

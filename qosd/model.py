@@ -23,6 +23,7 @@ class Reason(enum.IntEnum):
     FAIL_OPEN = 6
     SHUTTING_DOWN = 7
     LONG_PREFILL = 8
+    DEADLINE = 9
 
 
 class Outcome(enum.IntEnum):
@@ -108,6 +109,7 @@ class WaiterState(enum.IntEnum):
     WAITING = 3
     GONE = 4  # dropped by the store: taken for a dead daemon's, or long expired
     HELD = 5  # still waiting: a long prompt held for a gap in the top class's traffic
+    LATE = 6  # dropped: admitted now, it would miss its TTFT objective
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +217,7 @@ class Sample:
 
     ``slo_ttft_ms`` and ``slo_tpot_ms`` are the objectives the request itself stated
     (``AcquireRequest.slo_ttft_ms``, forwarded to the model server); None: its
-    class's (``qosd.slo.request_objectives``).
+    class's (``qosd.control.windows.request_objectives``).
     """
 
     pool: str

@@ -1,16 +1,15 @@
 """Resolved policy: what each budget call needs to know of a pool and its classes.
 
 ``qosd.config`` is the schema of the file (validated, with defaults and bounds);
-this module turns it into the frozen, precomputed records that the domain core
-(``budget``, the stores, the waiting room, the SLO loop) takes, so that none of them
-depends on the schema. ``resolve_pools`` is the one place that maps one to the other;
-``effective_pool`` derives the policy at the admitted rate the SLO loop sets.
+this module turns it into the frozen, precomputed records that the stores, the
+waiting room and the SLO loop take, so that none of them depends on the schema.
+``resolve_pools`` is the one place that maps one to the other. The policy at the
+admitted rate the SLO loop sets (floors first, then the shares in priority order,
+the rest shared) is derived where it is enforced, in the scripts (``lua/pool/allocation.lua``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,8 +44,8 @@ class ClassPolicy:
 class PoolPolicy:
     """A pool's resolved budget: its classes in priority order and its shared tokens.
 
-    As configured; ``effective_pool`` derives the policy at the admitted
-    rate the SLO loop sets, which is what the stores enforce.
+    As configured; the scripts derive the policy at the admitted rate the SLO
+    loop sets, which is what the stores enforce.
     """
 
     name: str
@@ -86,8 +85,6 @@ def _prefill_backlog_ms(config: Config, pool: PoolConfig) -> float:
     requests admitted were late, all by waiting for the backlog to drain to 500 ms
     and then waiting behind 500 ms of it; with 300 ms, 0.5 %, and 46.6 % of offered P0
     on time against 38.1 %.)"""
-    if pool.chunked_prefill:
-        return 0.0
     if pool.max_prefill_backlog_ms is not None:
         return pool.max_prefill_backlog_ms
     top = min(config.classes.values(), key=lambda c: c.priority)
@@ -148,58 +145,6 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,
         )
     return pools
-
-
-@functools.lru_cache(maxsize=256)
-def effective_pool(pool: PoolPolicy, capacity: float) -> PoolPolicy:
-    """The pool's policy when the SLO loop admits ``capacity`` tokens per second.
-
-    The controlled quantity is one number per pool; the class rates follow from it
-    by a fixed allocation (docs/control.md):
-
-    - every class keeps its floor (``min_share`` of the configured capacity);
-    - up to the configured shares, capacity goes to classes in priority order, so a
-      cut takes from the lowest class first (and from unassigned capacity before);
-    - above them, the extra capacity is shared: every class may borrow it, highest
-      first, and a higher class's *reserved* fraction of the pool shrinks.
-
-    Bursts scale with rates (``burst_s`` of them), tenant ceilings with capacity.
-    """
-    if capacity == pool.capacity:
-        return pool
-    assigned = sum(cls.rate for cls in pool.classes)
-    rates: list[float] = []
-    if capacity >= assigned:
-        rates = [cls.rate for cls in pool.classes]
-        free_rate = capacity - assigned
-    else:
-        left = max(0.0, capacity - sum(cls.floor_rate for cls in pool.classes))
-        for cls in pool.classes:
-            extra = min(cls.rate - cls.floor_rate, left)
-            rates.append(cls.floor_rate + extra)
-            left -= extra
-        free_rate = 0.0
-    scale = capacity / pool.capacity
-    shrink = min(1.0, scale)  # the in-flight bound follows cuts, never above the servers'
-    classes = tuple(
-        dataclasses.replace(
-            cls,
-            rate=rate,
-            burst=cls.burst_s * rate if cls.burst_s else cls.burst,
-            tenant_rate=cls.tenant_share * capacity,
-            tenant_burst=cls.tenant_burst * scale,
-        )
-        for cls, rate in zip(pool.classes, rates, strict=True)
-    )
-    return dataclasses.replace(
-        pool,
-        capacity=capacity,
-        free_rate=free_rate,
-        shared_burst=pool.burst_s * capacity,
-        classes=classes,
-        max_in_flight=pool.max_in_flight * shrink,
-        max_in_flight_tokens=pool.max_in_flight_tokens * shrink,
-    )
 
 
 def class_in(pool: PoolPolicy, name: str) -> ClassPolicy:

@@ -8,7 +8,8 @@ waiting caller, a pump task per pool that asks the store every ``waiting.poll_ms
 
 Every waiter gets exactly one answer: admitted by a pump, QUEUE_TIMEOUT at its
 deadline (measured here, from when it was queued; LONG_PREFILL instead for a long
-prompt the store held for a gap in the top class's traffic), SHUTTING_DOWN on drain, or the
+prompt the store held for a gap in the top class's traffic), DEADLINE as soon as the
+store finds it could no longer meet its TTFT objective, SHUTTING_DOWN on drain, or the
 fail-mode answer when the store is lost. One failed pump does not lose the store: a pump
 that times out on a busy machine (500 waiters' worth of arguments, a CPU-starved replica)
 is retried, and the waiters get the fail-mode answer only once pumps have failed for
@@ -226,6 +227,8 @@ class WaitingRoom:
             if not self._answer(room, local, result.decision):
                 # A timeout or a departed caller won the race: give the tokens back.
                 self._undo(room.policy, local.waiter, result.decision)
+        elif result.state is WaiterState.LATE:  # it can no longer meet its TTFT objective
+            self._answer(room, local, _rejected(local.waiter, Reason.DEADLINE))
         else:  # GONE: the store dropped it (taken for a dead daemon's, or expired)
             self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT))
 

@@ -132,9 +132,10 @@ def test_the_prefill_backlog_bound_defaults_to_the_top_objective_less_its_max_wa
     assert _backlog_ms({}) == 300
     # Never below half the objective, however long the top class may wait.
     assert _backlog_ms({}, top_max_wait_ms=900) == 250
-    # Set: as set; chunked prefill: no bound.
+    # Set: as set. Chunked prefill too: a chunked server's backlog of prompts fills
+    # every pass, and every stream's time per output token grows with it.
     assert _backlog_ms({"max_prefill_backlog_ms": 700}) == 700
-    assert _backlog_ms({"chunked_prefill": True}) == 0
+    assert _backlog_ms({"chunked_prefill": True}) == 300
 
 
 def test_a_file_that_is_not_yaml_is_named_without_its_text(tmp_path: Path) -> None:

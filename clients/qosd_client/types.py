@@ -19,6 +19,7 @@ class Reason(enum.IntEnum):
     FAIL_OPEN = 6
     SHUTTING_DOWN = 7
     LONG_PREFILL = 8
+    DEADLINE = 9
 
 
 class Outcome(enum.IntEnum):

@@ -26,11 +26,14 @@ longer prompt while the top class has requests in flight or waiting, so it waits
 a gap in that traffic (bursty traffic has them), within its max wait, and is refused
 with REASON_LONG_PREFILL otherwise.
 A pool whose servers chunk prefill (``pools.<pool>.chunked_prefill``) has no
-threshold: its long prompts slow every step a little instead of stopping them.
+threshold: its long prompts slow every step a little instead of stopping them. The
+model is still learned there, for the backlog bound and the deadlines below.
 
 The same prefill model bounds a GPU-gated pool's prefill backlog (``budget.has_room``):
 the stores keep, by the model, when the prompts admitted so far will have been
-prefilled, and admit while that is within ``max_prefill_backlog_ms``.
+prefilled, and admit while that is within ``max_prefill_backlog_ms``. The deadline rules
+(``deadline.lua``) read the same model: a request's own prefill, the backlog ahead of
+it, and so the wait its TTFT objective leaves it.
 """
 
 from __future__ import annotations

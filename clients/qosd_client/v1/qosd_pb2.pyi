@@ -111,6 +111,12 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     wait. Retry later, or send it to a pool whose servers chunk prefill.
     `retry_after_ms` is a hint only.
     """
+    REASON_DEADLINE: _Reason.ValueType  # 9
+    """The request's TTFT objective cannot be met here: the wait qosd predicts before
+    its prefill could start (`retry_after_ms`), plus the prefill itself, is longer
+    than the objective allows. Refused at once, so that the gateway can try another
+    pool or replica, or come back after `retry_after_ms`.
+    """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper):
     """Reason qualifies a decision."""
@@ -151,6 +157,12 @@ for longer than its requests in flight can absorb, on a server that does not
 chunk prefill, and no gap in that class's traffic came within the request's max
 wait. Retry later, or send it to a pool whose servers chunk prefill.
 `retry_after_ms` is a hint only.
+"""
+REASON_DEADLINE: Reason.ValueType  # 9
+"""The request's TTFT objective cannot be met here: the wait qosd predicts before
+its prefill could start (`retry_after_ms`), plus the prefill itself, is longer
+than the objective allows. Refused at once, so that the gateway can try another
+pool or replica, or come back after `retry_after_ms`.
 """
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 

@@ -1,0 +1,178 @@
+"""Admission by deadline in a GPU-gated pool, on every backend (qosd/store/lua/pool/deadline.lua).
+
+A request with a TTFT objective is due at its arrival plus that objective. Its class's
+waiters go earliest due first; with the pool's prefill model (stated here, as the SLO
+loop would learn it: 1 ms per prompt token) its wait is its slack, and a request that
+cannot be on time is refused at once with REASON_DEADLINE and the predicted wait,
+or dropped from the queue as soon as it could no longer be on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from qosd_client import QosdClient, Reason
+from tests.conftest import DaemonFactory, RunningDaemon
+from tests.waiting import eventually
+
+ONE_MS_PER_TOKEN = (0.0, 1.0, 0.0)  # the prefill model: base, per token, per token²
+
+
+def gated(max_in_flight: int, backlog_ms: float = 10_000) -> dict[str, Any]:
+    """A pool of ``max_in_flight`` slots, the prefill share off, the SLO loop off (the
+    tests state the prefill model themselves)."""
+    pool = {
+        "max_in_flight": max_in_flight,
+        "top_reserve": 0,
+        "max_prefill_backlog_ms": backlog_ms,
+        "max_prefill_share": 1.0,
+    }
+    big = {"max_cost_tokens": 5_000}  # prompts of seconds of prefill
+    return {
+        "pools": {"default": pool},
+        "classes": {"P0": big, "P1": big, "P2": big},
+        "control": {"enabled": False},
+    }
+
+
+async def with_prefill_model(running: RunningDaemon) -> None:
+    admission = running.daemon.admission
+    await admission.store.set_prefill(admission.pool("default"), 0, ONE_MS_PER_TOKEN)
+
+
+async def waiting(qos: QosdClient, qos_class: str, count: int) -> None:
+    async def read() -> int:
+        return (await qos.status("default")).pool("default").cls(qos_class).waiting
+
+    assert await eventually(read, lambda n: n == count) == count
+
+
+async def test_among_equals_the_earliest_deadline_goes_first(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(gated(max_in_flight=1))
+    qos = running.client
+    holder = await qos.acquire("P1", 10, max_wait_ms=0)
+    assert holder.admitted
+    relaxed = asyncio.create_task(qos.acquire("P1", 10, slo_ttft_ms=1_900))
+    await waiting(qos, "P1", 1)
+    urgent = asyncio.create_task(qos.acquire("P1", 10, slo_ttft_ms=1_500))  # queued later
+    await waiting(qos, "P1", 2)
+    await qos.release(holder.lease_id)  # one slot: the earlier deadline takes it
+    first = await urgent
+    assert first.admitted
+    assert not relaxed.done()
+    await qos.release(first.lease_id)
+    assert (await relaxed).admitted
+
+
+async def test_without_objectives_the_first_to_queue_goes_first(
+    make_daemon: DaemonFactory,
+) -> None:
+    running = await make_daemon(gated(max_in_flight=1))
+    qos = running.client
+    holder = await qos.acquire("P2", 10, max_wait_ms=0)  # P2 has no objective here
+    early = asyncio.create_task(qos.acquire("P2", 10, max_wait_ms=5_000))
+    await waiting(qos, "P2", 1)
+    late = asyncio.create_task(qos.acquire("P2", 10, max_wait_ms=1_000))  # shorter wait
+    await waiting(qos, "P2", 2)
+    await qos.release(holder.lease_id)
+    first = await early
+    assert first.admitted and not late.done()
+    await qos.release(first.lease_id)
+    assert (await late).admitted
+
+
+async def test_a_long_prompt_waits_its_slack_not_its_class_max_wait(
+    make_daemon: DaemonFactory,
+) -> None:
+    """P0's max wait is 200 ms here; a P0 prompt of 100 tokens (100 ms of prefill) with
+    a 3 s objective may wait 2.9 s once the pool can predict its prefill."""
+    running = await make_daemon(gated(max_in_flight=1))
+    qos = running.client
+    holder = await qos.acquire("P2", 10, max_wait_ms=0)
+    # Before the model is known: the class's max wait.
+    before = await qos.acquire("P0", 100, slo_ttft_ms=3_000)
+    assert not before.admitted and before.reason is Reason.QUEUE_TIMEOUT
+    assert before.waited_s < 0.5
+    await with_prefill_model(running)
+    patient = asyncio.create_task(qos.acquire("P0", 100, slo_ttft_ms=3_000))
+    await waiting(qos, "P0", 1)
+
+    async def oldest_wait_s() -> float:
+        return (await qos.status("default")).pool("default").cls("P0").oldest_wait_s
+
+    assert await eventually(oldest_wait_s, lambda s: s >= 0.4) >= 0.4  # twice its max wait
+    assert not patient.done()
+    await qos.release(holder.lease_id)
+    result = await patient
+    assert result.admitted and result.waited_s >= 0.4
+
+
+async def test_a_request_that_cannot_be_on_time_is_refused_with_the_predicted_wait(
+    make_daemon: DaemonFactory,
+) -> None:
+    """1 s of prefill admitted ahead (a 1,000-token prompt) and a 100 ms backlog bound:
+    a 10-token P0 request due in 300 ms would wait about 900 ms for the backlog to
+    drain: refused at once, retry-after the predicted wait. Due in 3 s, it waits."""
+    running = await make_daemon(gated(max_in_flight=10, backlog_ms=100))
+    qos = running.client
+    await with_prefill_model(running)
+    assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # alone: 1 s ahead
+    hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE
+    assert hopeless.waited_s == 0  # refused without queueing
+    assert 0.5 <= hopeless.retry_after_s <= 0.9  # 900 ms less the time since the P1
+    assert "TTFT objective" in hopeless.message
+    patient = await qos.acquire("P0", 10, slo_ttft_ms=3_000)
+    assert patient.admitted and patient.waited_s >= 0.5
+
+
+async def test_a_waiter_is_dropped_once_prefill_admitted_ahead_makes_it_late(
+    make_daemon: DaemonFactory,
+) -> None:
+    """A P1 waiter due in 3 s behind 2.5 s of prefill could still be on time; then a
+    P0 prompt of 1 s of prefill takes the next slot ahead of it, and it cannot: it is
+    answered REASON_DEADLINE at once, not admitted late at the end of its wait."""
+    running = await make_daemon(gated(max_in_flight=1))
+    qos = running.client
+    await with_prefill_model(running)
+    holder = await qos.acquire("P2", 2_500, max_wait_ms=0)  # 2.5 s of prefill ahead
+    assert holder.admitted
+    p1 = asyncio.create_task(qos.acquire("P1", 10, slo_ttft_ms=3_000))
+    await waiting(qos, "P1", 1)
+    p0 = asyncio.create_task(qos.acquire("P0", 1_000, slo_ttft_ms=10_000))
+    await waiting(qos, "P0", 1)
+    await qos.release(holder.lease_id)
+    assert (await p0).admitted  # the better class first: now 3.5 s of prefill ahead
+    late = await p1
+    assert not late.admitted and late.reason is Reason.DEADLINE
+    assert late.waited_s < 2.0  # its slack was 2.99 s
+
+
+def store_calls(running: RunningDaemon) -> dict[str, float]:
+    registry = running.daemon.metrics.registry
+    calls: dict[str, float] = {}
+    for metric in registry.collect():
+        if metric.name == "qosd_store_call_seconds":
+            for sample in metric.samples:
+                if sample.name.endswith("_count") and sample.value:
+                    calls[sample.labels["call"]] = sample.value
+    return calls
+
+
+async def test_an_uncontended_acquire_by_deadline_is_one_store_call(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The deadline rules run inside the acquire script: with a prefill model and an
+    objective, an Acquire that finds room is still one store call (on Redis, one
+    EVALSHA: tests/test_redis_store.py counts the commands)."""
+    running = await make_daemon(gated(max_in_flight=10))
+    qos = running.client
+    await with_prefill_model(running)
+    assert (await qos.acquire("P0", 10, slo_ttft_ms=500)).admitted  # scripts loaded
+    before = store_calls(running)
+    result = await qos.acquire("P0", 100, slo_ttft_ms=500)
+    after = store_calls(running)
+    assert result.admitted
+    changed = {call: after[call] - before.get(call, 0) for call in after}
+    assert {call: n for call, n in changed.items() if n} == {"acquire": 1}
