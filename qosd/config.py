@@ -139,11 +139,18 @@ class PoolConfig(_Strict):
     # most a fraction of a second, and a full pool frees a slot only as a request
     # ends, so P0 arrivals must find room at once.
     top_reserve: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    # The reserve also follows the top class's recent peak demand (its requests in
+    # flight plus waiting, at their highest, decaying by this half-life): classes below
+    # it leave free what the top class held at its peak less what it holds now, up to
+    # half the bound, so that the next burst of top-class requests finds room as the
+    # last one did. 0: the fixed top_reserve alone.
+    top_reserve_half_life_s: Annotated[float, Field(ge=0, le=3600)] = 60.0
     # The pool's servers chunk prefill (vLLM --enable-chunked-prefill, Sarathi): a long
-    # prompt slows every step a little instead of stalling them all, so it needs no
-    # gap in the top class's traffic (qosd/control/prefill.py). False: the SLO loop learns which
-    # prompts would stall the top class too long, and they wait for a gap. The
-    # prefill backlog bound below holds either way.
+    # prompt does not stall running streams, but the prompts behind it start after it
+    # (chunks go oldest first), so the SLO loop learns which prompts would delay the
+    # top class's first tokens too long, from its TTFT slack alone, and they wait for
+    # a gap. False: from TTFT and TPOT slack (an unchunked prefill stalls every
+    # stream). The prefill backlog bound below holds either way.
     chunked_prefill: bool = False
     # Until the SLO loop has learned a long-prefill threshold from reports (and
     # whenever it cannot), prompts longer than this wait for a gap in the top class's

@@ -61,6 +61,9 @@ class PoolPolicy:
     max_in_flight: float = 0.0
     max_in_flight_tokens: float = 0.0
     top_reserve: float = 0.0  # of the bound, for the top class alone
+    # How long the top class's peak demand counts towards its reserve (half-life);
+    # 0: the reserve is top_reserve alone.
+    top_peak_half_life_us: int = 0
     prefill_backlog_us: float = 0.0  # most predicted prefill ahead of an admission
     # The prefill clock runs at this share of real time (max_prefill_share): below the
     # top class, an admission needs the clock within prefill_backlog_us.
@@ -138,6 +141,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_in_flight=float(pool.max_in_flight or 0),
             max_in_flight_tokens=pool.max_in_flight_tokens or 0.0,
             top_reserve=pool.top_reserve,
+            top_peak_half_life_us=int(pool.top_reserve_half_life_s * 1_000_000),
             prefill_backlog_us=_prefill_backlog_ms(config, pool) * 1000,
             prefill_share=pool.max_prefill_share,
             max_server_waiting=-1 if pool.max_server_waiting is None else pool.max_server_waiting,

@@ -105,18 +105,21 @@ async def test_prompts_within_the_threshold_and_quiet_pools_are_admitted(
     assert (await qos.acquire("P0", 20_000, max_wait_ms=0)).admitted
 
 
-async def test_chunked_pools_learn_no_threshold(make_daemon: DaemonFactory) -> None:
-    """With chunked prefill the loop never sets a threshold, whatever it is told."""
+async def test_chunked_pools_learn_a_threshold_too(make_daemon: DaemonFactory) -> None:
+    """A chunked server prefills oldest first, so a long prompt delays the first
+    tokens of those behind it: the loop learns a threshold there as well."""
     config = {
         "pools": {"default": {"chunked_prefill": True}},
-        "control": {"interval_s": 0.05, "leader_lease_s": 0.5, "min_samples": 5},
+        "control": {"interval_s": 0.05, "leader_lease_s": 0.5},
+        "classes": {"P0": {"slo": {"ttft_ms": 500, "tpot_ms": 50}}},
     }
     qos = (await make_daemon(config)).client
     await _report_gpu_like(qos, 200)
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:  # several turns of the loop
-        assert (await qos.status("default")).pool("default").long_prefill_tokens == 0
-        await asyncio.sleep(0.1)
+    deadline = time.monotonic() + 5.0
+    while not (threshold := (await qos.status("default")).pool("default").long_prefill_tokens):
+        assert time.monotonic() < deadline, "the loop never learned a threshold"
+        await asyncio.sleep(0.05)
+    assert 6_000 < threshold < 16_000
 
 
 async def test_the_loop_learns_the_threshold_from_reports(make_daemon: DaemonFactory) -> None:
@@ -191,6 +194,8 @@ def test_the_tolerance_is_the_slack_p0_leaves() -> None:
     # A few short outputs bind harder: (50 - 45) x 9 = 45 ms for one in ten.
     samples += [_sample(300, 100.0, tpot=45.0, output=10) for _ in range(4)]
     assert stall_tolerance_ms(samples, slo) == pytest.approx(45)
+    # On a chunked server a prefill delays first tokens only: TPOT slack does not count.
+    assert stall_tolerance_ms(samples, slo, chunked=True) == pytest.approx(300)
     assert stall_tolerance_ms(samples[:5], slo) is None
     assert stall_tolerance_ms(samples, SloConfig()) is None  # no objectives
 

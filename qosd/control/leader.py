@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -338,10 +339,13 @@ class Controller:
         tells the store when the threshold moves by a tenth or more."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
-        learned = await asyncio.to_thread(learn, windows, top, self._config.classes[top].slo)
+        learned = await asyncio.to_thread(
+            functools.partial(learn, chunked=configured.chunked_prefill),
+            windows,
+            top,
+            self._config.classes[top].slo,
+        )
         threshold = learned.threshold or configured.long_prefill_tokens or 0.0  # learned first
-        if configured.chunked_prefill:
-            threshold = 0.0  # a chunked server's long prompt stalls nobody: never held
         model = learned.model
         known, known_model = memory.long_prefill, memory.prefill_model
         if (

@@ -25,9 +25,11 @@ that would only trade one of its requests for others. The stores (``budget.held_
 longer prompt while the top class has requests in flight or waiting, so it waits for
 a gap in that traffic (bursty traffic has them), within its max wait, and is refused
 with REASON_LONG_PREFILL otherwise.
-A pool whose servers chunk prefill (``pools.<pool>.chunked_prefill``) has no
-threshold: its long prompts slow every step a little instead of stopping them. The
-model is still learned there, for the backlog bound and the deadlines below.
+On a server that chunks prefill (``pools.<pool>.chunked_prefill``; vLLM V1, SGLang)
+running streams keep decoding through a long prompt, but prefill chunks go oldest
+request first within each pass's token budget: a prompt that arrives behind a
+32K-token one starts after it, about 2 s later. So the rule holds there too, against
+TTFT slack alone (a chunked prefill does not stall decodes).
 
 The same prefill model bounds a GPU-gated pool's prefill backlog (``budget.has_room``):
 the stores keep, by the model, when the prompts admitted so far will have been
@@ -144,9 +146,12 @@ def learn_prefill(samples: Iterable[StoredSample]) -> PrefillModel | None:
     return PrefillModel(max(0.0, solved[0]), solved[1] / 1e3, solved[2] / 1e6)
 
 
-def stall_tolerance_ms(samples: Iterable[StoredSample], slo: SloConfig) -> float | None:
+def stall_tolerance_ms(
+    samples: Iterable[StoredSample], slo: SloConfig, *, chunked: bool = False
+) -> float | None:
     """The stall the class's recent requests could have absorbed (see the module's
-    docstring); None without objectives or with too little evidence."""
+    docstring); None without objectives or with too little evidence. ``chunked``: the
+    stall delays first tokens only, so TPOT slack does not count."""
     slack: list[float] = []
     for s in samples:
         if s.status not in (Outcome.OK, Outcome.UNSPECIFIED):
@@ -155,7 +160,12 @@ def stall_tolerance_ms(samples: Iterable[StoredSample], slo: SloConfig) -> float
         parts = []
         if objectives.ttft_ms is not None and s.ttft_ms is not None:
             parts.append(objectives.ttft_ms - s.ttft_ms)
-        if objectives.tpot_ms is not None and s.tpot_ms is not None and s.output_tokens > 1:
+        if (
+            not chunked
+            and objectives.tpot_ms is not None
+            and s.tpot_ms is not None
+            and s.output_tokens > 1
+        ):
             parts.append((objectives.tpot_ms - s.tpot_ms) * (s.output_tokens - 1))
         if parts:
             slack.append(min(parts))
@@ -173,14 +183,19 @@ class Learned:
 
 
 def learn(
-    windows: dict[str, list[StoredSample]], top: str, slo: SloConfig, *, newest: int = 200
+    windows: dict[str, list[StoredSample]],
+    top: str,
+    slo: SloConfig,
+    *,
+    newest: int = 200,
+    chunked: bool = False,
 ) -> Learned:
     """The prefill model of the pool's windows (newest first), and the prompt length
     above which a prefill would stall the top class ``top`` beyond what it can absorb
     (the tolerance reads the newest ``newest`` of the top's samples)."""
     everything = [s for window in windows.values() for s in window]
     model = learn_prefill(everything)
-    tolerance = stall_tolerance_ms(windows.get(top, [])[:newest], slo)
+    tolerance = stall_tolerance_ms(windows.get(top, [])[:newest], slo, chunked=chunked)
     if model is None or tolerance is None:
         return Learned(0.0, model)
     usual = _quantile([s.input_tokens for s in everything], USUAL_QUANTILE)

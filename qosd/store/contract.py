@@ -74,6 +74,7 @@ TUNABLES: tuple[tuple[str, int, str], ...] = (
     ("MAX_ADMITTED_PER_PUMP", 64, "waiters one pump admits, at most"),
     ("ROOM_RETRY_MS", 50, "a GPU-gated refusal's retry-after: room comes with no refill"),
     ("LONG_PREFILL_RETRY_MS", 1000, "a long prompt's retry-after: gaps are unpredictable"),
+    ("TOP_PEAK_RESERVE_PCT", 50, "the most of the bound the top class's peak demand keeps free, %"),
 )
 
 #: ARGV position, in every pool script, of the number of calls in the batch
@@ -94,6 +95,7 @@ class PoolArgs(NamedTuple):
     max_in_flight: str  # 0: none; this or the next makes the pool GPU-gated
     max_in_flight_tokens: str  # 0: none
     top_reserve: str
+    top_peak_half_life_us: int  # 0: the reserve is top_reserve alone
     prefill_backlog_us: str  # 0: none
     prefill_share: str
     max_server_waiting: int  # -1: none
@@ -450,6 +452,11 @@ STATE_HASH: tuple[HashField, ...] = (
     HashField("Sk", "the servers' largest KV cache usage (load.lua)"),
     HashField("St", "when the servers' load was read, us (load.lua)"),
     HashField("Bt", "as B, in real prefill time"),
+    HashField(
+        "Tp",
+        "the top class's peak demand `count|tokens` (in flight plus waiting), "
+        "decaying by its half-life, as of `u`",
+    ),
     HashField(
         "E",
         "the pool's epoch `<Redis time, us>-<nonce>`: set when the state is made, never changed",

@@ -197,6 +197,7 @@ class RedisStore:
                     max_in_flight=repr(pool.max_in_flight),
                     max_in_flight_tokens=repr(pool.max_in_flight_tokens),
                     top_reserve=repr(pool.top_reserve),
+                    top_peak_half_life_us=pool.top_peak_half_life_us,
                     prefill_backlog_us=repr(pool.prefill_backlog_us),
                     prefill_share=repr(pool.prefill_share),
                     max_server_waiting=pool.max_server_waiting,

@@ -51,12 +51,18 @@ local class_count = tonumber(ARGV[p + ARG_POOL_CLASS_COUNT])
 local default_ttl_us = tonumber(ARGV[p + ARG_POOL_LEASE_TTL_MS]) * 1000
 local max_in_flight = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT])
 local max_in_flight_tokens = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT_TOKENS])
-local top_reserve = tonumber(ARGV[p + ARG_POOL_TOP_RESERVE])
 local prefill_backlog_us = tonumber(ARGV[p + ARG_POOL_PREFILL_BACKLOG_US])
 local prefill_share = tonumber(ARGV[p + ARG_POOL_PREFILL_SHARE])
-local max_server_waiting = tonumber(ARGV[p + ARG_POOL_MAX_SERVER_WAITING])
-local max_kv_cache_usage = tonumber(ARGV[p + ARG_POOL_MAX_KV_CACHE_USAGE])
-local server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US])
+-- What keeps a GPU-gated pool's lower classes out: the top class's reserve and the
+-- servers' own load. One table: a script's chunk holds at most 200 locals.
+local gate = {
+  top_reserve = tonumber(ARGV[p + ARG_POOL_TOP_RESERVE]),
+  top_peak_half_life_us = tonumber(ARGV[p + ARG_POOL_TOP_PEAK_HALF_LIFE_US]),
+  top_peak_most = TOP_PEAK_RESERVE_PCT / 100,
+  max_server_waiting = tonumber(ARGV[p + ARG_POOL_MAX_SERVER_WAITING]),
+  max_kv_cache_usage = tonumber(ARGV[p + ARG_POOL_MAX_KV_CACHE_USAGE]),
+  server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US]),
+}
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}

@@ -58,19 +58,30 @@ local function has_room(i, tokens)
     end
   end
   -- The servers full: below the top class, the servers' own load
-  if i ~= 1 and ((max_server_waiting >= 0 and state.server_waiting
-      and state.server_waiting > max_server_waiting)
-    or (max_kv_cache_usage > 0 and state.server_kv and state.server_kv >= max_kv_cache_usage)) then
+  if i ~= 1 and ((gate.max_server_waiting >= 0 and state.server_waiting
+      and state.server_waiting > gate.max_server_waiting)
+    or (gate.max_kv_cache_usage > 0 and state.server_kv
+      and state.server_kv >= gate.max_kv_cache_usage)) then
     return false
   end
-  local share = 1
-  if i ~= 1 then
-    share = 1 - top_reserve  -- the rest is the top class's alone
+  if i == 1 then
+    if bound_count > 0 and count + 1 > bound_count then
+      return false
+    end
+    return not (bound_tokens > 0 and held + tokens > bound_tokens)
   end
-  if bound_count > 0 and count + 1 > bound_count * share then
+  -- Below the top class, leave the top class's reserve free: the configured share of
+  -- the bound, or what it held at its recent peak (in whole requests: a faded peak
+  -- holds back no slot) less what it holds now, up to half the bound.
+  local free_n = math.max(gate.top_reserve * bound_count,
+    math.min(math.floor(state.top_peak_n + 0.5), bound_count * gate.top_peak_most)
+      - state.in_n[1])
+  if bound_count > 0 and count + 1 > bound_count - free_n then
     return false
   end
-  return not (bound_tokens > 0 and held + tokens > bound_tokens * share)
+  local free_c = math.max(gate.top_reserve * bound_tokens,
+    math.min(state.top_peak_c, bound_tokens * gate.top_peak_most) - state.in_c[1])
+  return not (bound_tokens > 0 and held + tokens > bound_tokens - free_c)
 end
 
 -- Passing the reserve: the top class goes past a better-standing waiter of a lower

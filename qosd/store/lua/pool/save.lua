@@ -29,6 +29,21 @@ local function save_state()
   if state.epoch ~= stored.epoch then
     put('E', state.epoch)
   end
+  if gate.top_peak_half_life_us > 0 and pool_gated then
+    -- The top class's demand now: in flight, and its waiters at the mean size of
+    -- what it holds (the size of each waiter is in its queue entry, not here).
+    local n = state.in_n[1] + state.waiting[1]
+    local c = state.in_c[1]
+    if state.in_n[1] > 0 then
+      c = c * n / state.in_n[1]
+    end
+    state.top_peak_n = math.max(state.top_peak_n, n)
+    state.top_peak_c = math.max(state.top_peak_c, c)
+    local peak = num(state.top_peak_n) .. '|' .. num(state.top_peak_c)
+    if peak ~= stored.top_peak then
+      put('Tp', peak)
+    end
+  end
   for i = 1, class_count do
     local names = class_fields[i]
     if state.tokens[i] ~= stored.tokens[i] then

@@ -36,7 +36,7 @@ local function end_other(name, count, tokens)
       'c:' .. name, num(math.max(0, (tonumber(c) or 0) - tokens)))
   end
 end
-local HEADER = 16  -- fields read before the per-class ones
+local HEADER = 17  -- fields read before the per-class ones
 local values_fresh = false  -- no state was found: it is made now
 -- Each class's state fields ('t:', 'w:', 'n:', 'c:' and its name), named once a call.
 local class_fields = {}
@@ -47,7 +47,7 @@ local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt', 'E'}
+    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp'}
   for i = 1, class_count do
     local name = classes[i].name
     local names = {'t:' .. name, 'w:' .. name, 'n:' .. name, 'c:' .. name}
@@ -84,13 +84,20 @@ do
   state.prefill_until = stored.prefill_until or 0
   state.prefill_real_until = stored.prefill_real_until or 0
   -- The servers' own load (load.lua), while fresh; nil: not known.
-  if now - (tonumber(values[14]) or 0) <= server_load_max_age_us then
+  if now - (tonumber(values[14]) or 0) <= gate.server_load_max_age_us then
     state.server_waiting = tonumber(values[12])
     state.server_kv = tonumber(values[13])
   end
   allocate(state.capacity)
   state.epoch = values[16]
   stored.epoch = state.epoch
+  -- The top class's peak demand (budget.lua: top_keep_free), as of the last update.
+  stored.top_peak = values[17]
+  state.top_peak_n, state.top_peak_c = 0, 0
+  if values[17] then
+    local n, c = string.match(values[17], '^([^|]*)|([^|]*)$')
+    state.top_peak_n, state.top_peak_c = tonumber(n) or 0, tonumber(c) or 0
+  end
   if values[1] then
     stored.updated = tonumber(values[1])
     stored.shared = tonumber(values[2])
@@ -133,6 +140,11 @@ do
       state.tokens[i] = tokens
     end
     state.shared = math.min(shared_burst, shared + free_rate * elapsed / 1000000)
+    if gate.top_peak_half_life_us > 0 then
+      local decay = 0.5 ^ (elapsed / gate.top_peak_half_life_us)
+      state.top_peak_n = state.top_peak_n * decay
+      state.top_peak_c = state.top_peak_c * decay
+    end
     state.updated = now
   end
 end
