@@ -1,7 +1,8 @@
 """Admission by deadline in a GPU-gated pool, on every backend (qosd/store/lua/pool/deadline.lua).
 
 A request with a TTFT objective is due at its arrival plus that objective. Its class's
-waiters go earliest due first; with the pool's prefill model (stated here, as the SLO
+waiters go earliest due first (shortest prompt first among equals, once prefill is
+predicted); with the pool's prefill model (stated here, as the SLO
 loop would learn it: 1 ms per prompt token) its wait is its slack, and a request that
 cannot be on time is refused at once with REASON_DEADLINE and the predicted wait,
 or dropped from the queue as soon as it could no longer be on time.
@@ -63,6 +64,28 @@ async def test_among_equals_the_earliest_deadline_goes_first(make_daemon: Daemon
     assert not relaxed.done()
     await qos.release(first.lease_id)
     assert (await relaxed).admitted
+
+
+async def test_among_equal_objectives_the_shortest_prompt_goes_first(
+    make_daemon: DaemonFactory,
+) -> None:
+    """With a prefill model, a class's waiters go by due time plus their own prefill:
+    a 20-token prompt queued after a 500-token one, both due in 3 s, goes first (a
+    burst that cannot all be on time keeps the most on time by serving short ones)."""
+    running = await make_daemon(gated(max_in_flight=1))
+    qos = running.client
+    await with_prefill_model(running)
+    holder = await qos.acquire("P2", 10, max_wait_ms=0)
+    assert holder.admitted
+    long = asyncio.create_task(qos.acquire("P1", 500, slo_ttft_ms=3_000))
+    await waiting(qos, "P1", 1)
+    short = asyncio.create_task(qos.acquire("P1", 20, slo_ttft_ms=3_000))
+    await waiting(qos, "P1", 2)
+    await qos.release(holder.lease_id)
+    first = await short
+    assert first.admitted and not long.done()
+    await qos.release(first.lease_id)
+    assert (await long).admitted
 
 
 async def test_without_objectives_the_first_to_queue_goes_first(

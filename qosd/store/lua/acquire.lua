@@ -89,14 +89,15 @@ for _ = 1, count do
       local input = tonumber(ARGV[a + ARG_REQUEST_INPUT_TOKENS])
       local kv = input + tonumber(ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
       local due = by_deadline.due_us(enqueued_at, ttft_ms)
+      local order = by_deadline.order_us(due, enqueued_at, input)
       local wait_cap_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_CAP_MS])
       wait_ms = by_deadline.granted_wait_ms(wait_ms, ttft_ms, wait_cap_ms, input)
       local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic
       elseif pool_gated then
-        how = gated_how_for_new(i, cost, kv, due)
-      elseif not has_live_waiter(i, due) then  -- no overtaking a waiter due earlier
+        how = gated_how_for_new(i, cost, kv, order)
+      elseif not has_live_waiter(i, order) then  -- no overtaking a waiter placed before
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
       end
@@ -160,10 +161,10 @@ for _ = 1, count do
           if tenant_wait > 0 then
             blocked = now + tenant_wait * 1000
           end
-          redis.call('ZADD', c.queue, due, field)
+          redis.call('ZADD', c.queue, order, field)
           redis.call('HSET', WAITERS, field, waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
-            cost = cost, blocked = blocked, input = input, kv = kv,
+            cost = cost, blocked = blocked, input = input, kv = kv, due = due,
           }))
           daemon_seen[daemon] = now
           enqueued_at = enqueued_at + 1

@@ -135,7 +135,7 @@ local function pump_gated()
     if x.class ~= y.class then
       return x.class < y.class
     end
-    return x.due < y.due
+    return x.order < y.order
   end)
   local blocked = nil  -- the class of the better-standing head without room
   for _, w in ipairs(order_heads) do

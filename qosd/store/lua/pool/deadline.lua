@@ -1,6 +1,7 @@
 -- Admission by deadline. A request with a TTFT objective is due at its arrival plus
--- that objective: its queue entry's score (so a class's waiters go earliest deadline
--- first; a class without objectives scores by arrival, first come first served).
+-- that objective, and its class's waiters go by due time, shortest prompt first
+-- among equals (order_us; a class without objectives by arrival, first come first
+-- served).
 -- In a GPU-gated pool with a prefill model, the scripts also know the request's own
 -- prefill and the backlog admitted before it, so they know how long it may wait and
 -- when it can no longer be on time.
@@ -12,12 +13,25 @@ local by_deadline = {}
 -- A pump drops its own daemon's with STATUS_LATE; other daemons' pumps drop theirs.
 by_deadline.late_waiters = {}
 
--- A queue entry's score: when the request is due (us of Redis time).
+-- When a request is due (us of Redis time).
 function by_deadline.due_us(enqueued, ttft_ms)
   if ttft_ms > 0 then
     return enqueued + ttft_ms * 1000
   end
   return enqueued
+end
+
+-- A queue entry's place among its class's: its due time plus its own prefill, once
+-- the pool can predict prefill. Among equal objectives the shortest prompt goes
+-- first: a burst that cannot all be on time keeps most of its requests on time by
+-- serving the short ones and letting the longest go late (Moore and Hodgson's rule
+-- for the most jobs on time). Without an objective or a model: the due time.
+function by_deadline.order_us(due, enqueued, input)
+  local own = prefill_us(input)
+  if due <= enqueued or not own then
+    return due
+  end
+  return due + own
 end
 
 -- How long until the prefill backlog lets class i in (us; 0: now, or no backlog

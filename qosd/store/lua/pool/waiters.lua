@@ -1,21 +1,23 @@
--- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until|input|kv"
--- (us; input: prompt tokens, kv: prompt plus expected output; both absent in the
--- records of older daemons).
+-- Waiters. A record: "enqueued|deadline|daemon|cost|tenant_blocked_until|input|kv|due"
+-- (us; input: prompt tokens, kv: prompt plus expected output, due: when its first
+-- token is due; the last three absent in the records of older daemons, whose queue
+-- score is the due time). Its queue score orders it (deadline.lua: order_us).
 local function parse_waiter(value)
   local enqueued, deadline, daemon, cost, blocked, rest =
     string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)(.*)$')
-  local input, kv = string.match(rest, '^|([^|]*)|([^|]*)$')
+  local input, kv, due = string.match(rest, '^|([^|]*)|([^|]*)|?([^|]*)$')
   return {
     enqueued = tonumber(enqueued), deadline = tonumber(deadline), daemon = daemon,
     cost = tonumber(cost), blocked = tonumber(blocked), input = tonumber(input) or 0,
-    kv = tonumber(kv) or 0,
+    kv = tonumber(kv) or 0, due = tonumber(due),
   }
 end
 
 local function waiter_value(w)
   return string.format('%.0f', w.enqueued) .. '|' .. string.format('%.0f', w.deadline) .. '|' ..
     w.daemon .. '|' .. num(w.cost) .. '|' .. string.format('%.0f', w.blocked) .. '|' ..
-    string.format('%.0f', w.input) .. '|' .. string.format('%.0f', w.kv)
+    string.format('%.0f', w.input) .. '|' .. string.format('%.0f', w.kv) .. '|' ..
+    string.format('%.0f', w.due)
 end
 
 -- A prompt longer than the learned threshold stalls an unchunked server for longer
@@ -71,7 +73,8 @@ local function heads()
             redis.call('HDEL', WAITERS, id)
             removed = true
           else
-            w.due = tonumber(page[j + 1])
+            w.order = tonumber(page[j + 1])
+            w.due = w.due or w.order
             local late = by_deadline.late_if_admitted(w.due, w.enqueued, w.input)
             if late then
               by_deadline.late_waiters[id] = i
@@ -104,21 +107,22 @@ local function heads()
     if x.rank ~= y.rank then
       return x.rank < y.rank
     end
-    return x.due < y.due
+    return x.order < y.order
   end)
   return found
 end
 
--- Has class i a live waiter due no later than `due`, that is not stepping aside (for
--- its tenant's ceiling, or late)? A new request of the class must not overtake one
--- (first come first served among equal objectives); the others it may.
-local function has_live_waiter(i, due)
+-- Has class i a live waiter placed before `order` (order_us), that is not stepping
+-- aside (for its tenant's ceiling, or late)? A new request of the class must not
+-- overtake one (first come first served among equal objectives and prompts); the
+-- others it may.
+local function has_live_waiter(i, order)
   if state.waiting[i] == 0 then
     return false
   end
   for _, w in ipairs(heads()) do
     if w.class == i then
-      return w.due <= due
+      return w.order <= order
     end
   end
   return false
@@ -150,10 +154,10 @@ local function gated_rank(i, rank)
 end
 
 -- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
--- It needs room, no waiter of its class due before it, and nobody of another class
+-- It needs room, no waiter of its class placed before it, and nobody of another class
 -- standing better than it, or as well and earlier.
-local function gated_how_for_new(i, cost, kv, due)
-  if has_live_waiter(i, due) or not has_room(i, kv) then
+local function gated_how_for_new(i, cost, kv, order)
+  if has_live_waiter(i, order) or not has_room(i, kv) then
     return 0
   end
   local mine = within_share(i, cost) and 0 or 1
