@@ -68,6 +68,9 @@ class AcquireOutcome:
     pool: str
     waited_ms: int
     message: str = ""
+    # Where the request stands at servers that schedule by priority (lower first):
+    # its class's rank in the pool, 0 for the top class.
+    server_priority: int = 0
 
 
 class StoreGuard:
@@ -304,19 +307,20 @@ class Admission:
                 message = DEADLINE_MESSAGE
             elif decision.reason is Reason.SHUTTING_DOWN:
                 message = "daemon is draining; retry on another replica"
-            return AcquireOutcome(decision, pool, waited_ms, message)
+            return AcquireOutcome(decision, pool, waited_ms, message, policy.rank)
         if self._draining and not decision.admitted and decision.reason is Reason.RATE_LIMITED:
             return AcquireOutcome(
                 _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0),
                 pool,
                 0,
                 "daemon is draining; retry on another replica",
+                policy.rank,
             )
         if decision.reason is Reason.LONG_PREFILL:
-            return AcquireOutcome(decision, pool, 0, LONG_PREFILL_MESSAGE)
+            return AcquireOutcome(decision, pool, 0, LONG_PREFILL_MESSAGE, policy.rank)
         if decision.reason is Reason.DEADLINE:
-            return AcquireOutcome(decision, pool, 0, DEADLINE_MESSAGE)
-        return AcquireOutcome(decision, pool, 0)
+            return AcquireOutcome(decision, pool, 0, DEADLINE_MESSAGE, policy.rank)
+        return AcquireOutcome(decision, pool, 0, "", policy.rank)
 
     def _waits(
         self,

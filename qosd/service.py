@@ -97,6 +97,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             replayed=decision.replayed,
             pool=outcome.pool,
             message=outcome.message,
+            server_priority=outcome.server_priority,
         )
 
     async def Release(  # noqa: N802 - gRPC method name

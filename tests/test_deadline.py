@@ -199,3 +199,20 @@ async def test_an_uncontended_acquire_by_deadline_is_one_store_call(
     assert result.admitted
     changed = {call: after[call] - before.get(call, 0) for call in after}
     assert {call: n for call, n in changed.items() if n} == {"acquire": 1}
+
+
+async def test_the_answer_carries_the_class_s_priority_for_the_servers(
+    make_daemon: DaemonFactory,
+) -> None:
+    """A server that schedules by priority (vLLM --scheduling-policy priority) is told
+    each request's class rank, lower first, admitted or queued-then-refused alike."""
+    running = await make_daemon(gated(max_in_flight=10))
+    qos = running.client
+    ranks = {}
+    for qos_class in ("P0", "P1", "P2"):
+        result = await qos.acquire(qos_class, 10, max_wait_ms=0)
+        assert result.admitted
+        ranks[qos_class] = result.server_priority
+    assert ranks == {"P0": 0, "P1": 1, "P2": 2}
+    refused = await qos.acquire("P2", 6_000, max_wait_ms=0)  # above its max cost
+    assert not refused.admitted and refused.server_priority == 2

@@ -94,6 +94,7 @@ def acquire_result(response: qosd_pb2.AcquireResponse) -> AcquireResult:
         replayed=response.replayed,
         pool=response.pool,
         message=response.message,
+        server_priority=response.server_priority,
     )
 
 

@@ -44,6 +44,8 @@ class AcquireResult:
     replayed: bool
     pool: str
     message: str
+    #: Pass to a server that schedules by priority (vLLM ``priority``): lower first.
+    server_priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -290,6 +290,7 @@ class AcquireResponse(_message.Message):
     REPLAYED_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    SERVER_PRIORITY_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: Global___Reason.ValueType
     lease_id: _builtins.str
@@ -322,6 +323,13 @@ class AcquireResponse(_message.Message):
     """The pool the model resolved to."""
     message: _builtins.str
     """Human-readable detail for logs; never parse it."""
+    server_priority: _builtins.int
+    """Where the request stands at a model server that schedules by priority, lower
+    first: its class's rank in the pool, 0 for the top class. Pass it on as the
+    request's priority (vLLM with --scheduling-policy priority: the `priority` field
+    of its OpenAI-compatible API; SGLang with priority scheduling), so that the
+    server's own queue and preemption follow the classes too.
+    """
     def __init__(
         self,
         *,
@@ -336,10 +344,11 @@ class AcquireResponse(_message.Message):
         replayed: _builtins.bool = ...,
         pool: _builtins.str = ...,
         message: _builtins.str = ...,
+        server_priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "message", b"message", "pool", b"pool", "reason", b"reason", "remaining_tokens", b"remaining_tokens", "replayed", b"replayed", "retry_after_ms", b"retry_after_ms", "tokens_charged", b"tokens_charged", "waited_ms", b"waited_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "message", b"message", "pool", b"pool", "reason", b"reason", "remaining_tokens", b"remaining_tokens", "replayed", b"replayed", "retry_after_ms", b"retry_after_ms", "server_priority", b"server_priority", "tokens_charged", b"tokens_charged", "waited_ms", b"waited_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
