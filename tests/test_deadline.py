@@ -49,21 +49,35 @@ async def waiting(qos: QosdClient, qos_class: str, count: int) -> None:
     assert await eventually(read, lambda n: n == count) == count
 
 
-async def test_among_equals_the_earliest_deadline_goes_first(make_daemon: DaemonFactory) -> None:
-    running = await make_daemon(gated(max_in_flight=1))
-    qos = running.client
-    holder = await qos.acquire("P1", 10, max_wait_ms=0)
+async def served_first(
+    qos: QosdClient, qos_class: str, earlier: dict[str, Any], later: dict[str, Any]
+) -> str:
+    """Queues one request of ``qos_class`` (``acquire``'s arguments), then another,
+    behind a P2 lease holding the pool's one slot; frees the slot. Returns which of
+    the two ("earlier" or "later") it admitted, after checking that the other is
+    still waiting and goes next."""
+    holder = await qos.acquire("P2", 10, max_wait_ms=0)
     assert holder.admitted
-    relaxed = asyncio.create_task(qos.acquire("P1", 10, slo_ttft_ms=1_900))
-    await waiting(qos, "P1", 1)
-    urgent = asyncio.create_task(qos.acquire("P1", 10, slo_ttft_ms=1_500))  # queued later
-    await waiting(qos, "P1", 2)
-    await qos.release(holder.lease_id)  # one slot: the earlier deadline takes it
-    first = await urgent
-    assert first.admitted
-    assert not relaxed.done()
-    await qos.release(first.lease_id)
-    assert (await relaxed).admitted
+    tasks = {"earlier": asyncio.create_task(qos.acquire(qos_class, **earlier))}
+    await waiting(qos, qos_class, 1)
+    tasks["later"] = asyncio.create_task(qos.acquire(qos_class, **later))
+    await waiting(qos, qos_class, 2)
+    await qos.release(holder.lease_id)
+    done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+    first = done.pop()
+    name = next(n for n, task in tasks.items() if task is first)
+    other = tasks["later" if name == "earlier" else "earlier"]
+    assert first.result().admitted and not other.done()
+    await qos.release(first.result().lease_id)
+    assert (await other).admitted
+    return name
+
+
+async def test_among_equals_the_earliest_deadline_goes_first(make_daemon: DaemonFactory) -> None:
+    qos = (await make_daemon(gated(max_in_flight=1))).client
+    relaxed = {"input_tokens": 10, "slo_ttft_ms": 1_900}
+    urgent = {"input_tokens": 10, "slo_ttft_ms": 1_500}
+    assert await served_first(qos, "P1", relaxed, urgent) == "later"
 
 
 async def test_among_equal_objectives_the_shortest_prompt_goes_first(
@@ -73,36 +87,19 @@ async def test_among_equal_objectives_the_shortest_prompt_goes_first(
     a 20-token prompt queued after a 500-token one, both due in 3 s, goes first (a
     burst that cannot all be on time keeps the most on time by serving short ones)."""
     running = await make_daemon(gated(max_in_flight=1))
-    qos = running.client
     await with_prefill_model(running)
-    holder = await qos.acquire("P2", 10, max_wait_ms=0)
-    assert holder.admitted
-    long = asyncio.create_task(qos.acquire("P1", 500, slo_ttft_ms=3_000))
-    await waiting(qos, "P1", 1)
-    short = asyncio.create_task(qos.acquire("P1", 20, slo_ttft_ms=3_000))
-    await waiting(qos, "P1", 2)
-    await qos.release(holder.lease_id)
-    first = await short
-    assert first.admitted and not long.done()
-    await qos.release(first.lease_id)
-    assert (await long).admitted
+    long = {"input_tokens": 500, "slo_ttft_ms": 3_000}
+    short = {"input_tokens": 20, "slo_ttft_ms": 3_000}
+    assert await served_first(running.client, "P1", long, short) == "later"
 
 
 async def test_without_objectives_the_first_to_queue_goes_first(
     make_daemon: DaemonFactory,
 ) -> None:
-    running = await make_daemon(gated(max_in_flight=1))
-    qos = running.client
-    holder = await qos.acquire("P2", 10, max_wait_ms=0)  # P2 has no objective here
-    early = asyncio.create_task(qos.acquire("P2", 10, max_wait_ms=5_000))
-    await waiting(qos, "P2", 1)
-    late = asyncio.create_task(qos.acquire("P2", 10, max_wait_ms=1_000))  # shorter wait
-    await waiting(qos, "P2", 2)
-    await qos.release(holder.lease_id)
-    first = await early
-    assert first.admitted and not late.done()
-    await qos.release(first.lease_id)
-    assert (await late).admitted
+    qos = (await make_daemon(gated(max_in_flight=1))).client  # P2 has no objective here
+    patient = {"input_tokens": 10, "max_wait_ms": 5_000}
+    hurried = {"input_tokens": 10, "max_wait_ms": 1_000}  # a shorter wait, queued later
+    assert await served_first(qos, "P2", patient, hurried) == "earlier"
 
 
 async def test_a_long_prompt_waits_its_slack_not_its_class_max_wait(
