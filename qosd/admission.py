@@ -265,6 +265,7 @@ class Admission:
         (Envoy's rate limit protocol has no Release). ``slo_ttft_ms`` and
         ``slo_tpot_ms`` are the request's own objectives: validated here, judged when
         the model server reports them; a TTFT objective also caps the wait."""
+        arrived = time.monotonic()
         pool = self._pool_of.get(model) or self.resolve_pool(model)
         policy = self._policies.get((pool, qos_class)) or self._class_policy(pool, qos_class)
         max_tokens = self._max_tokens
@@ -292,7 +293,10 @@ class Admission:
         pool_policy = self._pools[pool]
         decision = await self._take(pool_policy, policy, cost, lease, wait_ms, ttft_ms, wait_cap_ms)
         if decision.queued:
-            wait_s = decision.retry_after_ms / 1000  # as the store granted it
+            # The wait the store granted, counted from the request's arrival: the store
+            # call that queued it is part of the wait (a wait must end by its max wait
+            # as the caller sees it, and that call is slow when the store or loop is).
+            wait_s = max(0.0, decision.retry_after_ms / 1000 - (time.monotonic() - arrived))
             waiter = Waiter(policy.name, cost, lease)
             if self._tracer is None:
                 decision, waited_ms = await self._wait(pool_policy, waiter, wait_s)
