@@ -186,10 +186,17 @@ async def test_aging_never_outranks_a_higher_class(make_daemon: DaemonFactory) -
     rank still goes after the P0 and P1 waiters over their shares: aging promotes it
     to P1's rank at most, and between equal ranks the higher class goes first (its
     progress comes from its floor). Rates are near zero (6, 3 and 1 tokens/s), so
-    every waiter stays over its share."""
+    every waiter stays over its share. No reserve for P0, fixed or following its peak
+    (tests/test_top_reserve.py): the order is the subject here."""
     bursts = {"P0": 30, "P1": 15, "P2": 5}
+    pool = {
+        "capacity_tokens_s": 10,
+        "max_in_flight": 3,
+        "top_reserve": 0,
+        "top_reserve_half_life_s": 0,
+    }
     extra = {
-        "pools": {"default": {"capacity_tokens_s": 10, "max_in_flight": 3, "top_reserve": 0}},
+        "pools": {"default": pool},
         "classes": {
             name: {"burst_tokens": burst, **({"aging_ms": 50} if name == "P2" else {})}
             for name, burst in bursts.items()

@@ -453,13 +453,13 @@ STATE_HASH: tuple[HashField, ...] = (
     HashField("St", "when the servers' load was read, us (load.lua)"),
     HashField("Bt", "as B, in real prefill time"),
     HashField(
+        "E",
+        "the pool's epoch `<Redis time, us>-<nonce>`: set when the state is made, never changed",
+    ),
+    HashField(
         "Tp",
         "the top class's peak demand `count|tokens` (in flight plus waiting), "
         "decaying by its half-life, as of `u`",
-    ),
-    HashField(
-        "E",
-        "the pool's epoch `<Redis time, us>-<nonce>`: set when the state is made, never changed",
     ),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),
