@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -340,10 +339,7 @@ class Controller:
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
         learned = await asyncio.to_thread(
-            functools.partial(learn, chunked=configured.chunked_prefill),
-            windows,
-            top,
-            self._config.classes[top].slo,
+            learn, windows, top, self._config.classes[top].slo, chunked=configured.chunked_prefill
         )
         threshold = learned.threshold or configured.long_prefill_tokens or 0.0  # learned first
         model = learned.model

@@ -458,8 +458,8 @@ STATE_HASH: tuple[HashField, ...] = (
     ),
     HashField(
         "Tp",
-        "the top class's peak demand `count|tokens` (in flight plus waiting), "
-        "decaying by its half-life, as of `u`",
+        "the top class's peak demand `count|tokens|us` (in flight plus waiting) and when "
+        "it was set; it decays by its half-life from then",
     ),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),

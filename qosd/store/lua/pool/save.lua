@@ -37,11 +37,11 @@ local function save_state()
     if state.in_n[1] > 0 then
       c = c * n / state.in_n[1]
     end
-    state.top_peak_n = math.max(state.top_peak_n, n)
-    state.top_peak_c = math.max(state.top_peak_c, c)
-    local peak = num(state.top_peak_n) .. '|' .. num(state.top_peak_c)
-    if peak ~= stored.top_peak then
-      put('Tp', peak)
+    if n > state.top_peak_n or c > state.top_peak_c then  -- a new peak: from now
+      state.top_peak_n = math.max(state.top_peak_n, n)
+      state.top_peak_c = math.max(state.top_peak_c, c)
+      put('Tp', num(state.top_peak_n) .. '|' .. num(state.top_peak_c) .. '|' ..
+        string.format('%.0f', now))
     end
   end
   for i = 1, class_count do

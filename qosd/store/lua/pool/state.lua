@@ -91,12 +91,13 @@ do
   allocate(state.capacity)
   state.epoch = values[16]
   stored.epoch = state.epoch
-  -- The top class's peak demand (budget.lua: top_keep_free), as of the last update.
-  stored.top_peak = values[17]
+  -- The top class's peak demand (budget.lua: has_room), decayed from when it was set
+  -- to now; written again only when a new peak passes it (save.lua).
   state.top_peak_n, state.top_peak_c = 0, 0
-  if values[17] then
-    local n, c = string.match(values[17], '^([^|]*)|([^|]*)$')
-    state.top_peak_n, state.top_peak_c = tonumber(n) or 0, tonumber(c) or 0
+  if values[17] and gate.top_peak_half_life_us > 0 then
+    local n, c, at = string.match(values[17], '^([^|]*)|([^|]*)|([^|]*)$')
+    local decay = 0.5 ^ (math.max(0, now - (tonumber(at) or now)) / gate.top_peak_half_life_us)
+    state.top_peak_n, state.top_peak_c = (tonumber(n) or 0) * decay, (tonumber(c) or 0) * decay
   end
   if values[1] then
     stored.updated = tonumber(values[1])
@@ -140,11 +141,6 @@ do
       state.tokens[i] = tokens
     end
     state.shared = math.min(shared_burst, shared + free_rate * elapsed / 1000000)
-    if gate.top_peak_half_life_us > 0 then
-      local decay = 0.5 ^ (elapsed / gate.top_peak_half_life_us)
-      state.top_peak_n = state.top_peak_n * decay
-      state.top_peak_c = state.top_peak_c * decay
-    end
     state.updated = now
   end
 end
