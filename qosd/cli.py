@@ -85,6 +85,21 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=["text", "json"], help="overrides logging.format")
 
 
+def configured(args: argparse.Namespace) -> Config | None:
+    """The config the command line names, with logging set up from it; None after
+    saying on stderr why it is invalid (the command then exits 2)."""
+    from qosd import logs
+    from qosd.config import ConfigError
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    logs.configure(config.logging.level, config.logging.format)
+    return config
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     from qosd.config import load_config
 
@@ -180,19 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         return ctl.check_config(args.path)
 
-    from qosd import logs
-    from qosd.config import ConfigError
-
     if args.command == "triton-scrape":
+        from qosd import logs
+
         logs.configure(args.log_level)
         return _triton_scrape(args)
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = configured(args)
+    if config is None:
         return 2
-    logs.configure(config.logging.level, config.logging.format)
-
     return _serve(args, config, argv)
 
 

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from qosd.cli import add_config_flags, config_from_args
+from qosd.cli import add_config_flags, configured
 
 
 def add_demo(commands: Any) -> None:
@@ -47,16 +47,11 @@ def add_demo(commands: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from qosd import logs  # noqa: PLC0415 - the command imports what it runs
-    from qosd.config import ConfigError  # noqa: PLC0415
-    from qosd_sim.demo import run_demo  # noqa: PLC0415
+    from qosd_sim.demo import run_demo  # noqa: PLC0415 - the command imports what it runs
 
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = configured(args)
+    if config is None:
         return 2
-    logs.configure(config.logging.level, config.logging.format)
     return run_demo(
         config,
         duration_s=args.duration,
