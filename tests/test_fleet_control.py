@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import subprocess
 import sys
 import time
 from typing import Any
@@ -97,14 +98,21 @@ async def test_status_shows_rates_compliance_and_pins(make_daemon: DaemonFactory
 
 
 async def run_cli(*args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "qosd.cli", *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    """Runs qosctl in a child process, started from a thread by CPython's subprocess.
+
+    Not ``asyncio.create_subprocess_exec``: on uvloop that forks and then runs
+    Python's after-fork hooks in the child (MagicStack/uvloop#749), in a copy of a
+    process with gRPC threads. A CI run lost the child to SIGSEGV there (exit -11,
+    before exec). CPython's subprocess runs no Python between fork and exec."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "qosd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)
