@@ -319,10 +319,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", type=float, default=1.5, help="offered load / GPU capacity")
     parser.add_argument(
         "--engine",
-        choices=["chunked", "unchunked"],
+        choices=["chunked", "unchunked", "chunked-priority", "unchunked-priority"],
         default="chunked",
         help="the simulated server's prefill: chunked under a token budget per iteration "
-        "(vLLM V1, SGLang), or unchunked (vLLM V0, the seed's stall)",
+        "(vLLM V1, SGLang), or unchunked (vLLM V0, the seed's stall); -priority: the "
+        "server schedules by the priority the gateway passes (vLLM's --scheduling-policy "
+        "priority), and chunked, caps each prompt's tokens per iteration at "
+        "--long-prefill-threshold",
+    )
+    parser.add_argument(
+        "--long-prefill-threshold",
+        type=int,
+        default=VLLM_A100_BATCHED_TOKENS // 4,
+        help="a -priority chunked engine's most tokens of one prompt per iteration "
+        "(vLLM's --long-prefill-token-threshold)",
     )
     parser.add_argument(
         "--chunk-tokens",
@@ -425,9 +435,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def gpu_model(args: argparse.Namespace) -> GpuModel:
+    """The simulated server ``--engine`` names."""
+    chunked = args.engine.startswith("chunked")
+    priority = args.engine.endswith("-priority")
+    return GpuModel(
+        prefill_chunk_tokens=args.chunk_tokens if chunked else None,
+        long_prefill_token_threshold=args.long_prefill_threshold if chunked and priority else None,
+        priority_scheduling=priority,
+    )
+
+
 def main() -> int:
     args = parse_args()
-    gpu = GpuModel(prefill_chunk_tokens=args.chunk_tokens if args.engine == "chunked" else None)
+    gpu = gpu_model(args)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     policies = [Policy(name.strip()) for name in args.policies.split(",")]
     settings = config_settings(args.settings)

@@ -575,6 +575,7 @@ def test_daemon_config_holds_only_what_an_operator_knows() -> None:
         "max_in_flight": 256,
         "max_in_flight_tokens": 400_000.0,
         "chunked_prefill": True,
+        "servers_schedule_by_priority": False,
     }
     # Debt for one request of up to the server's largest context (its KV cache here),
     # nothing learned from a workload; and no long-prefill threshold: qosd learns it.
@@ -583,6 +584,9 @@ def test_daemon_config_holds_only_what_an_operator_knows() -> None:
     unchunked = daemon_config(Policy.QOSD, capacity_cost_s=20_000, output_weight=4.0,
                               redis_url=None, gpu=GpuModel(prefill_chunk_tokens=None))  # fmt: skip
     assert unchunked["pools"]["llm"]["chunked_prefill"] is False
+    by_priority = daemon_config(Policy.QOSD, capacity_cost_s=20_000, output_weight=4.0,
+                                redis_url=None, gpu=GpuModel(priority_scheduling=True))  # fmt: skip
+    assert by_priority["pools"]["llm"]["servers_schedule_by_priority"] is True
     assert "long_prefill_tokens" not in unchunked["pools"]["llm"]
     static = daemon_config(Policy.STATIC, capacity_cost_s=20_000, output_weight=4.0,
                            redis_url=None, gpu=gpu)  # fmt: skip

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -187,6 +188,61 @@ def test_a_prompt_beyond_the_prefill_budget_runs_alone() -> None:
         assert finished[0].kv_tokens + finished[2].kv_tokens <= gpu.kv_capacity_tokens
 
 
+def _first_tokens(model: GpuModel, sequences: list[Sequence]) -> dict[str, float]:
+    """Runs the sequences, all submitted by t = 0, to their ends; each one's first
+    token time."""
+    engine = Engine(model)
+    for sequence in sequences:
+        engine.submit(sequence)
+    now = 0.0
+    while not all(s.done for s in sequences):
+        iteration = engine.plan(now)
+        assert iteration is not None
+        now += iteration.duration_s
+        engine.complete(now)
+    return {s.request_id: s.first_token_at for s in sequences if s.first_token_at is not None}
+
+
+@pytest.mark.fast
+def test_a_short_prompt_behind_a_long_one_waits_for_it_unless_capped() -> None:
+    """Chunked, oldest first: a short prompt behind a 32K one starts after the 32K
+    prefill (16 full passes). With vLLM's long-prefill threshold the two share each
+    pass, so the short one's first token comes within the first pass or two, and the
+    long one pays little for it."""
+
+    def pair() -> list[Sequence]:
+        return [Sequence("long", 32_768, 4, submitted_at=0.0),
+                Sequence("short", 400, 4, submitted_at=0.0)]  # fmt: skip
+
+    oldest_first = _first_tokens(GpuModel(), pair())
+    capped = _first_tokens(GpuModel(long_prefill_token_threshold=512), pair())
+    assert oldest_first["short"] > oldest_first["long"] > 2.0
+    assert capped["short"] < 0.2
+    assert capped["long"] < oldest_first["long"] * 1.5
+
+
+@pytest.mark.fast
+def test_priority_scheduling_takes_waiting_requests_by_priority() -> None:
+    """Waiting for the one batch slot, requests go by priority and then arrival with
+    priority scheduling, and by arrival alone without it."""
+
+    def queue() -> list[Sequence]:
+        return [
+            Sequence("low-1", 100, 4, submitted_at=0.0, priority=3),
+            Sequence("low-2", 100, 4, submitted_at=0.0, priority=3),
+            Sequence("top-1", 100, 4, submitted_at=0.0, priority=1),
+            Sequence("mid", 100, 4, submitted_at=0.0, priority=2),
+            Sequence("top-2", 100, 4, submitted_at=0.0, priority=1),
+        ]
+
+    one_slot = GpuModel(max_batch=1, prefill_chunk_tokens=None)
+    by_priority = _first_tokens(dataclasses.replace(one_slot, priority_scheduling=True), queue())
+    order = sorted(by_priority, key=by_priority.__getitem__)
+    assert order == ["top-1", "top-2", "mid", "low-1", "low-2"]
+    by_arrival = _first_tokens(one_slot, queue())
+    assert sorted(by_arrival, key=by_arrival.__getitem__) == [s.request_id for s in queue()]
+
+
 @pytest.mark.fast
 def test_capacity_is_configurable() -> None:
     requests = [(1_000, 200)] * 300
@@ -204,6 +260,8 @@ def test_bad_model_options_are_refused() -> None:
         GpuModel(speed=0)
     with pytest.raises(ValueError, match="exceed max_batch"):
         GpuModel(max_batch=256, prefill_chunk_tokens=200)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        GpuModel(prefill_chunk_tokens=None, long_prefill_token_threshold=512)
 
 
 # --- the server, through the real tritonclient --------------------------------------------
@@ -226,12 +284,18 @@ async def _stream_times(
     input_tokens: int,
     output_tokens: int,
     streaming: asyncio.Event | None = None,
+    *,
+    priority: int = 0,
 ) -> list[tuple[float, int]]:
     """(arrival time, tokens) of each streamed response, until the final one; sets
     ``streaming`` at the first."""
 
     async def one() -> AsyncIterator[dict[str, object]]:
-        yield {"model_name": "llm", "inputs": _inputs(input_tokens, output_tokens)}
+        yield {
+            "model_name": "llm",
+            "inputs": _inputs(input_tokens, output_tokens),
+            "priority": priority,
+        }
 
     seen: list[tuple[float, int]] = []
     responses = client.stream_infer(one())
@@ -259,6 +323,22 @@ async def test_tritonclient_sees_a_triton_server(simulator: tuple[str, str]) -> 
         assert result.get_response().id == "r-1"
         streamed = await _stream_times(client, 200, 9)
         assert [tokens for _, tokens in streamed] == [1, 8]  # first token, then the rest
+
+
+async def test_the_server_schedules_by_the_priority_tritonclient_sends() -> None:
+    """With priority scheduling, two requests waiting for the one batch slot start by
+    Triton's request priority (1 first, 0 the default after), not by arrival."""
+    one_slot = GpuModel(speed=4.0, prefill_chunk_tokens=None, max_batch=1, priority_scheduling=True)
+    with simulator_process(one_slot) as addresses:
+        async with triton.InferenceServerClient(addresses.grpc) as client:
+            running = asyncio.Event()
+            blocker = asyncio.create_task(_stream_times(client, 100, 500, running))
+            await running.wait()  # holds the slot for 500 decode steps (~2 s)
+            default = asyncio.create_task(_stream_times(client, 100, 2))
+            urgent = asyncio.create_task(_stream_times(client, 100, 2, priority=1))
+            done = await asyncio.gather(blocker, default, urgent)
+    first = [times[0][0] for times in done]
+    assert first[0] < first[2] < first[1]
 
 
 async def test_model_config_and_empty_final_response(simulator: tuple[str, str]) -> None:

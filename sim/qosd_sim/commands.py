@@ -115,12 +115,15 @@ def _sim_triton(args: argparse.Namespace) -> int:
 
 
 def gpu_option(item: str) -> tuple[str, int | float | None]:
-    """``--gpu KEY=VALUE``: a number, or None for ``none`` / ``null`` / empty."""
+    """``--gpu KEY=VALUE``: a number, a boolean (``true`` / ``false``), or None for
+    ``none`` / ``null`` / empty."""
     key, sep, text = item.partition("=")
     if not sep:
         raise ValueError(f"--gpu takes KEY=VALUE, got {item!r}")
     if text.lower() in ("", "none", "null"):
         return key, None
+    if text.lower() in ("true", "false"):
+        return key, text.lower() == "true"
     try:
         return key, int(text)
     except ValueError:

@@ -35,7 +35,7 @@ from qosd_harness import daemon_processes, stop_process
 from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS, Gateway, RequestRecord
 from qosd_sim.gpu import GpuModel, run_virtual, saturated_throughput
 from qosd_sim.gpu import Sequence as GpuSequence
-from qosd_sim.objectives import Objectives
+from qosd_sim.objectives import CLASSES, Objectives
 from qosd_sim.replay import (
     SEED_LONG_PROMPT_TOKENS,
     ClassRule,
@@ -355,8 +355,8 @@ def daemon_config(
       below the class's burst (config validation requires it).
     - ``qosd`` gates the pool by the server's own limits: ``max_in_flight`` its batch
       slots (vLLM's ``max_num_seqs``), ``max_in_flight_tokens`` its KV cache, and
-      ``chunked_prefill`` as the server runs. What else it needs (how long a prompt's
-      prefill takes) it learns from reports.
+      ``chunked_prefill`` and ``servers_schedule_by_priority`` as the server runs.
+      What else it needs (how long a prompt's prefill takes) it learns from reports.
     - ``static`` keeps the seed's design: token buckets alone, no SLO loop."""
     tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
@@ -377,6 +377,7 @@ def daemon_config(
             max_in_flight=gpu.max_batch,
             max_in_flight_tokens=float(gpu.kv_capacity_tokens),
             chunked_prefill=gpu.chunked,
+            servers_schedule_by_priority=gpu.priority_scheduling,
         )
     tree["control"]["enabled"] = policy is Policy.QOSD
     # A run lasts about two minutes: decide on 20 samples rather than 50.
@@ -491,7 +492,8 @@ async def _replay(
     started = time.monotonic()
     background: list[asyncio.Task[None]] = []
     try:
-        gateway = Gateway(client, model=MODEL, qos=qos, on_record=on_record)
+        ranks = {name: rank for rank, name in enumerate(CLASSES)}
+        gateway = Gateway(client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks)
         background.append(
             asyncio.create_task(_sample_busy(metrics_url, run.busy, started, window_s))
         )

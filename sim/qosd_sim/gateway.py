@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,12 @@ class Gateway:
         qos: QosdClient | None,
         expected_output_tokens: int = EXPECTED_OUTPUT_TOKENS,
         on_record: Callable[[RequestRecord], None] | None = None,
+        class_ranks: Mapping[str, int] | None = None,
     ) -> None:
+        """``class_ranks``: without qosd, each class's priority for servers that
+        schedule by it (0 first), as a gateway that knows its classes would pass it;
+        with qosd, its answer's ``server_priority`` is passed instead."""
+        self._class_ranks = class_ranks or {}
         self._triton = triton_client
         self._model = model
         self._qos = qos
@@ -84,12 +89,15 @@ class Gateway:
         self._on_record = on_record
         self.records: list[RequestRecord] = []
 
-    async def _stream(self, request: Request, lease_id: str) -> AsyncGenerator[Any, None]:
+    async def _stream(
+        self, request: Request, lease_id: str, priority: int
+    ) -> AsyncGenerator[Any, None]:
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {
                 "model_name": self._model,
                 "inputs": _inputs(request),
                 "request_id": str(request.index),
+                "priority": priority,
                 "parameters": {
                     "qos_class": request.qos_class,
                     "tenant": request.tenant,
@@ -111,6 +119,9 @@ class Gateway:
 
     async def _infer(self, request: Request, record: RequestRecord, arrived: float) -> None:
         lease_id = ""
+        # Triton's levels start at 1 (0: its default level).
+        rank = self._class_ranks.get(request.qos_class)
+        priority = 0 if rank is None else rank + 1
         if self._qos is not None:
             try:
                 decision = await self._qos.acquire(
@@ -128,10 +139,11 @@ class Gateway:
             if not decision.admitted:
                 return
             lease_id = decision.lease_id
+            priority = decision.server_priority + 1
         record.admitted = True
         outcome = Outcome.ERROR
         try:
-            async with contextlib.aclosing(self._stream(request, lease_id)) as stream:
+            async with contextlib.aclosing(self._stream(request, lease_id, priority)) as stream:
                 async for result in stream:
                     now = time.monotonic()
                     response = result.get_response()

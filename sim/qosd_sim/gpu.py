@@ -25,9 +25,17 @@ table of measurements (``benchmarks/engine_calibration.py``, ``docs/simulator.md
   prompts runs only their prefill, so every running sequence waits for it. One 32K
   prompt therefore stalls every other stream for seconds.
 
+Either can also run as vLLM does with ``--scheduling-policy priority``
+(``priority_scheduling``: waiting requests by the priority each carries, then
+arrival) and, chunked, with ``--long-prefill-token-threshold``
+(``long_prefill_token_threshold``: one prompt takes at most that many tokens of an
+iteration, so a short prompt behind a long one starts within an iteration or two).
+
 **Capacity**: at most ``max_batch`` sequences run at once, and their prompts plus
 outputs must fit in ``kv_capacity_tokens`` of KV cache; the rest wait, first come
-first served, as in a server without QoS. A sequence is never preempted.
+first served (or by priority), as in a server without QoS. A sequence is never
+preempted (vLLM preempts the lowest priority when its KV cache runs out; the
+replays here seldom fill it).
 """
 
 from __future__ import annotations
@@ -62,6 +70,13 @@ class GpuModel:
     prefill_chunk_tokens: int | None = VLLM_A100_BATCHED_TOKENS
     #: Multiplies the GPU's speed: 2.0 halves every duration.
     speed: float = 1.0
+    #: Chunked only: most tokens of one prompt an iteration prefills (vLLM's
+    #: ``--long-prefill-token-threshold``), so prompts behind a long one share the
+    #: budget with it rather than wait for it; None: no cap.
+    long_prefill_token_threshold: int | None = None
+    #: Waiting requests go by their priority (lower first), then arrival (vLLM's
+    #: ``--scheduling-policy priority``); False: by arrival alone.
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -85,6 +100,10 @@ class GpuModel:
             raise ValueError("max_batch, kv_capacity_tokens, max_prefill_tokens must be >= 1")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= self.max_batch:
             raise ValueError("prefill_chunk_tokens must exceed max_batch (decodes share it)")
+        if self.long_prefill_token_threshold is not None and (
+            self.prefill_chunk_tokens is None or self.long_prefill_token_threshold < 1
+        ):
+            raise ValueError("long_prefill_token_threshold needs chunked prefill, and >= 1")
 
     @property
     def chunked(self) -> bool:
@@ -92,7 +111,10 @@ class GpuModel:
 
     @property
     def engine(self) -> str:
-        return "chunked" if self.chunked else "unchunked"
+        """The engine's name in results: its prefill, and ``-priority`` where waiting
+        requests go by priority and (chunked) long prompts share each iteration."""
+        name = "chunked" if self.chunked else "unchunked"
+        return f"{name}-priority" if self.priority_scheduling else name
 
     def attention_us(self, start: int, tokens: int) -> float:
         """Prefill attention of prompt tokens [start, start + tokens) over the prompt so far."""
@@ -161,6 +183,7 @@ class Sequence:
     started_at: float | None = None  # its first prefill work began: the end of its queueing
     first_token_at: float | None = None
     finished_at: float | None = None
+    priority: int = 0  # lower first, where the model schedules by priority
 
     @property
     def kv_tokens(self) -> int:
@@ -220,7 +243,15 @@ class Engine:
             raise ValueError(
                 f"{sequence.kv_tokens} tokens exceed the KV cache ({self.model.kv_capacity_tokens})"
             )
-        self.waiting.append(sequence)
+        if not self.model.priority_scheduling:
+            self.waiting.append(sequence)
+            return
+        # Behind every waiting request of its priority or a better one: arrivals come
+        # in time order, so the queue stays ordered by (priority, arrival).
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].priority > sequence.priority:
+            index -= 1
+        self.waiting.insert(index, sequence)
 
     def _admit_head(self, now: float) -> Sequence | None:
         if not self.waiting or len(self.running) >= self.model.max_batch:
@@ -272,7 +303,9 @@ class Engine:
 
     def _plan_chunked(self, now: float, budget: int) -> Iteration | None:
         # One fused pass, as vLLM V1 schedules it: a token for every decoding
-        # sequence, then prefill chunks, oldest request first, within the budget.
+        # sequence, then prefill chunks, oldest request first, within the budget,
+        # each at most the long-prefill threshold where there is one.
+        cap = self.model.long_prefill_token_threshold
         while self._admit_head(now) is not None:
             pass
         decode = [s for s in self.running if s.prefilled == s.input_tokens]
@@ -285,7 +318,7 @@ class Engine:
             if remaining > 0:
                 if sequence.started_at is None:
                     sequence.started_at = now
-                chunk = min(remaining, left)
+                chunk = min(remaining, left, cap or remaining)
                 prefill.append((sequence, chunk))
                 left -= chunk
         if not decode and not prefill:

@@ -149,6 +149,20 @@ class _Parsed:
     tenant: str
     lease_id: str
     traceparent: str
+    priority: int  # the engine's: lower first
+
+
+#: Triton's request priority: 1 is the highest, and 0 (or none) the model's default
+#: level, here after every level a request names.
+DEFAULT_PRIORITY_LEVEL = 2**63
+
+
+def _priority(request: service_pb2.ModelInferRequest) -> int:
+    parameter = request.parameters.get("priority")
+    level = 0 if parameter is None else parameter.uint64_param or parameter.int64_param
+    if level < 0:
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "priority must be >= 0")
+    return level or DEFAULT_PRIORITY_LEVEL
 
 
 def _traceparent(context: grpc.aio.ServicerContext) -> str:
@@ -267,6 +281,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
             lease_id=_string_parameter(request, "lease_id"),
             # Per request (a parameter), or for the whole call (gRPC metadata).
             traceparent=_string_parameter(request, "traceparent") or traceparent,
+            priority=_priority(request),
         )
         if parsed.input_tokens < 1 or parsed.output_tokens < 1:
             raise BadRequest(
@@ -303,6 +318,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
             parsed.input_tokens,
             parsed.output_tokens,
             submitted_at=received,
+            priority=parsed.priority,
         )
         reported = 0
         finished = False
