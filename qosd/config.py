@@ -173,6 +173,14 @@ class PoolConfig(_Strict):
     # top class's own prompts are bounded by the backlog alone (its requests then
     # wait behind at most max_prefill_backlog_ms of prefill). 1.0: no share.
     max_prefill_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # The pool's servers schedule by the priority the gateway passes on
+    # (AcquireResponse.server_priority; vLLM --scheduling-policy priority) and, if they
+    # chunk prefill, cap one prompt's tokens per pass (vLLM
+    # --long-prefill-token-threshold), so a top-class prompt starts behind the top
+    # class's own prefill, not behind every prompt admitted before it. qosd then
+    # predicts the top class's start, its deadline refusals and its backlog bound from
+    # the top class's prefill alone, and no long prompt waits for a gap in its traffic.
+    servers_schedule_by_priority: bool = False
     # A GPU-gated pool whose servers report their own load (ReportRequest.loads, from
     # `qosd triton-scrape` or a server-side reporter): classes below the top one are
     # not admitted while the requests the servers hold waiting, summed over them,

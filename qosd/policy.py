@@ -72,6 +72,8 @@ class PoolPolicy:
     max_server_waiting: int = -1
     max_kv_cache_usage: float = 0.0
     server_load_max_age_us: int = 5_000_000
+    # The servers serve the top class's prompts first (PoolConfig).
+    servers_by_priority: bool = False
 
     @property
     def gated(self) -> bool:
@@ -147,6 +149,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_server_waiting=-1 if pool.max_server_waiting is None else pool.max_server_waiting,
             max_kv_cache_usage=pool.max_kv_cache_usage or 0.0,
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,
+            servers_by_priority=pool.servers_schedule_by_priority,
         )
     return pools
 

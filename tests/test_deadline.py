@@ -147,6 +147,27 @@ async def test_a_request_that_cannot_be_on_time_is_refused_with_the_predicted_wa
     assert patient.admitted and patient.waited_s >= 0.5
 
 
+async def test_where_servers_serve_the_top_class_first_it_waits_behind_its_own_prefill(
+    make_daemon: DaemonFactory,
+) -> None:
+    """With ``servers_schedule_by_priority``, the 1 s of P1 prefill that makes the test
+    above refuse a P0 request due in 300 ms does not: the servers start it first, so it
+    is admitted at once, past the 100 ms backlog bound too. The top class's own
+    prefill still counts: behind 1 s of it, the same request is refused."""
+    config = gated(max_in_flight=10, backlog_ms=100)
+    config["pools"]["default"]["servers_schedule_by_priority"] = True
+    running = await make_daemon(config)
+    qos = running.client
+    await with_prefill_model(running)
+    assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # 1 s of P1 ahead
+    passing = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert passing.admitted and passing.waited_s == 0
+    assert (await qos.acquire("P0", 1_000, slo_ttft_ms=5_000)).admitted  # 1 s of P0 ahead
+    hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE
+    assert 0.5 <= hopeless.retry_after_s <= 1.0
+
+
 async def test_a_waiter_is_dropped_once_prefill_admitted_ahead_makes_it_late(
     make_daemon: DaemonFactory,
 ) -> None:

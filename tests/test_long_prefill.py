@@ -122,6 +122,30 @@ async def test_chunked_pools_learn_a_threshold_too(make_daemon: DaemonFactory) -
     assert 6_000 < threshold < 16_000
 
 
+async def test_servers_that_serve_p0_first_get_no_threshold(make_daemon: DaemonFactory) -> None:
+    """Where the servers schedule by priority, a long prompt delays no P0 request: the
+    loop learns the prefill model from the reports that teach the test above its
+    threshold (a P0 deadline refusal shows it), but holds no prompt for a gap."""
+    config = {
+        "pools": {"default": {"chunked_prefill": True, "servers_schedule_by_priority": True,
+                              "max_in_flight": 100}},
+        "control": {"interval_s": 0.05, "leader_lease_s": 0.5},
+        "classes": {"P0": {"slo": {"ttft_ms": 500, "tpot_ms": 50}, "max_cost_tokens": 40_000}},
+    }  # fmt: skip
+    qos = (await make_daemon(config)).client
+    await _report_gpu_like(qos, 200)
+    deadline = time.monotonic() + 5.0
+    while True:  # until the model predicts a 20K prompt's prefill outlasts P0's 500 ms
+        probe = await qos.acquire("P0", 20_000, max_wait_ms=0)
+        if probe.reason is Reason.DEADLINE:
+            break
+        if probe.admitted:  # else its bucket is empty, from the probes before
+            await qos.release(probe.lease_id)
+        assert time.monotonic() < deadline, "the loop never learned the prefill model"
+        await asyncio.sleep(0.05)
+    assert (await qos.status("default")).pool("default").long_prefill_tokens == 0
+
+
 async def test_the_loop_learns_the_threshold_from_reports(make_daemon: DaemonFactory) -> None:
     config = {
         "control": {"interval_s": 0.05, "leader_lease_s": 0.5},

@@ -335,13 +335,16 @@ class Controller:
         self, pool: PoolPolicy, windows: dict[str, list[StoredSample]], memory: _PoolMemory
     ) -> None:
         """Learns which prompts would stall the top class too long (qosd.control.prefill) and
-        tells the store when the threshold moves by a tenth or more."""
+        tells the store when the threshold moves by a tenth or more. Where the servers
+        serve the top class first, no prompt stalls it: no threshold, the model alone."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
         learned = await asyncio.to_thread(
             learn, windows, top, self._config.classes[top].slo, chunked=configured.chunked_prefill
         )
         threshold = learned.threshold or configured.long_prefill_tokens or 0.0  # learned first
+        if configured.servers_schedule_by_priority:
+            threshold = 0.0
         model = learned.model
         known, known_model = memory.long_prefill, memory.prefill_model
         if (

@@ -101,6 +101,10 @@ class PoolArgs(NamedTuple):
     max_server_waiting: int  # -1: none
     max_kv_cache_usage: str  # 0: none
     server_load_max_age_us: int
+    # 1: the servers take the top class's prompts before the others' (priority
+    # scheduling, and chunked, a cap on one prompt's tokens per pass), so the top class
+    # waits behind its own prefill alone; 0: behind every prompt admitted before it.
+    servers_by_priority: int
 
 
 class ClassArgs(NamedTuple):
@@ -461,6 +465,7 @@ STATE_HASH: tuple[HashField, ...] = (
         "the top class's peak demand `count|tokens|us` (in flight plus waiting) and when "
         "it was set; it decays by its half-life from then",
     ),
+    HashField("Bp", "as Bt, the top class's prompts alone (servers that schedule by priority)"),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),
     HashField("n:<class>", "leases in flight: admitted, neither released nor expired"),

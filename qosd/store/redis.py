@@ -203,6 +203,7 @@ class RedisStore:
                     max_server_waiting=pool.max_server_waiting,
                     max_kv_cache_usage=repr(pool.max_kv_cache_usage),
                     server_load_max_age_us=pool.server_load_max_age_us,
+                    servers_by_priority=1 if pool.servers_by_priority else 0,
                 )
             )
             for cls in pool.classes:

@@ -34,8 +34,12 @@
 -- carry with the one they knew (qosd/store/redis.py), and the SLO loop's leader then
 -- restores the rates and pins it knew (qosd/control.py).
 
-local now_parts = redis.call('TIME')
-local now = tonumber(now_parts[1]) * 1000000 + tonumber(now_parts[2])
+-- Temporaries live in do-blocks: the prelude and a script share 200 locals.
+local now
+do
+  local parts = redis.call('TIME')
+  now = tonumber(parts[1]) * 1000000 + tonumber(parts[2])
+end
 
 -- Floats travel as strings (Redis truncates a Lua number to an integer), with all
 -- 17 significant digits; tostring() keeps only 14.
@@ -62,6 +66,8 @@ local gate = {
   max_server_waiting = tonumber(ARGV[p + ARG_POOL_MAX_SERVER_WAITING]),
   max_kv_cache_usage = tonumber(ARGV[p + ARG_POOL_MAX_KV_CACHE_USAGE]),
   server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US]),
+  -- The servers take the top class's prompts first: it waits behind its own alone.
+  servers_by_priority = ARGV[p + ARG_POOL_SERVERS_BY_PRIORITY] == '1',
 }
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
@@ -89,10 +95,10 @@ do
     a = a + CLASS_ARGS
   end
 end
-local e = p + POOL_ARGS + CLASS_ARGS * class_count  -- arguments before the epoch's
-local known_epoch = ARGV[e + ARG_EPOCH_KNOWN]
-local epoch_nonce = ARGV[e + ARG_EPOCH_NONCE]
-local ARGS_BEFORE = e + EPOCH_ARGS  -- the arguments before the script's own
+-- The arguments before the script's own: the epoch's are the last EPOCH_ARGS of them.
+local ARGS_BEFORE = p + POOL_ARGS + CLASS_ARGS * class_count + EPOCH_ARGS
+local known_epoch = ARGV[ARGS_BEFORE - EPOCH_ARGS + ARG_EPOCH_KNOWN]
+local epoch_nonce = ARGV[ARGS_BEFORE - EPOCH_ARGS + ARG_EPOCH_NONCE]
 local NEXT_KEY = class_count + 4
 local STATE = KEYS[1]
 local WAITERS = KEYS[class_count + 2]

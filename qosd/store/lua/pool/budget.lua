@@ -28,14 +28,31 @@ local function prefill_us(input)
 end
 
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before
--- it, on the share clock and the real one.
-local function prefill_started(input)
+-- it, on the share clock and the real one; a top-class prompt (class i == 1) also on
+-- the top class's own clock.
+local function prefill_started(i, input)
   local work_us = prefill_us(input)
   if work_us then
     state.prefill_until = math.max(now, state.prefill_until) + work_us / prefill_share
     state.prefill_real_until = math.max(now, state.prefill_real_until) + work_us
+    if i == 1 then
+      state.prefill_top_until = math.max(now, state.prefill_top_until) + work_us
+    end
     state_changed = true
   end
+end
+
+-- When the prefill that class i's next prompt starts behind ends (us of Redis time):
+-- the top class's, by the real clock (its own prompts alone where the servers
+-- schedule by priority); the others', by the share's.
+local function prefill_ahead_until(i)
+  if i ~= 1 then
+    return state.prefill_until
+  end
+  if gate.servers_by_priority then
+    return state.prefill_top_until
+  end
+  return state.prefill_real_until
 end
 
 local function has_room(i, tokens)
@@ -48,12 +65,7 @@ local function has_room(i, tokens)
     return true  -- alone in an idle pool: always, whatever its size
   end
   if state.prefill_model and prefill_backlog_us > 0 then
-    -- The prefill lead: the top class by the real clock, the others by the share's
-    local backlog_end = state.prefill_until
-    if i == 1 then
-      backlog_end = state.prefill_real_until
-    end
-    if backlog_end - now > prefill_backlog_us then
+    if prefill_ahead_until(i) - now > prefill_backlog_us then
       return false  -- the servers' prefill backlog is full: wait here, in priority order
     end
   end

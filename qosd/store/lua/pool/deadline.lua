@@ -35,17 +35,12 @@ function by_deadline.order_us(due, enqueued, input)
 end
 
 -- How long until the prefill backlog lets class i in (us; 0: now, or no backlog
--- bound): the lead of its clock (the real one for the top class, the share's for
--- the others) beyond the bound.
+-- bound): the lead of its clock (budget.lua: prefill_ahead_until) beyond the bound.
 function by_deadline.backlog_wait_us(i)
   if not pool_gated or prefill_backlog_us <= 0 or not state.prefill_model then
     return 0
   end
-  local backlog_end = state.prefill_until
-  if i == 1 then
-    backlog_end = state.prefill_real_until
-  end
-  return math.max(0, backlog_end - now - prefill_backlog_us)
+  return math.max(0, prefill_ahead_until(i) - now - prefill_backlog_us)
 end
 
 -- The longest a new request may wait, ms. With an objective and a prefill model: its
@@ -61,10 +56,11 @@ end
 
 -- How late a request of class i, due at `due`, would be (us; <= 0: on time) if it
 -- were admitted now or at any later time: its first token comes after the prefill
--- admitted before it (the real clock) and its own, and waiting does not shorten
+-- admitted before it that the servers serve first (the real clock; the top class's
+-- own where they schedule by priority) and its own, and waiting does not shorten
 -- that. nil where nothing predicts it: no objective, or no prefill model, or a pool
 -- that is not GPU-gated (no backlog is kept).
-function by_deadline.lateness_us(due, input)
+function by_deadline.lateness_us(i, due, input)
   if not pool_gated then
     return nil
   end
@@ -72,16 +68,20 @@ function by_deadline.lateness_us(due, input)
   if not own then
     return nil
   end
-  return math.max(now, state.prefill_real_until) + own - due
+  local ahead = state.prefill_real_until
+  if i == 1 and gate.servers_by_priority then
+    ahead = state.prefill_top_until
+  end
+  return math.max(now, ahead) + own - due
 end
 
--- May a waiter no longer be on time? Then it is not admitted, and its daemon answers
--- it REASON_DEADLINE at once.
-function by_deadline.late_if_admitted(due, enqueued, input)
+-- May a waiter of class i no longer be on time? Then it is not admitted, and its
+-- daemon answers it REASON_DEADLINE at once.
+function by_deadline.late_if_admitted(i, due, enqueued, input)
   if due <= enqueued then
     return false  -- no objective: served whenever
   end
-  local late = by_deadline.lateness_us(due, input)
+  local late = by_deadline.lateness_us(i, due, input)
   return late ~= nil and late > 0
 end
 
@@ -94,7 +94,7 @@ function by_deadline.miss_ms(i, ttft_ms, input, ready)
   if ttft_ms <= 0 then
     return nil
   end
-  local late = by_deadline.lateness_us(now + ttft_ms * 1000, input)
+  local late = by_deadline.lateness_us(i, now + ttft_ms * 1000, input)
   if late == nil then
     return nil
   end

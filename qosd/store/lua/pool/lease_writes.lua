@@ -16,7 +16,7 @@ local function add_lease(i, lease_key, field, cost, ttl_ms, keep_ms, weight, inp
   lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(keep_ms))
   lease_started(i, tonumber(input) + tonumber(output), expiry_us)
   if pool_gated then
-    prefill_started(input)
+    prefill_started(i, input)
   end
   return expiry
 end

@@ -88,6 +88,9 @@ local function save_state()
     if state.prefill_real_until ~= stored.prefill_real_until then
       put('Bt', string.format('%.0f', state.prefill_real_until))
     end
+    if state.prefill_top_until ~= stored.prefill_top_until then
+      put('Bp', string.format('%.0f', state.prefill_top_until))
+    end
   end
   if state.expiry_from then
     if state.expiry_from ~= stored.expiry_from or state.expiry_to ~= stored.expiry_to then

@@ -36,7 +36,7 @@ local function end_other(name, count, tokens)
       'c:' .. name, num(math.max(0, (tonumber(c) or 0) - tokens)))
   end
 end
-local HEADER = 17  -- fields read before the per-class ones
+local HEADER = 18  -- fields read before the per-class ones
 local values_fresh = false  -- no state was found: it is made now
 -- Each class's state fields ('t:', 'w:', 'n:', 'c:' and its name), named once a call.
 local class_fields = {}
@@ -47,7 +47,7 @@ local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp'}
+    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp'}
   for i = 1, class_count do
     local name = classes[i].name
     local names = {'t:' .. name, 'w:' .. name, 'n:' .. name, 'c:' .. name}
@@ -83,6 +83,8 @@ do
   stored.prefill_real_until = tonumber(values[15])
   state.prefill_until = stored.prefill_until or 0
   state.prefill_real_until = stored.prefill_real_until or 0
+  stored.prefill_top_until = tonumber(values[18])
+  state.prefill_top_until = stored.prefill_top_until or 0
   -- The servers' own load (load.lua), while fresh; nil: not known.
   if now - (tonumber(values[14]) or 0) <= gate.server_load_max_age_us then
     state.server_waiting = tonumber(values[12])

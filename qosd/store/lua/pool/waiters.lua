@@ -75,7 +75,7 @@ local function heads()
           else
             w.order = tonumber(page[j + 1])
             w.due = w.due or w.order
-            local late = by_deadline.late_if_admitted(w.due, w.enqueued, w.input)
+            local late = by_deadline.late_if_admitted(i, w.due, w.enqueued, w.input)
             if late then
               by_deadline.late_waiters[id] = i
             end
