@@ -110,6 +110,11 @@ class ClassConfig(_Strict):
     # The share the class keeps however far the SLO loop cuts the pool (a fraction of
     # the configured capacity); None: a quarter of its share.
     min_share: Annotated[float, Field(ge=0, le=1)] | None = None
+    # How the class's waiters take turns: "fifo", by due time (arrival plus the TTFT
+    # objective, docs/design.md "Admission by deadline"); "vtc", fair shares by tokens
+    # among its tenants, fleet-wide: the backlogged tenant served least per unit of
+    # weight goes first (the Virtual Token Counter; top-level `fairness`).
+    fairness: Literal["fifo", "vtc"] = "fifo"
     slo: SloConfig = SloConfig()
 
     @property
@@ -369,6 +374,25 @@ class CostConfig(_Strict):
     # rule charges the prompt only (prefill is what stalls a GPU): output_weight 0.
     # Set 1 to budget input-plus-output tokens, the unit of pool capacity.
     output_weight: Annotated[float, Field(ge=0, le=100)] = 0.0
+
+
+class FairnessConfig(_Strict):
+    """What a tenant of a class with ``fairness: vtc`` is charged, and its weight.
+
+    A request charges ``(input_weight x prompt tokens + output_weight x expected output
+    tokens) / the tenant's weight`` when it is admitted or queued (the paper's w_p and
+    w_q: an output token costs about twice a prompt token)."""
+
+    input_weight: Annotated[float, Field(ge=0, le=100)] = 1.0
+    output_weight: Annotated[float, Field(ge=0, le=100)] = 2.0
+    # Tenant -> weight: a tenant of weight 2 gets twice the tokens of one of weight 1
+    # while both wait. Tenants not named get default_weight.
+    tenant_weights: dict[str, Annotated[float, Field(gt=0, le=1e6)]] = Field(default_factory=dict)
+    default_weight: Annotated[float, Field(gt=0, le=1e6)] = 1.0
+    # A tenant's counter is forgotten this long after its last charge (it then comes
+    # back where the backlogged tenants stand, as it would anyway), so that many
+    # tenants leave no state behind.
+    idle_s: Annotated[float, Field(ge=1, le=86_400)] = 600.0
 
 
 class LimitsConfig(_Strict):
@@ -726,6 +750,7 @@ class Config(_Strict):
     default_pool: str | None = "default"
     lease: LeaseConfig = LeaseConfig()
     cost: CostConfig = CostConfig()
+    fairness: FairnessConfig = FairnessConfig()
     limits: LimitsConfig = LimitsConfig()
     report: ReportConfig = ReportConfig()
     waiting: WaitingConfig = WaitingConfig()

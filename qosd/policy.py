@@ -10,11 +10,12 @@ the rest shared) is derived where it is enforced, in the scripts (``lua/pool/all
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qosd.config import Config, PoolConfig
+    from qosd.config import Config, FairnessConfig, PoolConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,9 @@ class ClassPolicy:
     floor_rate: float  # what the SLO loop leaves the class however far it cuts
     burst_s: float  # burst in seconds of rate; 0 when burst_tokens fixes it
     tenant_share: float  # tenant_max_share, 0 when none
+    # > 0: tenants share the class by tokens (fairness: vtc), each tenant's counter
+    # kept this long after its last charge; 0: first come, first served.
+    fair_idle_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +130,9 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
                     floor_rate=cls.floor_share * pool.capacity_tokens_s,
                     burst_s=0.0 if cls.burst_tokens else cls.burst_s,
                     tenant_share=cls.tenant_max_share or 0.0,
+                    fair_idle_ms=(
+                        math.ceil(config.fairness.idle_s * 1000) if cls.fairness == "vtc" else 0
+                    ),
                 )
             )
         assured = sum(c.share for c in config.classes.values())
@@ -152,6 +159,16 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             servers_by_priority=pool.servers_schedule_by_priority,
         )
     return pools
+
+
+def tenant_charge(
+    fairness: FairnessConfig, tenant: str, input_tokens: int, output_tokens: int
+) -> float:
+    """What a request charges its tenant's counter in a class that shares by tokens:
+    its weighted tokens per unit of the tenant's weight (config.FairnessConfig)."""
+    weight = fairness.tenant_weights.get(tenant, fairness.default_weight)
+    tokens = fairness.input_weight * input_tokens + fairness.output_weight * output_tokens
+    return tokens / weight
 
 
 def class_in(pool: PoolPolicy, name: str) -> ClassPolicy:

@@ -122,6 +122,9 @@ class ClassArgs(NamedTuple):
     floor_rate: str
     burst_s: str  # 0: the burst is fixed
     tenant_share: str
+    # > 0: the class's tenants share it by tokens (fairness: vtc), each tenant's
+    # counter kept this long after its last charge; 0: first come, first served.
+    fair_idle_ms: int
 
 
 class EpochArgs(NamedTuple):
@@ -159,6 +162,9 @@ class RequestArgs(NamedTuple):
     wait_cap_ms: int  # the longest the caller allows (its max wait or deadline)
     has_request: int  # 1: a request-id key follows the lease hash in KEYS
     has_tenant: int  # 1: then a tenant bucket key
+    # What the request charges its tenant's counter, in a class whose tenants share
+    # it by tokens (then the counter's key follows); '0': the class does not.
+    fair_charge: str
 
 
 class PumpArgs(NamedTuple):
@@ -470,6 +476,11 @@ STATE_HASH: tuple[HashField, ...] = (
     HashField("w:<class>", "waiters queued"),
     HashField("n:<class>", "leases in flight: admitted, neither released nor expired"),
     HashField("c:<class>", "their estimated prompt plus output tokens (KV cache)"),
+    HashField(
+        "v:<class>",
+        "a class that shares by tokens: its virtual time, the start of the last request "
+        "admitted (tenants.lua)",
+    ),
 )
 
 #: The SLO loop's record, ``qosd:{pool}:control``, in the order control.lua reads it

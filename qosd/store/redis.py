@@ -220,6 +220,7 @@ class RedisStore:
                     floor_rate=repr(cls.floor_rate),
                     burst_s=repr(cls.burst_s),
                     tenant_share=repr(cls.tenant_share),
+                    fair_idle_ms=cls.fair_idle_ms,
                 )
             # As text once: Redis reads every argument as a string anyway.
             cached = _PoolArgs(prefix, keys, tuple(str(value) for value in policy))
@@ -340,6 +341,9 @@ class RedisStore:
         self._daemon_id = daemon_id
         args_for = self._args_for(pool)
         keys, has_request, has_tenant = self._request_keys(args_for.prefix, cls, lease)
+        fair = cls.fair_idle_ms > 0 and lease.fair_charge > 0
+        if fair:
+            keys.append(f"{args_for.prefix}vtc:{cls.name}:{lease.tenant}")
         args = contract.RequestArgs(
             qos_class=cls.name,
             cost=repr(cost),
@@ -355,6 +359,7 @@ class RedisStore:
             wait_cap_ms=wait_ms if wait_cap_ms is None else wait_cap_ms,
             has_request=has_request,
             has_tenant=has_tenant,
+            fair_charge=repr(lease.fair_charge) if fair else "0",
         )
         reply = contract.Decision._make(await self._acquires.submit(pool.name, keys, args))
         if reply.reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline

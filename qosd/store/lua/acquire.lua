@@ -65,6 +65,12 @@ for _ = 1, count do
     tenant_key = KEYS[k]
     k = k + 1
   end
+  -- A class that shares by tokens: the tenant's counter key, and what it is charged.
+  local fair = nil
+  if ARGV[a + ARG_REQUEST_FAIR_CHARGE] ~= '0' then
+    fair = {key = KEYS[k], charge = tonumber(ARGV[a + ARG_REQUEST_FAIR_CHARGE])}
+    k = k + 1
+  end
 
   local replayed = false
   if request_key then
@@ -90,6 +96,9 @@ for _ = 1, count do
       local kv = input + tonumber(ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
       local due = by_deadline.due_us(enqueued_at, ttft_ms)
       local order = by_deadline.order_us(due, enqueued_at, input)
+      if fair then
+        order = tenant.start(i, fair.key)  -- by tenants' counters, not by due time
+      end
       local wait_cap_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_CAP_MS])
       wait_ms = by_deadline.granted_wait_ms(wait_ms, ttft_ms, wait_cap_ms, input)
       local held = held_for_gap(i, input)
@@ -105,22 +114,26 @@ for _ = 1, count do
       if not held then
         miss_ms = by_deadline.miss_ms(i, ttft_ms, input, how ~= 0)
       end
-      local tenant = nil
+      local bucket = nil
       local tenant_wait = 0
       if miss_ms then
         how = 0  -- refused below: late whenever it went
       elseif how ~= 0 and tenant_key then
-        tenant = tenant_load(tenant_key, c.tenant_rate, c.tenant_burst)
-        if tenant[1] < math.min(cost, tenant[4]) then
-          tenant_wait = tenant_wait_ms(tenant, cost)
+        bucket = tenant.bucket(tenant_key, c.tenant_rate, c.tenant_burst)
+        if bucket[1] < math.min(cost, bucket[4]) then
+          tenant_wait = tenant.wait_ms(bucket, cost)
           how = 0
         end
       end
       if how ~= 0 then
         take(i, cost, how)
-        if tenant then
-          tenant[1] = tenant[1] - cost
-          tenant[5] = true
+        if bucket then
+          bucket[1] = bucket[1] - cost
+          bucket[5] = true
+        end
+        if fair then
+          tenant.charge(i, fair.key, order, fair.charge)
+          tenant.admitted(i, order)
         end
         local expiry = add_lease(i, lease_key, field, cost, ttl_ms,
           ARGV[a + ARG_REQUEST_KEEP_MS], ARGV[a + ARG_REQUEST_WEIGHT],
@@ -162,6 +175,9 @@ for _ = 1, count do
             blocked = now + tenant_wait * 1000
           end
           redis.call('ZADD', c.queue, order, field)
+          if fair then
+            tenant.charge(i, fair.key, order, fair.charge)  -- its next request starts after
+          end
           redis.call('HSET', WAITERS, field, waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
             cost = cost, blocked = blocked, input = input, kv = kv, due = due,
@@ -183,7 +199,7 @@ if enqueued_at > now then  -- its waiters' daemon is alive: say so before anyone
   redis.call('HSET', DAEMONS, daemon, now)
 end
 save_leases()
-save_tenants()
+tenant.save()
 save_state()
 reply[REPLY_HEADER_EPOCH] = state.epoch or ''  -- written by save_state() if the state was new
 return reply

@@ -87,21 +87,24 @@ local function tenant_for(w, m)
     return nil
   end
   local i = w.class
-  local tenant = tenant_load(m.tenant_key, classes[i].tenant_rate, classes[i].tenant_burst)
-  if tenant[1] < math.min(w.cost, tenant[4]) then
-    w.blocked = now + tenant_wait_ms(tenant, w.cost) * 1000
+  local bucket = tenant.bucket(m.tenant_key, classes[i].tenant_rate, classes[i].tenant_burst)
+  if bucket[1] < math.min(w.cost, bucket[4]) then
+    w.blocked = now + tenant.wait_ms(bucket, w.cost) * 1000
     redis.call('HSET', WAITERS, w.id, waiter_value(w))
     return false
   end
-  return tenant
+  return bucket
 end
 
-local function admit(w, m, how, tenant)
+local function admit(w, m, how, bucket)
   local i = w.class
   take(i, w.cost, how)
-  if tenant then
-    tenant[1] = tenant[1] - w.cost
-    tenant[5] = true
+  if bucket then
+    bucket[1] = bucket[1] - w.cost
+    bucket[5] = true
+  end
+  if classes[i].fair_idle_ms > 0 then
+    tenant.admitted(i, w.order)  -- scored by its start (tenants.lua)
   end
   local expiry = add_lease(i, m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
     m.input, m.output)
@@ -152,9 +155,9 @@ local function pump_gated()
     else
       local how = gated_how(w.class, w.cost)
       if how ~= 0 then  -- 0: may not go over its share yet; the next may be within its own
-        local tenant = tenant_for(w, m)
-        if tenant ~= false then
-          admit(w, m, how, tenant)
+        local bucket = tenant_for(w, m)
+        if bucket ~= false then
+          admit(w, m, how, bucket)
           return true
         end
       end
@@ -175,9 +178,9 @@ while progress and admitted < MAX_ADMITTED_PER_PUMP do
       local how = how_to_take(i, w.cost, shared_open)
       local m = mine[w.id]
       if how ~= 0 and m then
-        local tenant = tenant_for(w, m)
-        if tenant ~= false then
-          admit(w, m, how, tenant)
+        local bucket = tenant_for(w, m)
+        if bucket ~= false then
+          admit(w, m, how, bucket)
           progress = true
           break  -- the heads changed: walk again
         end
@@ -219,6 +222,6 @@ for _, m in ipairs(order) do
   n = n + DECISION_FIELDS
 end
 save_leases()
-save_tenants()
+tenant.save()
 save_state()
 return reply

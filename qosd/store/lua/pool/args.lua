@@ -87,6 +87,8 @@ do
       floor_rate = tonumber(ARGV[a + ARG_CLASS_FLOOR_RATE]),
       burst_s = tonumber(ARGV[a + ARG_CLASS_BURST_S]),
       tenant_share = tonumber(ARGV[a + ARG_CLASS_TENANT_SHARE]),
+      -- > 0: tenants share the class by tokens, counters kept this long idle (tenants.lua)
+      fair_idle_ms = tonumber(ARGV[a + ARG_CLASS_FAIR_IDLE_MS]),
       rank = i - 1, queue = KEYS[i + 1],
     }
     c.nominal_rate, c.nominal_burst, c.nominal_tenant_burst = c.rate, c.burst, c.tenant_burst

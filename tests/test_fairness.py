@@ -1,0 +1,243 @@
+"""Fair shares by tokens within a class (``fairness: vtc``, qosd/store/lua/pool/tenants.lua).
+
+Each tenant of a class that shares by tokens has a counter: the tokens it has been
+charged per unit of weight. A request starts at the larger of its tenant's counter and
+the class's virtual time (where the backlogged tenants stand), and the class's
+waiters go by that start, so the backlogged tenant served least goes first, a tenant
+back from idle banks no credit, and counters of idle tenants expire.
+
+The rules run on the embedded store with a clock the test moves; the order across
+tenants also runs on a standalone Redis and a 3-node cluster, through daemons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+
+from qosd.config import Config
+from qosd.model import LeaseSpec, Outcome, UsageReport, Waiter, WaiterState, new_lease_token
+from qosd.policy import PoolPolicy, class_in, resolve_pools, tenant_charge
+from qosd.store.embedded import EmbeddedStore
+from qosd_client import QosdClient
+from tests.clock import Clock
+from tests.conftest import BASE_CONFIG, Backend, DaemonFactory, merge
+from tests.waiting import eventually
+
+DAEMON = "daemon-a"
+
+
+def one_slot(fairness: str = "vtc", **fair: Any) -> dict[str, Any]:
+    """A pool that runs one request at a time; P1's tenants share it by ``fairness``."""
+    return {
+        "pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
+        "classes": {"P1": {"fairness": fairness, "max_wait_ms": 600_000, "max_queue": 10_000}},
+        "fairness": fair,
+        "control": {"enabled": False},
+    }
+
+
+class Room:
+    """One pool on the embedded store and one daemon's waiters in it."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        self.clock = Clock()
+        self.config = Config.model_validate(merge(BASE_CONFIG, extra))
+        self.store = EmbeddedStore(clock=self.clock, tombstone_ms=1_000, stale_after_ms=600_000)
+        self.pool: PoolPolicy = resolve_pools(self.config)["default"]
+        self.waiters: list[Waiter] = []
+        self.tenant_of: dict[str, str] = {}
+
+    def spec(self, tenant: str, tokens: int) -> LeaseSpec:
+        fair = class_in(self.pool, "P1").fair_idle_ms > 0
+        charge = tenant_charge(self.config.fairness, tenant, tokens, 0) if fair else 0.0
+        return LeaseSpec(f"default:P1:{new_lease_token()}", "", tenant, tokens, 0, 1.0,
+                         60_000, fair_charge=charge)  # fmt: skip
+
+    async def hold(self) -> LeaseSpec:
+        """Takes the one slot with a P2 request."""
+        spec = LeaseSpec(f"default:P2:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
+        decision = await self.store.acquire(
+            self.pool, class_in(self.pool, "P2"), 10, spec, 0, DAEMON
+        )
+        assert decision.admitted
+        return spec
+
+    async def request(self, tenant: str, tokens: int) -> bool:
+        """A P1 request, 1 ms after the last; True if admitted at once, else it waits."""
+        self.clock.advance(1)
+        spec = self.spec(tenant, tokens)
+        decision = await self.store.acquire(
+            self.pool, class_in(self.pool, "P1"), tokens, spec, 600_000, DAEMON
+        )
+        if decision.queued:
+            self.waiters.append(Waiter("P1", float(tokens), spec))
+            self.tenant_of[spec.lease_id] = tenant
+        return decision.admitted
+
+    async def release(self, spec: LeaseSpec) -> None:
+        cls = class_in(self.pool, spec.lease_id.split(":")[1])
+        usage = UsageReport(spec.input_tokens, 0, Outcome.OK, 0.0)
+        await self.store.release(self.pool, cls, spec.lease_id, usage)
+
+    async def serve_in_turn(self, holder: LeaseSpec) -> list[LeaseSpec]:
+        """Frees the slot, lets the next waiter in, and so on until none waits: the
+        waiters in the order they were admitted."""
+        served = []
+        while self.waiters:
+            await self.release(holder)
+            results = await self.store.pump(self.pool, DAEMON, self.waiters)
+            admitted = [w for w, r in zip(self.waiters, results, strict=True)
+                        if r.state is WaiterState.ADMITTED]  # fmt: skip
+            assert len(admitted) == 1
+            holder = admitted[0].lease
+            served.append(holder)
+            self.waiters.remove(admitted[0])
+        return served
+
+    def tenants(self, served: list[LeaseSpec]) -> list[str]:
+        return [self.tenant_of[spec.lease_id] for spec in served]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fairness", ["vtc", "fifo"])
+async def test_a_tenant_that_floods_the_class_does_not_go_first(fairness: str) -> None:
+    """Six requests of one tenant queue, then two of another. First come, first
+    served, the second tenant waits for all six; by tokens, its two go among the
+    first four."""
+    room = Room(one_slot(fairness))
+    holder = await room.hold()
+    for _ in range(6):
+        assert not await room.request("heavy", 100)
+    for _ in range(2):
+        assert not await room.request("light", 100)
+    order = room.tenants(await room.serve_in_turn(holder))
+    if fairness == "fifo":
+        assert order == ["heavy"] * 6 + ["light"] * 2
+    else:
+        assert sorted(order[:4]) == ["heavy", "heavy", "light", "light"]
+
+
+@pytest.mark.fast
+async def test_backlogged_tenants_service_differs_by_at_most_the_paper_s_bound() -> None:
+    """Two tenants backlogged, one with 400-token prompts and one with 100-token ones:
+    at every admission while both wait, the tokens served to each differ by at most
+    twice the largest request's charge (VTC's bound, Theorem 4.4 of the paper), and
+    each tenant's turns follow its counter, not its arrival."""
+    room = Room(one_slot())
+    holder = await room.hold()
+    sizes = {"large": 400, "small": 100}
+    for _ in range(20):
+        for tenant, tokens in sizes.items():
+            assert not await room.request(tenant, tokens)
+    served = await room.serve_in_turn(holder)
+    bound = 2 * max(sizes.values())
+    totals = dict.fromkeys(sizes, 0)
+    left = dict.fromkeys(sizes, 20)
+    differences = []
+    for spec in served:
+        tenant = room.tenant_of[spec.lease_id]
+        totals[tenant] += spec.input_tokens
+        left[tenant] -= 1
+        if all(left.values()):  # both still backlogged
+            differences.append(abs(totals["large"] - totals["small"]))
+    assert differences and max(differences) <= bound
+    # While both wait, the small tenant gets about four turns per turn of the large.
+    first_ten = room.tenants(served[:10])
+    assert 6 <= first_ten.count("small") <= 8
+
+
+@pytest.mark.fast
+async def test_a_tenant_back_from_idle_banks_no_credit() -> None:
+    """One tenant has been served 1,000 tokens while another was idle. When the idle
+    one comes back, it is lifted to where the backlogged tenant stands: its three
+    requests take turns with the busy tenant's, rather than all going first as its
+    counter of 0 would have them."""
+    room = Room(one_slot())
+    holder = await room.hold()
+    for _ in range(10):
+        assert not await room.request("busy", 100)
+    served = await room.serve_in_turn(holder)
+    for _ in range(4):
+        assert not await room.request("busy", 100)
+    for _ in range(3):
+        assert not await room.request("back", 100)
+    order = room.tenants(await room.serve_in_turn(served[-1]))
+    assert order.count("back") == 3
+    assert order[:2].count("back") == 1 and order[2:4].count("back") == 1
+
+
+@pytest.mark.fast
+async def test_weights_share_the_class_in_proportion() -> None:
+    """A tenant of weight 3 gets three requests' turns per turn of one of weight 1."""
+    room = Room(one_slot(tenant_weights={"gold": 3.0}))
+    holder = await room.hold()
+    for _ in range(12):
+        for tenant in ("gold", "plain"):
+            assert not await room.request(tenant, 100)
+    order = room.tenants(await room.serve_in_turn(holder))
+    assert order[:8].count("gold") == 6
+
+
+@pytest.mark.fast
+async def test_counters_of_idle_tenants_expire() -> None:
+    """2,000 tenants, one request each 1 ms apart, leave a counter each, which is gone
+    ``fairness.idle_s`` after its charge."""
+    room = Room({"classes": {"P1": {"fairness": "vtc"}}, "fairness": {"idle_s": 5}})
+    host = room.store.transport.host
+
+    def counters() -> set[str]:
+        return {key for key in set(host.keys()) if ":vtc:P1:" in key}
+
+    for tenant in range(2_000):
+        assert await room.request(f"t{tenant}", 1)
+    assert len(counters()) == 2_000
+    room.clock.advance(2_500)  # the first charged 4.5 s ago, the last 2.5 s ago
+    assert len(counters()) == 2_000
+    room.clock.advance(3_000)
+    assert not counters()
+
+
+async def _queued(qos: QosdClient, count: int) -> None:
+    async def read() -> int:
+        return (await qos.status("default")).pool("default").cls("P1").waiting
+
+    assert await eventually(read, lambda n: n == count) == count
+
+
+async def test_daemons_share_the_class_by_tokens_on_every_store(
+    backend: Backend, make_daemon: DaemonFactory
+) -> None:
+    """Through two daemons on one Redis (one daemon on the embedded store, which lives
+    in its process): one tenant queues six requests on the first, another two on the
+    second; the second tenant's two are among the first four admitted, fleet-wide."""
+    config = one_slot()
+    first = await make_daemon(config)
+    second = first if backend.redis is None else await make_daemon(config)
+    holder = await first.client.acquire("P2", 10, max_wait_ms=0)
+    assert holder.admitted
+    waiting: dict[asyncio.Task[Any], str] = {}
+    for n, (qos, tenant) in enumerate(itertools.chain(
+        [(first.client, "heavy")] * 6, [(second.client, "light")] * 2
+    )):  # fmt: skip
+        task = asyncio.create_task(qos.acquire("P1", 100, tenant=tenant, max_wait_ms=60_000))
+        waiting[task] = tenant
+        await _queued(first.client, n + 1)
+    clients = {"heavy": first.client, "light": second.client}
+    lease, order = holder.lease_id, []
+    releasing = first.client
+    while waiting:
+        await releasing.release(lease)
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        task = done.pop()
+        tenant = waiting.pop(task)
+        result = task.result()
+        assert result.admitted
+        order.append(tenant)
+        lease, releasing = result.lease_id, clients[tenant]
+    await releasing.release(lease)
+    assert sorted(order[:4]) == ["heavy", "heavy", "light", "light"]
