@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from qosd.store.embedded import EmbeddedStore
 from qosd_client import QosdClient
 from tests.clock import Clock
 from tests.conftest import BASE_CONFIG, Backend, DaemonFactory, merge
+from tests.test_reload import started, write_config
 from tests.waiting import eventually
 
 DAEMON = "daemon-a"
@@ -208,36 +210,57 @@ async def _queued(qos: QosdClient, count: int) -> None:
     assert await eventually(read, lambda n: n == count) == count
 
 
-async def test_daemons_share_the_class_by_tokens_on_every_store(
-    backend: Backend, make_daemon: DaemonFactory
-) -> None:
-    """Through two daemons on one Redis (one daemon on the embedded store, which lives
-    in its process): one tenant queues six requests on the first, another two on the
-    second; the second tenant's two are among the first four admitted, fleet-wide."""
-    config = one_slot()
-    first = await make_daemon(config)
-    second = first if backend.redis is None else await make_daemon(config)
-    holder = await first.client.acquire("P2", 10, max_wait_ms=0)
+async def flood(first: QosdClient, second: QosdClient) -> list[str]:
+    """Holds the one slot, queues six requests of one tenant on ``first`` and then two
+    of another on ``second``, then frees the slot and each admitted lease in turn:
+    the tenants in the order they were admitted."""
+    holder = await first.acquire("P2", 10, max_wait_ms=0)
     assert holder.admitted
     waiting: dict[asyncio.Task[Any], str] = {}
-    for n, (qos, tenant) in enumerate(itertools.chain(
-        [(first.client, "heavy")] * 6, [(second.client, "light")] * 2
-    )):  # fmt: skip
+    senders = itertools.chain([(first, "heavy")] * 6, [(second, "light")] * 2)
+    for n, (qos, tenant) in enumerate(senders):
         task = asyncio.create_task(qos.acquire("P1", 100, tenant=tenant, max_wait_ms=60_000))
         waiting[task] = tenant
-        await _queued(first.client, n + 1)
-    clients = {"heavy": first.client, "light": second.client}
-    lease, order = holder.lease_id, []
-    releasing = first.client
+        await _queued(first, n + 1)
+    clients = {"heavy": first, "light": second}
+    lease, releasing, order = holder.lease_id, first, []
     while waiting:
         await releasing.release(lease)
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1
         task = done.pop()
         tenant = waiting.pop(task)
-        result = task.result()
-        assert result.admitted
+        assert task.result().admitted
         order.append(tenant)
-        lease, releasing = result.lease_id, clients[tenant]
+        lease, releasing = task.result().lease_id, clients[tenant]
     await releasing.release(lease)
+    return order
+
+
+async def test_daemons_share_the_class_by_tokens_on_every_store(
+    backend: Backend, make_daemon: DaemonFactory
+) -> None:
+    """Through two daemons on one Redis (one daemon on the embedded store, which lives
+    in its process): one tenant's six requests queue on the first, another's two on
+    the second; the second tenant's two are among the first four admitted, fleet-wide."""
+    first = await make_daemon(one_slot())
+    second = first if backend.redis is None else await make_daemon(one_slot())
+    order = await flood(first.client, second.client)
     assert sorted(order[:4]) == ["heavy", "heavy", "light", "light"]
+
+
+async def test_fairness_is_live_through_reload(tmp_path: Path) -> None:
+    """A class turned from fifo to vtc by a reload shares by tokens from the next call."""
+    path = tmp_path / "qosd.yaml"
+    daemon, reloader = await started(path, one_slot("fifo"))
+    client = QosdClient(daemon.addresses[0])
+    try:
+        assert await flood(client, client) == ["heavy"] * 6 + ["light"] * 2
+        write_config(path, one_slot("vtc"))
+        plan = await reloader.reload("test")
+        assert plan is not None and "classes.P1.fairness" in plan.live
+        order = await flood(client, client)
+        assert sorted(order[:4]) == ["heavy", "heavy", "light", "light"]
+    finally:
+        await client.close()
+        await daemon.stop(0)

@@ -479,6 +479,7 @@ async def _replay(
     metrics_url: str,
     qosd_address: str | None,
     drain_s: float,
+    replica_addresses: Sequence[str] = (),
     window_s: float | None,
     on_record: Callable[[RequestRecord], None] | None,
     on_tick: Callable[[float, RatePoint | None], None] | None,
@@ -489,11 +490,14 @@ async def _replay(
     # The gateway's deadline for Acquire must outlast the longest class wait, or the
     # deadline, not the class's max wait, ends a P2's wait.
     qos = QosdClient(qosd_address, timeout_s=acquire_timeout_s) if qosd_address else None
+    replicas = [QosdClient(address, timeout_s=acquire_timeout_s) for address in replica_addresses]
     started = time.monotonic()
     background: list[asyncio.Task[None]] = []
     try:
         ranks = {name: rank for rank, name in enumerate(CLASSES)}
-        gateway = Gateway(client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks)
+        gateway = Gateway(
+            client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks, replicas=replicas
+        )
         background.append(
             asyncio.create_task(_sample_busy(metrics_url, run.busy, started, window_s))
         )
@@ -523,8 +527,9 @@ async def _replay(
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         await client.close()
-        if qos is not None:
-            await qos.close()
+        for daemon in [qos, *replicas]:
+            if daemon is not None:
+                await daemon.close()
     return run
 
 
@@ -543,10 +548,13 @@ def run_policy(
     on_record: Callable[[RequestRecord], None] | None = None,
     on_tick: Callable[[float, RatePoint | None], None] | None = None,
     config_overrides: Callable[[dict[str, Any]], None] | None = None,
+    daemons: int = 1,
 ) -> PolicyRun:
     """Starts the parts a policy needs, replays the workload, stops everything.
 
-    ``window_s``: the arrival window, at whose end the GPU's busy time is read too."""
+    ``window_s``: the arrival window, at whose end the GPU's busy time is read too.
+    ``daemons``: how many qosd daemons share the store (``redis_url``); the gateway
+    spreads requests over them, and the servers report to the first."""
     if policy is Policy.FIFO:
         with simulator_process(gpu) as simulator:
             return uvloop.run(
@@ -573,7 +581,7 @@ def run_policy(
         overrides=config_overrides,
     )
     with (
-        daemon_processes(tree) as (daemon,),
+        daemon_processes(tree, daemons) as (daemon, *replicas),
         simulator_process(gpu, qosd_target=daemon.address) as simulator,
     ):
         return uvloop.run(
@@ -583,6 +591,7 @@ def run_policy(
                 triton_address=simulator.grpc,
                 metrics_url=simulator.metrics_url,
                 qosd_address=daemon.address,
+                replica_addresses=[replica.address for replica in replicas],
                 drain_s=drain_s,
                 window_s=window_s,
                 on_record=on_record,

@@ -77,14 +77,17 @@ class Gateway:
         expected_output_tokens: int = EXPECTED_OUTPUT_TOKENS,
         on_record: Callable[[RequestRecord], None] | None = None,
         class_ranks: Mapping[str, int] | None = None,
+        replicas: Sequence[QosdClient] = (),
     ) -> None:
         """``class_ranks``: without qosd, each class's priority for servers that
         schedule by it (0 first), as a gateway that knows its classes would pass it;
-        with qosd, its answer's ``server_priority`` is passed instead."""
+        with qosd, its answer's ``server_priority`` is passed instead. ``replicas``:
+        more daemons of the same fleet; request i calls ``[qos, *replicas][i % n]``,
+        as gateway replicas behind a load balancer would."""
         self._class_ranks = class_ranks or {}
+        self._daemons = [qos, *replicas] if qos is not None else []
         self._triton = triton_client
         self._model = model
-        self._qos = qos
         self._expected_output_tokens = expected_output_tokens
         self._on_record = on_record
         self.records: list[RequestRecord] = []
@@ -122,9 +125,10 @@ class Gateway:
         # Triton's levels start at 1 (0: its default level).
         rank = self._class_ranks.get(request.qos_class)
         priority = 0 if rank is None else rank + 1
-        if self._qos is not None:
+        qos = self._daemons[request.index % len(self._daemons)] if self._daemons else None
+        if qos is not None:
             try:
-                decision = await self._qos.acquire(
+                decision = await qos.acquire(
                     request.qos_class,
                     request.input_tokens,
                     model=self._model,
@@ -161,15 +165,20 @@ class Gateway:
             outcome = Outcome.CANCELLED
             raise
         finally:
-            if lease_id and self._qos is not None:
-                await self._release(lease_id, request, record, outcome)
+            if lease_id and qos is not None:
+                await self._release(qos, lease_id, request, record, outcome)
 
     async def _release(
-        self, lease_id: str, request: Request, record: RequestRecord, outcome: Outcome
+        self,
+        qos: QosdClient,
+        lease_id: str,
+        request: Request,
+        record: RequestRecord,
+        outcome: Outcome,
     ) -> None:
         try:
             await asyncio.shield(
-                self._qos.release(  # type: ignore[union-attr]
+                qos.release(
                     lease_id,
                     input_tokens=request.input_tokens,
                     output_tokens=record.tokens_seen,  # what the GPU actually produced
