@@ -34,7 +34,7 @@ from qosd.model import (
     new_daemon_id,
     new_lease_token,
 )
-from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools, tenant_charge
+from qosd.policy import ClassPolicy, PoolPolicy, lease_token, resolve_pools
 from qosd.store.base import BucketStore
 from qosd.waiting import WaitingRoom
 
@@ -157,7 +157,6 @@ class Admission:
         self._default_pool = config.default_pool
         self._max_tokens = config.limits.max_request_tokens
         self._output_weight = config.cost.output_weight
-        self._fairness = config.fairness
         self._fail_open = config.fail_mode is FailMode.OPEN
 
     def reconfigure(self, config: Config) -> None:
@@ -283,18 +282,13 @@ class Admission:
         wait_ms, wait_cap_ms = self._waits(policy, max_wait_ms, ttft_ms, slo_ttft_ms, deadline_s)
         cost = (input_tokens + self._output_weight * expected_output_tokens) * policy.weight
         lease = LeaseSpec(
-            lease_id=f"{pool}:{policy.name}:{new_lease_token()}",
+            lease_id=f"{pool}:{policy.name}:{lease_token(policy, tenant)}",
             request_id=request_id,
             tenant=tenant,
             input_tokens=input_tokens,
             output_tokens=expected_output_tokens,
             weight=policy.weight,
             ttl_ms=self._lease_ttl_ms if lease_ttl_ms is None else lease_ttl_ms,
-            fair_charge=(
-                tenant_charge(self._fairness, tenant, input_tokens, expected_output_tokens)
-                if policy.fair_idle_ms
-                else 0.0
-            ),
         )
         pool_policy = self._pools[pool]
         decision = await self._take(pool_policy, policy, cost, lease, wait_ms, ttft_ms, wait_cap_ms)

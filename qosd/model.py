@@ -65,9 +65,6 @@ class LeaseSpec:
     output_tokens: int
     weight: float
     ttl_ms: int
-    # What it charges its tenant's counter where its class shares by tokens
-    # (policy.tenant_charge); 0: the class is first come, first served.
-    fair_charge: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

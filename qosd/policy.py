@@ -10,12 +10,58 @@ the rest shared) is derived where it is enforced, in the scripts (``lua/pool/all
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qosd.model import new_lease_token
+
 if TYPE_CHECKING:
-    from qosd.config import Config, FairnessConfig, PoolConfig
+    from qosd.config import Config, PoolConfig
+
+
+def tenant_digest(tenant: str) -> str:
+    """A tenant's name in the store: 16 hex digits of its BLAKE2b hash. Fixed length
+    and key-safe whatever the name, and carried in the lease id, so that whichever
+    daemon settles a lease finds the tenant's counter without another lookup."""
+    return hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest()
+
+
+def lease_token(cls: ClassPolicy, tenant: str) -> str:
+    """A new lease's token; in a class that shares by tokens it ends in ``-`` and its
+    tenant's digest (``tenant_of_lease`` reads it back)."""
+    token = new_lease_token()
+    return f"{token}-{tenant_digest(tenant)}" if cls.fair else token
+
+
+def tenant_of_lease(lease_id: str) -> str | None:
+    """The tenant digest a lease id carries; None for a lease of a first-come class."""
+    token = lease_id.rpartition(":")[2]
+    head, dash, digest = token.rpartition("-")
+    return digest if dash and head else None
+
+
+@dataclass(frozen=True, slots=True)
+class FairShares:
+    """A class whose tenants share it by tokens (``fairness: vtc``): what a request
+    charges its tenant's counter, per unit of the tenant's weight, and how long an
+    idle tenant's counter is kept (config.FairnessConfig)."""
+
+    idle_ms: int
+    input_weight: float
+    output_weight: float
+    default_weight: float
+    weights: tuple[tuple[str, float], ...] = ()  # (tenant digest, weight)
+
+    def per_token(self, digest: str) -> tuple[float, float]:
+        """The charge of one prompt token and of one output token to this tenant."""
+        weight = dict(self.weights).get(digest, self.default_weight)
+        return self.input_weight / weight, self.output_weight / weight
+
+    def charge(self, digest: str, input_tokens: int, output_tokens: int) -> float:
+        per_input, per_output = self.per_token(digest)
+        return per_input * input_tokens + per_output * output_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +85,7 @@ class ClassPolicy:
     floor_rate: float  # what the SLO loop leaves the class however far it cuts
     burst_s: float  # burst in seconds of rate; 0 when burst_tokens fixes it
     tenant_share: float  # tenant_max_share, 0 when none
-    # > 0: tenants share the class by tokens (fairness: vtc), each tenant's counter
-    # kept this long after its last charge; 0: first come, first served.
-    fair_idle_ms: int = 0
+    fair: FairShares | None = None  # None: the class's waiters go first come, first served
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +148,14 @@ def _prefill_backlog_ms(config: Config, pool: PoolConfig) -> float:
 def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
     """Precomputes every pool's policy so the hot path does dict lookups only."""
     ordered = sorted(config.classes.items(), key=lambda item: item[1].priority)
+    shares = config.fairness
+    fair = FairShares(
+        idle_ms=math.ceil(shares.idle_s * 1000),
+        input_weight=shares.input_weight,
+        output_weight=shares.output_weight,
+        default_weight=shares.default_weight,
+        weights=tuple((tenant_digest(t), w) for t, w in sorted(shares.tenant_weights.items())),
+    )
     pools: dict[str, PoolPolicy] = {}
     for pool_name, pool in config.pools.items():
         classes: list[ClassPolicy] = []
@@ -130,9 +182,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
                     floor_rate=cls.floor_share * pool.capacity_tokens_s,
                     burst_s=0.0 if cls.burst_tokens else cls.burst_s,
                     tenant_share=cls.tenant_max_share or 0.0,
-                    fair_idle_ms=(
-                        math.ceil(config.fairness.idle_s * 1000) if cls.fairness == "vtc" else 0
-                    ),
+                    fair=fair if cls.fairness == "vtc" else None,
                 )
             )
         assured = sum(c.share for c in config.classes.values())
@@ -159,16 +209,6 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             servers_by_priority=pool.servers_schedule_by_priority,
         )
     return pools
-
-
-def tenant_charge(
-    fairness: FairnessConfig, tenant: str, input_tokens: int, output_tokens: int
-) -> float:
-    """What a request charges its tenant's counter in a class that shares by tokens:
-    its weighted tokens per unit of the tenant's weight (config.FairnessConfig)."""
-    weight = fairness.tenant_weights.get(tenant, fairness.default_weight)
-    tokens = fairness.input_weight * input_tokens + fairness.output_weight * output_tokens
-    return tokens / weight
 
 
 def class_in(pool: PoolPolicy, name: str) -> ClassPolicy:

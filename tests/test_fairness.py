@@ -21,7 +21,7 @@ import pytest
 
 from qosd.config import Config
 from qosd.model import LeaseSpec, Outcome, UsageReport, Waiter, WaiterState, new_lease_token
-from qosd.policy import PoolPolicy, class_in, resolve_pools, tenant_charge
+from qosd.policy import PoolPolicy, class_in, lease_token, resolve_pools
 from qosd.store.embedded import EmbeddedStore
 from qosd_client import QosdClient
 from tests.clock import Clock
@@ -54,10 +54,8 @@ class Room:
         self.tenant_of: dict[str, str] = {}
 
     def spec(self, tenant: str, tokens: int) -> LeaseSpec:
-        fair = class_in(self.pool, "P1").fair_idle_ms > 0
-        charge = tenant_charge(self.config.fairness, tenant, tokens, 0) if fair else 0.0
-        return LeaseSpec(f"default:P1:{new_lease_token()}", "", tenant, tokens, 0, 1.0,
-                         60_000, fair_charge=charge)  # fmt: skip
+        token = lease_token(class_in(self.pool, "P1"), tenant)
+        return LeaseSpec(f"default:P1:{token}", "", tenant, tokens, 0, 1.0, 60_000)
 
     async def hold(self) -> LeaseSpec:
         """Takes the one slot with a P2 request."""
@@ -182,6 +180,66 @@ async def test_weights_share_the_class_in_proportion() -> None:
             assert not await room.request(tenant, 100)
     order = room.tenants(await room.serve_in_turn(holder))
     assert order[:8].count("gold") == 6
+
+
+@pytest.mark.fast
+async def test_release_settles_the_counter_with_the_real_output() -> None:
+    """Both tenants' first requests are charged their estimate (no output expected):
+    50 tokens and 100. One turns out to produce 1,000 output tokens, charged at
+    release (w_q 2). Its next three requests now start after the other tenant's
+    request, where by the estimate alone the first of them would go first."""
+    room = Room(one_slot())
+    talker, quiet = room.spec("talker", 50), room.spec("quiet", 100)
+    p1 = class_in(room.pool, "P1")
+    for spec in (talker, quiet):
+        assert (await room.store.acquire(room.pool, p1, 100, spec, 0, DAEMON)).admitted
+        usage = UsageReport(spec.input_tokens, 1_000 if spec is talker else 0, Outcome.OK, 0.0)
+        await room.store.release(room.pool, p1, spec.lease_id, usage)
+    holder = await room.hold()
+    for _ in range(3):
+        assert not await room.request("talker", 100)
+    assert not await room.request("quiet", 100)
+    order = room.tenants(await room.serve_in_turn(holder))
+    assert order == ["quiet", "talker", "talker", "talker"]
+
+
+@pytest.mark.fast
+async def test_an_undone_admission_gives_its_tenant_the_charge_back() -> None:
+    """An admission undone (its caller gone) refunds its tenant's counter in full: the
+    tenant's next request goes before one of a tenant charged 500 since."""
+    room = Room(one_slot())
+    p1 = class_in(room.pool, "P1")
+    gone, other = room.spec("gone", 1_000), room.spec("other", 500)
+    assert (await room.store.acquire(room.pool, p1, 100, gone, 0, DAEMON)).admitted
+    usage = UsageReport(None, None, Outcome.CANCELLED, 0.0)
+    await room.store.release(room.pool, p1, gone.lease_id, usage, exact=True)
+    assert (await room.store.acquire(room.pool, p1, 100, other, 0, DAEMON)).admitted
+    await room.release(other)
+    holder = await room.hold()
+    assert not await room.request("other", 100)
+    assert not await room.request("gone", 100)
+    assert room.tenants(await room.serve_in_turn(holder)) == ["gone", "other"]
+
+
+@pytest.mark.fast
+async def test_a_waiter_that_leaves_unserved_gives_its_charge_back() -> None:
+    """Queueing charged a waiter's tenant; the waiter timed out and was cancelled, so
+    the tenant has it back: its next request goes before one of a tenant served 50
+    tokens since."""
+    room = Room(one_slot())
+    p1 = class_in(room.pool, "P1")
+    holder = await room.hold()
+    assert not await room.request("impatient", 100)
+    await room.store.cancel(room.pool, room.waiters)
+    room.waiters.clear()
+    await room.release(holder)
+    other = room.spec("other", 50)
+    assert (await room.store.acquire(room.pool, p1, 50, other, 0, DAEMON)).admitted
+    await room.release(other)
+    holder = await room.hold()
+    assert not await room.request("other", 100)
+    assert not await room.request("impatient", 100)
+    assert room.tenants(await room.serve_in_turn(holder)) == ["impatient", "other"]
 
 
 @pytest.mark.fast

@@ -188,6 +188,9 @@ class WaiterArgs(NamedTuple):
     output_tokens: int
     has_request: int
     has_tenant: int
+    # As CancelArgs: what to give the tenant's counter back if the waiter is dropped
+    # (late, or gone) rather than admitted; its key follows the others; '0': none.
+    fair_refund: str
 
 
 class CancelArgs(NamedTuple):
@@ -195,6 +198,9 @@ class CancelArgs(NamedTuple):
 
     field: str
     qos_class: str
+    # A class that shares by tokens: the charge to give its tenant's counter back if
+    # the waiter was still waiting (its counter's key in KEYS); '0': none.
+    fair_refund: str
 
 
 class ReleaseArgs(NamedTuple):
@@ -207,6 +213,9 @@ class ReleaseArgs(NamedTuple):
     output_weight: str
     outcome: int
     exact: int  # 1: undo an admission, refunding the whole charge
+    # A class that shares by tokens: "<per prompt token>|<per output token>" its
+    # tenant's counter is charged (its key follows the lease hash); '': none.
+    fair_charges: str
 
 
 class AdjustArgs(NamedTuple):

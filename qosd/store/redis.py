@@ -44,7 +44,7 @@ from qosd.model import (
     WaiterState,
     lease_field,
 )
-from qosd.policy import ClassPolicy, PoolPolicy
+from qosd.policy import ClassPolicy, PoolPolicy, tenant_of_lease
 from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
 from qosd.store.contract import Settled, Status
@@ -220,7 +220,7 @@ class RedisStore:
                     floor_rate=repr(cls.floor_rate),
                     burst_s=repr(cls.burst_s),
                     tenant_share=repr(cls.tenant_share),
-                    fair_idle_ms=cls.fair_idle_ms,
+                    fair_idle_ms=cls.fair.idle_ms if cls.fair else 0,
                 )
             # As text once: Redis reads every argument as a string anyway.
             cached = _PoolArgs(prefix, keys, tuple(str(value) for value in policy))
@@ -312,6 +312,17 @@ class RedisStore:
 
     # -- acquire --------------------------------------------------------------------
 
+    @staticmethod
+    def _fair_counter(prefix: str, cls: ClassPolicy, lease: LeaseSpec) -> tuple[str, str]:
+        """The tenant counter's key and the request's charge, where the class shares by
+        tokens ((no key, '0') otherwise): queueing or admitting charges it, and a
+        waiter that leaves unserved gets it back."""
+        digest = tenant_of_lease(lease.lease_id) if cls.fair else None
+        if cls.fair is None or digest is None:
+            return "", "0"
+        charge = cls.fair.charge(digest, lease.input_tokens, lease.output_tokens)
+        return f"{prefix}vtc:{cls.name}:{digest}", repr(charge)
+
     def _request_keys(
         self, prefix: str, cls: ClassPolicy, lease: LeaseSpec
     ) -> tuple[list[str], int, int]:
@@ -341,9 +352,9 @@ class RedisStore:
         self._daemon_id = daemon_id
         args_for = self._args_for(pool)
         keys, has_request, has_tenant = self._request_keys(args_for.prefix, cls, lease)
-        fair = cls.fair_idle_ms > 0 and lease.fair_charge > 0
-        if fair:
-            keys.append(f"{args_for.prefix}vtc:{cls.name}:{lease.tenant}")
+        fair_key, fair_charge = self._fair_counter(args_for.prefix, cls, lease)
+        if fair_key:
+            keys.append(fair_key)
         args = contract.RequestArgs(
             qos_class=cls.name,
             cost=repr(cost),
@@ -359,7 +370,7 @@ class RedisStore:
             wait_cap_ms=wait_ms if wait_cap_ms is None else wait_cap_ms,
             has_request=has_request,
             has_tenant=has_tenant,
-            fair_charge=repr(lease.fair_charge) if fair else "0",
+            fair_charge=fair_charge,
         )
         reply = contract.Decision._make(await self._acquires.submit(pool.name, keys, args))
         if reply.reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
@@ -426,10 +437,10 @@ class RedisStore:
         args: list[Any] = [len(waiters), *self._policy(pool.name), *own]
         for waiter in waiters:
             lease = waiter.lease
-            waiter_keys, has_request, has_tenant = self._request_keys(
-                args_for.prefix, classes[waiter.qos_class], lease
-            )
-            keys += waiter_keys
+            cls = classes[waiter.qos_class]
+            waiter_keys, has_request, has_tenant = self._request_keys(args_for.prefix, cls, lease)
+            fair_key, fair_refund = self._fair_counter(args_for.prefix, cls, lease)
+            keys += [*waiter_keys, fair_key] if fair_key else waiter_keys
             args += contract.WaiterArgs(
                 field=waiter.id,
                 qos_class=waiter.qos_class,
@@ -442,6 +453,7 @@ class RedisStore:
                 output_tokens=lease.output_tokens,
                 has_request=has_request,
                 has_tenant=has_tenant,
+                fair_refund=fair_refund,
             )
         reply = await self._run(self._scripts["pump"], keys, args)
         results: list[PumpResult] = []
@@ -462,15 +474,16 @@ class RedisStore:
         return results
 
     async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
-        self._args_for(pool)
-        await asyncio.gather(
-            *(
-                self._cancels.submit(
-                    pool.name, (), contract.CancelArgs(field=waiter.id, qos_class=waiter.qos_class)
-                )
-                for waiter in waiters
+        args_for = self._args_for(pool)
+        classes = {cls.name: cls for cls in pool.classes}
+        calls = []
+        for waiter in waiters:
+            fair_key, refund = self._fair_counter(
+                args_for.prefix, classes[waiter.qos_class], waiter.lease
             )
-        )
+            args = contract.CancelArgs(waiter.id, waiter.qos_class, fair_refund=refund)
+            calls.append(self._cancels.submit(pool.name, (fair_key,) if fair_key else (), args))
+        await asyncio.gather(*calls)
 
     # -- release --------------------------------------------------------------------
 
@@ -484,9 +497,15 @@ class RedisStore:
         exact: bool = False,
     ) -> Settlement:
         args_for = self._args_for(pool)
+        keys = [self._lease_hash(args_for.prefix, lease_id)]
+        digest = tenant_of_lease(lease_id) if cls.fair else None
+        fair_charges = ""
+        if cls.fair is not None and digest is not None:
+            keys.append(f"{args_for.prefix}vtc:{cls.name}:{digest}")
+            fair_charges = "|".join(repr(c) for c in cls.fair.per_token(digest))
         reply = await self._releases.submit(
             pool.name,
-            (self._lease_hash(args_for.prefix, lease_id),),
+            keys,
             contract.ReleaseArgs(
                 qos_class=cls.name,
                 field=lease_field(lease_id),
@@ -495,6 +514,7 @@ class RedisStore:
                 output_weight=repr(usage.output_weight),
                 outcome=int(usage.outcome),
                 exact=1 if exact else 0,
+                fair_charges=fair_charges,
             ),
         )
         settled = contract.Settlement._make(reply)

@@ -1,14 +1,25 @@
 -- Take waiters out of their queues: their caller timed out or went away. A waiter
--- holds no tokens, so nothing else changes. Pool state and helpers from the pool prelude.
+-- holds no tokens, so nothing else changes, but in a class that shares by tokens its
+-- tenant gets back what queueing it charged. Pool state and helpers from the pool
+-- prelude.
 -- Script arguments: CANCEL per waiter (qosd/store/contract.py: its lease field, the
--- waiter id, and class).
+-- waiter id, its class, and the charge to refund). Keys: its tenant's counter, for a
+-- waiter with a refund.
 -- Returns CANCELLED per waiter: 1 if it was still waiting, 0 if it was not there.
 local reply = {}
 local a = ARGS_BEFORE
+local k = NEXT_KEY
 for r = 1, tonumber(ARGV[ARG_CALLS]) do
+  local i = class_index[ARGV[a + ARG_CANCEL_QOS_CLASS]]
   -- The queue entry goes even when its record is missing (it must not linger).
-  reply[(r - 1) * CANCELLED_FIELDS + REPLY_CANCELLED_REMOVED] =
-    remove_waiter(class_index[ARGV[a + ARG_CANCEL_QOS_CLASS]], ARGV[a + ARG_CANCEL_FIELD])
+  local removed = remove_waiter(i, ARGV[a + ARG_CANCEL_FIELD])
+  reply[(r - 1) * CANCELLED_FIELDS + REPLY_CANCELLED_REMOVED] = removed
+  if ARGV[a + ARG_CANCEL_FAIR_REFUND] ~= '0' then
+    if removed == 1 then
+      tenant.refund(i, KEYS[k], tonumber(ARGV[a + ARG_CANCEL_FAIR_REFUND]))
+    end
+    k = k + 1
+  end
   a = a + CANCEL_ARGS
 end
 save_state()

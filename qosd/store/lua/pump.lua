@@ -72,6 +72,10 @@ do
       m.tenant_key = KEYS[k]
       k = k + 1
     end
+    if ARGV[a + ARG_WAITER_FAIR_REFUND] ~= '0' then
+      m.fair_key, m.fair_refund = KEYS[k], tonumber(ARGV[a + ARG_WAITER_FAIR_REFUND])
+      k = k + 1
+    end
     mine[m.field] = m
     order[#order + 1] = m
     a = a + WAITER_ARGS
@@ -210,6 +214,9 @@ for _, m in ipairs(order) do
     else
       status = STATUS_WAITING
     end
+  end
+  if m.fair_key and (status == STATUS_LATE or status == STATUS_GONE) then
+    tenant.refund(m.class, m.fair_key, m.fair_refund)  -- dropped unserved
   end
   reply[n + REPLY_DECISION_STATUS] = status
   reply[n + REPLY_DECISION_REASON] = REASON_NONE

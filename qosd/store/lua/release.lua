@@ -7,7 +7,8 @@
 -- Script arguments: RELEASE per release (qosd/store/contract.py): class, lease
 -- field, actual input and output tokens ('' keeps the estimate), output_weight,
 -- outcome, exact (1: undo an admission, refunding the whole charge; 0: a release).
--- Keys per release: its lease hash.
+-- Keys per release: its lease hash, then its tenant's counter where its class shares
+-- by tokens (fair_charges set).
 --
 -- An active lease field is "expiry_us|charged|weight|input|output" (pool/lease_writes.lua);
 -- settling turns it into "R|final|adjustment|outcome", which stays until the lease
@@ -66,6 +67,10 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       lease_ended(i, tonumber(input) + tonumber(output), tonumber(expiry))  -- as estimated
       local actual_input = ARGV[a + ARG_RELEASE_INPUT_TOKENS]
       local actual_output = ARGV[a + ARG_RELEASE_OUTPUT_TOKENS]
+      if ARGV[a + ARG_RELEASE_FAIR_CHARGES] ~= '' then  -- its tenant's counter follows
+        tenant.settle(i, KEYS[k + 1], ARGV[a + ARG_RELEASE_FAIR_CHARGES], input, output,
+          actual_input, actual_output, ARGV[a + ARG_RELEASE_EXACT] == '1')
+      end
       if actual_input ~= '' then input = actual_input end
       if actual_output ~= '' then output = actual_output end
       local output_weight = tonumber(ARGV[a + ARG_RELEASE_OUTPUT_WEIGHT])
@@ -89,6 +94,9 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
     end
   end
   k = k + 1
+  if ARGV[a + ARG_RELEASE_FAIR_CHARGES] ~= '' then
+    k = k + 1  -- past the tenant's counter
+  end
   a = a + RELEASE_ARGS
 end
 

@@ -66,6 +66,39 @@ function tenant.charge(i, key, start, charge)
   redis.call('SET', key, num(start + charge), 'PX', classes[i].fair_idle_ms)
 end
 
+-- A lease of class i settled: its tenant's counter (at `key`) moves by the real
+-- usage less the estimate it was charged (`input`, `output`), at `charges`
+-- ("<per prompt token>|<per output token>"); `undo`: the admission is undone, and
+-- the whole charge comes back. A counter that has expired is left alone: its tenant
+-- was idle, and comes back where the backlogged ones stand.
+function tenant.settle(i, key, charges, input, output, actual_input, actual_output, undo)
+  local per_input, per_output = string.match(charges, '^([^|]*)|(.*)$')
+  per_input, per_output = tonumber(per_input), tonumber(per_output)
+  local delta = -(per_input * tonumber(input) + per_output * tonumber(output))
+  if not undo then
+    delta = 0
+    if actual_input ~= '' then
+      delta = delta + per_input * (tonumber(actual_input) - tonumber(input))
+    end
+    if actual_output ~= '' then
+      delta = delta + per_output * (tonumber(actual_output) - tonumber(output))
+    end
+  end
+  local counter = tonumber(redis.call('GET', key))
+  if counter and delta ~= 0 then
+    redis.call('SET', key, num(counter + delta), 'PX', classes[i].fair_idle_ms)
+  end
+end
+
+-- A waiter of class i left the queue unserved (timed out, gone, or late): its tenant
+-- gets back what queueing it charged.
+function tenant.refund(i, key, charge)
+  local counter = tonumber(redis.call('GET', key))
+  if counter then
+    redis.call('SET', key, num(counter - charge), 'PX', classes[i].fair_idle_ms)
+  end
+end
+
 -- A request that started at `start` was admitted: the class's virtual time reaches it.
 function tenant.admitted(i, start)
   if start > tenant.virtual_time(i) then
