@@ -243,6 +243,25 @@ async def test_a_waiter_that_leaves_unserved_gives_its_charge_back() -> None:
 
 
 @pytest.mark.fast
+async def test_a_tenant_with_later_waiters_keeps_the_charge_of_one_that_left() -> None:
+    """A tenant's first of two waiters times out: its second was queued to start after
+    it, so the counter stays where the second left it. Given back, the tenant's next
+    request would start ahead of its own queued one, and a tenant whose flood mostly
+    times out would send a request to the front with every new one."""
+    room = Room(one_slot())
+    await room.hold()
+    for _ in range(2):
+        assert not await room.request("flood", 100)
+    host = room.store.transport.host
+    (key,) = [k for k in sorted(host.keys()) if ":vtc:P1:" in k]
+    before = float(host.call("GET", key))
+    await room.store.cancel(room.pool, room.waiters[:1])
+    assert float(host.call("GET", key)) == before == 200
+    await room.store.cancel(room.pool, room.waiters[1:])  # now its last: given back
+    assert float(host.call("GET", key)) == 100
+
+
+@pytest.mark.fast
 async def test_counters_of_idle_tenants_expire() -> None:
     """2,000 tenants, one request each 1 ms apart, leave a counter each, which is gone
     ``fairness.idle_s`` after its charge."""

@@ -430,6 +430,18 @@ function commands.ZRANGE(key, start, stop, option, ...)
   return reply
 end
 
+function commands.ZSCORE(key, member)
+  if member == nil then
+    arity(1, 2, 'ZSCORE')
+  end
+  local zset = typed(str(key), 'zset')
+  local score = zset and zset.scores[str(member)]
+  if score == nil then
+    return false  -- a nil bulk reply, as redis.call gives it
+  end
+  return score_text(score)
+end
+
 function commands.ZCARD(key)
   local zset = typed(str(key), 'zset')
   return zset and zset.n or 0

@@ -205,6 +205,9 @@ for _, m in ipairs(order) do
   local status = STATUS_ADMITTED
   if not m.admitted then
     if by_deadline.late_waiters[m.field] then
+      if m.fair_key then
+        m.start = tonumber(redis.call('ZSCORE', classes[m.class].queue, m.field))
+      end
       remove_waiter(by_deadline.late_waiters[m.field], m.field)  -- answered REASON_DEADLINE
       status = STATUS_LATE
     elseif redis.call('HEXISTS', WAITERS, m.field) == 0 then
@@ -215,8 +218,8 @@ for _, m in ipairs(order) do
       status = STATUS_WAITING
     end
   end
-  if m.fair_key and (status == STATUS_LATE or status == STATUS_GONE) then
-    tenant.refund(m.class, m.fair_key, m.fair_refund)  -- dropped unserved
+  if m.fair_key and status == STATUS_LATE then
+    tenant.refund(m.class, m.fair_key, m.fair_refund, m.start)  -- dropped unserved
   end
   reply[n + REPLY_DECISION_STATUS] = status
   reply[n + REPLY_DECISION_REASON] = REASON_NONE

@@ -90,12 +90,17 @@ function tenant.settle(i, key, charges, input, output, actual_input, actual_outp
   end
 end
 
--- A waiter of class i left the queue unserved (timed out, gone, or late): its tenant
--- gets back what queueing it charged.
-function tenant.refund(i, key, charge)
+-- A waiter of class i, queued to start at `start`, left the queue unserved (timed
+-- out, cancelled, or late). If it was its tenant's last charge, the counter goes
+-- back to its start, so a tenant whose lone request timed out is not charged for
+-- it. Otherwise the tenant's later waiters were queued after it, and the counter
+-- stays: taken back, it would let the tenant's next request start ahead of its own
+-- queued ones, and a tenant that floods the queue (most of whose waiters time out)
+-- would take a request to the front of the class with every one it sends.
+function tenant.refund(i, key, charge, start)
   local counter = tonumber(redis.call('GET', key))
-  if counter then
-    redis.call('SET', key, num(counter - charge), 'PX', classes[i].fair_idle_ms)
+  if counter and start and math.abs(counter - (start + charge)) <= 1e-9 * math.max(1, counter) then
+    redis.call('SET', key, num(start), 'PX', classes[i].fair_idle_ms)
   end
 end
 
