@@ -40,6 +40,8 @@ from prometheus_client import (
 from qosd_client.types import Status
 from qosd_client.v1 import qosd_pb2
 
+#: Tenants shown per pool and class in ``qosd_tenant_admitted_tokens``: the top ones.
+TOP_TENANTS = 10
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
@@ -63,6 +65,35 @@ class _LocalGauge(Gauge):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             super().clear()
+
+
+class TopTenants:
+    """The heaviest tenants by tokens admitted, in bounded memory: the space-saving
+    algorithm (Metwally et al., 2005) over ``4 x k`` slots. A tenant not tracked takes
+    the lightest slot and its count, so a count overstates by at most that count, and
+    any tenant with more than a ``1 / (4 k)`` share of the tokens is always tracked.
+    Any number of tenants thus costs ``4 x k`` entries per pool and class, and the page
+    shows ``k`` series of them."""
+
+    def __init__(self, k: int = TOP_TENANTS) -> None:
+        self.k = k
+        self._slots = 4 * k
+        self._counts: dict[str, float] = {}
+
+    def add(self, tenant: str, tokens: float) -> None:
+        counts = self._counts
+        if tenant in counts or len(counts) < self._slots:
+            counts[tenant] = counts.get(tenant, 0.0) + tokens
+            return
+        lightest = min(counts, key=counts.__getitem__)
+        counts[tenant] = counts.pop(lightest) + tokens
+
+    def top(self) -> list[tuple[str, float]]:
+        return sorted(self._counts.items(), key=lambda item: -item[1])[: self.k]
+
+    @property
+    def tracked(self) -> int:
+        return len(self._counts)
 
 
 class Metrics:
@@ -236,6 +267,14 @@ class Metrics:
             registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self._decision_children: dict[tuple[str, str, bool, int], tuple[Any, Any]] = {}
+        self.tenant_tokens = self._gauge(
+            "qosd_tenant_admitted_tokens",
+            f"Prompt plus expected output tokens this daemon admitted, per tenant: the top "
+            f"{TOP_TENANTS} tenants of each pool and class only (estimates that may overstate "
+            "a tenant by the lightest tracked one's count), so the series stay bounded.",
+            ["pool", "class", "tenant"],
+        )
+        self._top_tenants: dict[tuple[str, str], TopTenants] = {}
 
     @property
     def multiprocess(self) -> bool:
@@ -265,6 +304,12 @@ class Metrics:
         children[0].inc()
         if waited_ms:
             children[1].observe(waited_ms / 1000)
+
+    def tenant_admitted(self, pool: str, qos_class: str, tenant: str, tokens: int) -> None:
+        top = self._top_tenants.get((pool, qos_class))
+        if top is None:
+            top = self._top_tenants[(pool, qos_class)] = TopTenants()
+        top.add(tenant, tokens)
 
     def update_from_status(self, status: Status, leads: bool) -> None:
         """Sets the state gauges from the status service's read (qosd/status.py): the
@@ -303,6 +348,10 @@ class Metrics:
                         ("p99", percentiles.p99_ms),
                     ):
                         self.latency.labels(*labels, metric, percentile).set(value / 1000)
+        self.tenant_tokens.clear()  # the top changes: only the current one is shown
+        for (pool_name, class_name), top in self._top_tenants.items():
+            for tenant, tokens in top.top():
+                self.tenant_tokens.labels(pool_name, class_name, tenant).set(tokens)
         self.store_up.set(1)
         self.leader.set(1 if leads else 0)
 

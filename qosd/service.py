@@ -83,6 +83,9 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         self._metrics.acquire(
             outcome.pool, request.qos_class, decision.admitted, decision.reason, outcome.waited_ms
         )
+        if decision.admitted and request.tenant:
+            tokens = request.input_tokens + request.expected_output_tokens
+            self._metrics.tenant_admitted(outcome.pool, request.qos_class, request.tenant, tokens)
         if span is not None:
             tracing.annotate_acquire(span, outcome)
         return qosd_pb2.AcquireResponse(

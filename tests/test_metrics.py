@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qosd.config import Config
+from qosd.metrics import TopTenants
 from qosd.server import Daemon, start
 from qosd_client import (
     InvalidRequest,
@@ -139,6 +140,36 @@ def _promtool_accepts(text: str) -> None:
 def own_redis() -> Iterator[RedisServer]:
     with redis_server() as server:
         yield server
+
+
+async def test_only_the_top_tenants_are_series(daemon: Daemon) -> None:
+    """Thirty tenants admitted in P1, tenant n with 10 x n tokens: the page shows the
+    ten heaviest, each with the tokens it was admitted, and no other tenant."""
+    async with QosdClient(daemon.addresses[0]) as qos:
+        for n in range(1, 31):
+            result = await qos.acquire("P1", 10 * n, tenant=f"tenant-{n}", model="llama-3-8b")
+            assert result.admitted
+            await qos.release(result.lease_id)
+    _, samples = await _scrape(daemon)
+    shown = {
+        dict(labels)["tenant"]: value
+        for (name, labels), value in samples.items()
+        if name == "qosd_tenant_admitted_tokens"
+    }
+    assert shown == {f"tenant-{n}": 10 * n for n in range(21, 31)}
+
+
+def test_the_top_tenants_stay_bounded_and_keep_the_heavy_ones() -> None:
+    """10,000 tenants of 1 token each and one of 5,000: 40 slots, and the heavy one is
+    first, its count overstated by at most the lightest slot's."""
+    top = TopTenants(k=10)
+    for n in range(10_000):
+        top.add(f"light-{n}", 1)
+        if n % 2 == 0:
+            top.add("heavy", 1)
+    first, count = top.top()[0]
+    assert first == "heavy" and 5_000 <= count <= 5_000 + 10_000 / 40
+    assert len(top.top()) == 10 and top.tracked == 40
 
 
 async def test_store_errors_and_store_up(own_redis: RedisServer) -> None:
