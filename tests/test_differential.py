@@ -54,7 +54,7 @@ from qosd.model import (
     Waiter,
     WaiterState,
 )
-from qosd.policy import PoolPolicy, resolve_pools
+from qosd.policy import PoolPolicy, resolve_pools, tenant_digest
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.redis import RedisStore
@@ -63,6 +63,7 @@ T = TypeVar("T")
 DAEMON = "differential"
 FROZEN_US = 1_000_000_000_000
 CLASSES = ("P0", "P1", "P2")
+TENANTS = ("acme", "globex", "initech")  # P1 shares by tokens among them
 MAX_COST = 300  # above the largest burst (224) too
 # Costs mostly small, so that buckets last, sometimes up to and over a burst. The real
 # count at release is a multiple of the cost: half the time less (a refund, which is
@@ -89,7 +90,10 @@ def pool_config(gated: bool) -> dict[str, Any]:
         "pools": {"default": pool},
         "classes": {
             "P0": {"priority": 0, "share": 0.5, "burst_s": burst_s, "max_wait_ms": MAX_WAIT_MS},
-            "P1": {"priority": 1, "share": 0.25, "burst_s": burst_s, "max_wait_ms": MAX_WAIT_MS},
+            # P1's tenants share it by tokens (VTC): its waiters go by their tenant's
+            # counter, whose keys and refunds the two runtimes must also agree on.
+            "P1": {"priority": 1, "share": 0.25, "burst_s": burst_s, "max_wait_ms": MAX_WAIT_MS,
+                   "fairness": "vtc"},
             "P2": {"priority": 2, "share": 0.125, "burst_s": burst_s, "max_wait_ms": MAX_WAIT_MS,
                    "can_borrow": False},
         },
@@ -188,8 +192,12 @@ class Budgets(RuleBasedStateMachine):
         self.stores.close()
 
     def lease(self, qos_class: str, cost: int, request_id: str = "") -> LeaseSpec:
-        token = f"{next(self.tokens):08x}{'0' * 24}"
-        return LeaseSpec(f"default:{qos_class}:{token}", request_id, "", cost, 0, 1.0, 600_000)
+        n = next(self.tokens)
+        token = f"{n:08x}{'0' * 24}"
+        tenant = TENANTS[n % len(TENANTS)]
+        if self.stores.classes[qos_class].fair is not None:
+            token = f"{token}-{tenant_digest(tenant)}"
+        return LeaseSpec(f"default:{qos_class}:{token}", request_id, tenant, cost, 0, 1.0, 600_000)
 
     @initialize()
     def start(self) -> None:
