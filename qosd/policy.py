@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qosd.model import new_lease_token
@@ -52,11 +53,11 @@ class FairShares:
     input_weight: float
     output_weight: float
     default_weight: float
-    weights: tuple[tuple[str, float], ...] = ()  # (tenant digest, weight)
+    weights: Mapping[str, float] = field(default_factory=dict)  # by tenant digest
 
     def per_token(self, digest: str) -> tuple[float, float]:
         """The charge of one prompt token and of one output token to this tenant."""
-        weight = dict(self.weights).get(digest, self.default_weight)
+        weight = self.weights.get(digest, self.default_weight)
         return self.input_weight / weight, self.output_weight / weight
 
     def charge(self, digest: str, input_tokens: int, output_tokens: int) -> float:
@@ -154,7 +155,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
         input_weight=shares.input_weight,
         output_weight=shares.output_weight,
         default_weight=shares.default_weight,
-        weights=tuple((tenant_digest(t), w) for t, w in sorted(shares.tenant_weights.items())),
+        weights={tenant_digest(t): w for t, w in shares.tenant_weights.items()},
     )
     pools: dict[str, PoolPolicy] = {}
     for pool_name, pool in config.pools.items():

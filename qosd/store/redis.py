@@ -44,7 +44,7 @@ from qosd.model import (
     WaiterState,
     lease_field,
 )
-from qosd.policy import ClassPolicy, PoolPolicy, tenant_of_lease
+from qosd.policy import ClassPolicy, FairShares, PoolPolicy, tenant_of_lease
 from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
 from qosd.store.contract import Settled, Status
@@ -313,15 +313,26 @@ class RedisStore:
     # -- acquire --------------------------------------------------------------------
 
     @staticmethod
-    def _fair_counter(prefix: str, cls: ClassPolicy, lease: LeaseSpec) -> tuple[str, str]:
+    def _tenant_counter(
+        prefix: str, cls: ClassPolicy, lease_id: str
+    ) -> tuple[str, FairShares, str] | None:
+        """The counter key of a lease's tenant, with the class's charges and the tenant's
+        digest; None where the class does not share by tokens."""
+        digest = tenant_of_lease(lease_id) if cls.fair else None
+        if cls.fair is None or digest is None:
+            return None
+        return f"{prefix}vtc:{cls.name}:{digest}", cls.fair, digest
+
+    @classmethod
+    def _fair_counter(cls, prefix: str, policy: ClassPolicy, lease: LeaseSpec) -> tuple[str, str]:
         """The tenant counter's key and the request's charge, where the class shares by
         tokens ((no key, '0') otherwise): queueing or admitting charges it, and a
         waiter that leaves unserved gets it back."""
-        digest = tenant_of_lease(lease.lease_id) if cls.fair else None
-        if cls.fair is None or digest is None:
+        counter = cls._tenant_counter(prefix, policy, lease.lease_id)
+        if counter is None:
             return "", "0"
-        charge = cls.fair.charge(digest, lease.input_tokens, lease.output_tokens)
-        return f"{prefix}vtc:{cls.name}:{digest}", repr(charge)
+        key, fair, digest = counter
+        return key, repr(fair.charge(digest, lease.input_tokens, lease.output_tokens))
 
     def _request_keys(
         self, prefix: str, cls: ClassPolicy, lease: LeaseSpec
@@ -498,11 +509,12 @@ class RedisStore:
     ) -> Settlement:
         args_for = self._args_for(pool)
         keys = [self._lease_hash(args_for.prefix, lease_id)]
-        digest = tenant_of_lease(lease_id) if cls.fair else None
+        counter = self._tenant_counter(args_for.prefix, cls, lease_id)
         fair_charges = ""
-        if cls.fair is not None and digest is not None:
-            keys.append(f"{args_for.prefix}vtc:{cls.name}:{digest}")
-            fair_charges = "|".join(repr(c) for c in cls.fair.per_token(digest))
+        if counter is not None:
+            key, fair, digest = counter
+            keys.append(key)
+            fair_charges = "|".join(repr(c) for c in fair.per_token(digest))
         reply = await self._releases.submit(
             pool.name,
             keys,

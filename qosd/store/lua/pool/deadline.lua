@@ -69,8 +69,8 @@ function by_deadline.lateness_us(i, due, input)
     return nil
   end
   local ahead = state.prefill_real_until
-  if i == 1 and gate.servers_by_priority then
-    ahead = state.prefill_top_until
+  if i == 1 then
+    ahead = prefill_ahead_until(1)  -- budget.lua: its own clock where servers serve it first
   end
   return math.max(now, ahead) + own - due
 end
