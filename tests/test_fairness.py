@@ -78,10 +78,22 @@ class Room:
             self.tenant_of[spec.lease_id] = tenant
         return decision.admitted
 
-    async def release(self, spec: LeaseSpec) -> None:
+    async def admit(self, tenant: str, tokens: int) -> LeaseSpec:
+        """A P1 request admitted at once (the slot is free); its lease."""
+        spec = self.spec(tenant, tokens)
+        p1 = class_in(self.pool, "P1")
+        assert (await self.store.acquire(self.pool, p1, tokens, spec, 0, DAEMON)).admitted
+        return spec
+
+    async def release(self, spec: LeaseSpec, output_tokens: int = 0, *, undo: bool = False) -> None:
+        """Settles a lease with its prompt and ``output_tokens``; ``undo``: the admission
+        is undone, its caller gone."""
         cls = class_in(self.pool, spec.lease_id.split(":")[1])
-        usage = UsageReport(spec.input_tokens, 0, Outcome.OK, 0.0)
-        await self.store.release(self.pool, cls, spec.lease_id, usage)
+        if undo:
+            usage = UsageReport(None, None, Outcome.CANCELLED, 0.0)
+        else:
+            usage = UsageReport(spec.input_tokens, output_tokens, Outcome.OK, 0.0)
+        await self.store.release(self.pool, cls, spec.lease_id, usage, exact=undo)
 
     async def serve_in_turn(self, holder: LeaseSpec) -> list[LeaseSpec]:
         """Frees the slot, lets the next waiter in, and so on until none waits: the
@@ -189,12 +201,8 @@ async def test_release_settles_the_counter_with_the_real_output() -> None:
     release (w_q 2). Its next three requests now start after the other tenant's
     request, where by the estimate alone the first of them would go first."""
     room = Room(one_slot())
-    talker, quiet = room.spec("talker", 50), room.spec("quiet", 100)
-    p1 = class_in(room.pool, "P1")
-    for spec in (talker, quiet):
-        assert (await room.store.acquire(room.pool, p1, 100, spec, 0, DAEMON)).admitted
-        usage = UsageReport(spec.input_tokens, 1_000 if spec is talker else 0, Outcome.OK, 0.0)
-        await room.store.release(room.pool, p1, spec.lease_id, usage)
+    await room.release(await room.admit("talker", 50), output_tokens=1_000)
+    await room.release(await room.admit("quiet", 100))
     holder = await room.hold()
     for _ in range(3):
         assert not await room.request("talker", 100)
@@ -208,13 +216,8 @@ async def test_an_undone_admission_gives_its_tenant_the_charge_back() -> None:
     """An admission undone (its caller gone) refunds its tenant's counter in full: the
     tenant's next request goes before one of a tenant charged 500 since."""
     room = Room(one_slot())
-    p1 = class_in(room.pool, "P1")
-    gone, other = room.spec("gone", 1_000), room.spec("other", 500)
-    assert (await room.store.acquire(room.pool, p1, 100, gone, 0, DAEMON)).admitted
-    usage = UsageReport(None, None, Outcome.CANCELLED, 0.0)
-    await room.store.release(room.pool, p1, gone.lease_id, usage, exact=True)
-    assert (await room.store.acquire(room.pool, p1, 100, other, 0, DAEMON)).admitted
-    await room.release(other)
+    await room.release(await room.admit("gone", 1_000), undo=True)
+    await room.release(await room.admit("other", 500))
     holder = await room.hold()
     assert not await room.request("other", 100)
     assert not await room.request("gone", 100)
@@ -227,15 +230,12 @@ async def test_a_waiter_that_leaves_unserved_gives_its_charge_back() -> None:
     the tenant has it back: its next request goes before one of a tenant served 50
     tokens since."""
     room = Room(one_slot())
-    p1 = class_in(room.pool, "P1")
     holder = await room.hold()
     assert not await room.request("impatient", 100)
     await room.store.cancel(room.pool, room.waiters)
     room.waiters.clear()
     await room.release(holder)
-    other = room.spec("other", 50)
-    assert (await room.store.acquire(room.pool, p1, 50, other, 0, DAEMON)).admitted
-    await room.release(other)
+    await room.release(await room.admit("other", 50))
     holder = await room.hold()
     assert not await room.request("other", 100)
     assert not await room.request("impatient", 100)
