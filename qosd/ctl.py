@@ -70,6 +70,14 @@ def add_commands(commands: Any) -> None:
     status.add_argument("--pool", default="", help="only this pool")
     status.add_argument("--history", type=int, default=5, help="rate changes to show per pool")
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="show this tenant's counter, tokens served and waiters in each class that "
+        "shares by tokens (repeatable)",
+    )
 
     watch = commands.add_parser("watch", help="status, redrawn every --interval seconds")
     address(watch)
@@ -110,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             args.address, timeout_s=args.timeout, tls=client_tls(args), token_file=args.token_file
         ) as client:
             if args.command == "status":
-                status = client.status(args.pool, history=args.history)
+                status = client.status(args.pool, history=args.history, tenants=args.tenant)
                 if args.json:
                     print(json.dumps(dataclasses.asdict(status), indent=2))
                 else:
@@ -234,6 +242,8 @@ def render_pool(pool: PoolState) -> str:
         f"{'samples':>9}{'comply':>8}  {'p50 / p99 (ms)':<28}objectives"
     )
     lines.extend(_class_line(cls) for cls in pool.classes)
+    for cls in pool.classes:
+        lines.extend(_tenant_lines(cls))
     changes = pool.history or ((pool.last_change,) if pool.last_change else ())
     for change in changes:
         lines.append(
@@ -241,6 +251,23 @@ def render_pool(pool: PoolState) -> str:
             f"{change.to_tokens_s:,.0f} ({change.reason})"
         )
     return "\n".join(lines)
+
+
+def _tenant_lines(cls: ClassState) -> list[str]:
+    """The tenants asked for in a class that shares by tokens: a table under it."""
+    if not cls.tenants:
+        return []
+    lines = [
+        f"  {cls.name} tenants (fair shares by tokens):",
+        f"    {'tenant':<24}{'weight':>8}{'counter':>14}{'served tokens':>15}{'waiting':>9}",
+    ]
+    for tenant in cls.tenants:
+        counter = f"{tenant.counter:,.0f}" if tenant.live else "idle"
+        lines.append(
+            f"    {tenant.name:<24}{tenant.weight:>8g}{counter:>14}"
+            f"{tenant.served_tokens:>15,.0f}{tenant.waiting:>9}"
+        )
+    return lines
 
 
 def _class_line(cls: ClassState) -> str:

@@ -130,6 +130,17 @@ class ClassStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantStatus:
+    """One tenant of a class that shares by tokens, as the store holds it now."""
+
+    qos_class: str
+    tenant: str
+    counter: float | None  # tokens charged per unit of weight; None: idle, none kept
+    served_tokens: float  # prompt plus output tokens admitted while live
+    waiting: int  # its waiters in the class's queue
+
+
+@dataclass(frozen=True, slots=True)
 class ServerLoad:
     """One model server's gauges at one read (ReportRequest.loads): requests it holds
     waiting, and the share of its KV cache in use; None: not known."""

@@ -55,9 +55,13 @@ class FairShares:
     default_weight: float
     weights: Mapping[str, float] = field(default_factory=dict)  # by tenant digest
 
+    def weight(self, digest: str) -> float:
+        """The tenant's weight: its share of the class relative to the others'."""
+        return self.weights.get(digest, self.default_weight)
+
     def per_token(self, digest: str) -> tuple[float, float]:
         """The charge of one prompt token and of one output token to this tenant."""
-        weight = self.weights.get(digest, self.default_weight)
+        weight = self.weight(digest)
         return self.input_weight / weight, self.output_weight / weight
 
     def charge(self, digest: str, input_tokens: int, output_tokens: int) -> float:

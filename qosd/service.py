@@ -31,7 +31,7 @@ from qosd.model import (
     StoreUnavailable,
 )
 from qosd.policy import PoolPolicy
-from qosd.status import MAX_HISTORY, StatusService
+from qosd.status import MAX_HISTORY, MAX_STATUS_TENANTS, StatusService
 from qosd.v1 import envoy_rls_pb2
 
 # The client's own mapping of status to protobuf, beside its inverse (one definition).
@@ -226,8 +226,15 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"history must be between 0 and {MAX_HISTORY} (got {request.history})",
             )
+        tenants = list(request.tenants)
+        if len(tenants) > MAX_STATUS_TENANTS or not all(tenants):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tenants must name at most {MAX_STATUS_TENANTS} tenants, none of them empty "
+                f"(got {len(tenants)})",
+            )
         try:
-            return status_message(await self._status.status(names, request.history))
+            return status_message(await self._status.status(names, request.history, tenants))
         except StoreUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"store unavailable: {exc}")
             raise  # abort raised already; this tells the type checker

@@ -14,14 +14,14 @@ and the controller) rather than reaching through the admission layer for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from qosd.config import Config, SloConfig
 from qosd.control import windows as slo_stats
 from qosd.control.leader import Controller
 from qosd.control.windows import WindowStats, window_stats
-from qosd.model import Adjustment
-from qosd.policy import PoolPolicy
+from qosd.model import Adjustment, TenantStatus
+from qosd.policy import ClassPolicy, PoolPolicy, tenant_digest
 from qosd.store.base import BucketStore
 from qosd.waiting import WaitingRoom
 from qosd_client.types import (
@@ -31,10 +31,14 @@ from qosd_client.types import (
     PoolState,
     RateChange,
     Status,
+    TenantState,
 )
 
 #: Most past rate changes one status read returns per pool: what the store keeps.
 MAX_HISTORY = 100
+#: Most tenants one status read shows: each costs a key read per class that shares by
+#: tokens, and their classes' queues are read once.
+MAX_STATUS_TENANTS = 100
 
 
 class StatusService:
@@ -72,22 +76,31 @@ class StatusService:
         """Whether this daemon runs the SLO loop now."""
         return self._controller.running and self._controller.leads
 
-    async def status(self, pools: list[str], history: int = 0) -> Status:
-        """The named pools now, each with up to ``history`` past rate changes."""
+    async def status(
+        self, pools: list[str], history: int = 0, tenants: Sequence[str] = ()
+    ) -> Status:
+        """The named pools now, each with up to ``history`` past rate changes, and the
+        named ``tenants`` of each class that shares by tokens."""
         controller = self._controller
         return Status(
-            pools=tuple([await self.pool(name, history) for name in pools]),
+            pools=tuple([await self.pool(name, history, tenants) for name in pools]),
             daemon_id=self._daemon_id,
             store=self._store_kind,
             controller=controller.leader if controller.running else "",
         )
 
-    async def pool(self, name: str, history: int = 0) -> PoolState:
+    async def pool(self, name: str, history: int = 0, tenants: Sequence[str] = ()) -> PoolState:
         """One pool as the store sees it now, with the SLO loop's state."""
         config = self._config()
         pool = self.policy(name)
         store = self._store
         status = await store.status(pool)
+        policies = {cls.name: cls for cls in pool.classes}
+        by_class: dict[str, list[TenantState]] = {}
+        for tenant in await store.tenants(pool, tenants) if tenants else ():
+            by_class.setdefault(tenant.qos_class, []).append(
+                tenant_state(policies[tenant.qos_class], tenant)
+            )
         record = await store.control(pool)
         adjustments = await store.history(pool, max(1, history))
         verdict = self._controller.last_verdicts.get(name)
@@ -120,6 +133,8 @@ class StatusService:
                     latency=latency_state(window, slo),
                     in_flight=now.in_flight,
                     in_flight_tokens=now.in_flight_tokens,
+                    fairness="fifo" if cls.fair is None else "vtc",
+                    tenants=tuple(by_class.get(cls.name, ())),
                 )
             )
         changes = [rate_change(a, status.now_ms) for a in adjustments]
@@ -156,6 +171,20 @@ def rate_change(adjustment: Adjustment, now_ms: int) -> RateChange:
 
 def _percentiles(measured: slo_stats.Percentiles | None) -> Percentiles | None:
     return None if measured is None else Percentiles(measured.p50, measured.p95, measured.p99)
+
+
+def tenant_state(cls: ClassPolicy, tenant: TenantStatus) -> TenantState:
+    """A tenant as the store holds it, with its weight in its class."""
+    fair = cls.fair
+    weight = fair.weight(tenant_digest(tenant.tenant)) if fair else 1.0
+    return TenantState(
+        name=tenant.tenant,
+        weight=weight,
+        live=tenant.counter is not None,
+        counter=tenant.counter or 0.0,
+        served_tokens=tenant.served_tokens,
+        waiting=tenant.waiting,
+    )
 
 
 def latency_state(stats: WindowStats, slo: SloConfig) -> LatencyState:

@@ -38,7 +38,7 @@ from qosd.policy import resolve_pools
 from qosd.store import contract
 from qosd.store.redis import POOL_PRELUDE, POOL_SCRIPTS, SCRIPTS, RedisStore
 from qosd_harness import RedisServer
-from tests.conftest import BASE_CONFIG
+from tests.conftest import BASE_CONFIG, merge
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = resources.files("qosd.store").joinpath("lua")
@@ -253,6 +253,9 @@ async def test_every_argv_redis_py_sends_is_the_declared_one(
     await store.report_load(pool, [ServerLoad("s1", 3, 0.5), ServerLoad("s2", None, None)])
     sample = Sample("default", cls.name, "", 10.0, 2.0, 50.0, 100, 20, Outcome.OK)
     await store.report([sample, sample], window_size=10)
+    fair = {"classes": {"P1": {"fairness": "vtc"}}}
+    fair_pool = resolve_pools(Config.model_validate(merge(BASE_CONFIG, fair)))["default"]
+    await store.tenants(fair_pool, ["a", "b"])
 
     assert {name for name, _ in calls} == set(SCRIPTS)
     names = {c.name for c in pool.classes}

@@ -6,26 +6,40 @@ the class's virtual time (where the backlogged tenants stand), and the class's
 waiters go by that start, so the backlogged tenant served least goes first, a tenant
 back from idle banks no credit, and counters of idle tenants expire.
 
-The rules run on the embedded store with a clock the test moves; the order across
-tenants also runs on a standalone Redis and a 3-node cluster, through daemons.
+The rules run on the embedded store with a clock the test moves; the paper's bound and
+what status shows also run on a standalone Redis and a 3-node cluster, and the order
+across tenants through daemons on all three.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from qosd.config import Config
-from qosd.model import LeaseSpec, Outcome, UsageReport, Waiter, WaiterState, new_lease_token
+from qosd.model import (
+    LeaseSpec,
+    Outcome,
+    TenantStatus,
+    UsageReport,
+    Waiter,
+    WaiterState,
+    new_lease_token,
+)
 from qosd.policy import PoolPolicy, class_in, lease_token, resolve_pools
+from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
+from qosd.store.redis import RedisStore
 from qosd_client import QosdClient
 from tests.clock import Clock
 from tests.conftest import BASE_CONFIG, Backend, DaemonFactory, merge
+from tests.test_fleet_control import run_cli
 from tests.test_reload import started, write_config
 from tests.waiting import eventually
 
@@ -42,13 +56,30 @@ def one_slot(fairness: str = "vtc", **fair: Any) -> dict[str, Any]:
     }
 
 
+@pytest.fixture
+async def redis_store(backend: Backend) -> AsyncIterator[BucketStore | None]:
+    """The backend's Redis as a store, for a Room; None for the embedded backend."""
+    if backend.redis is None:
+        yield None
+        return
+    config = Config.model_validate(merge(BASE_CONFIG, {"redis": backend.redis}))
+    store = RedisStore(config.redis, tombstone_ms=1_000, stale_after_ms=600_000)
+    await store.start()
+    yield store
+    await store.close()
+
+
 class Room:
     """One pool on the embedded store and one daemon's waiters in it."""
 
-    def __init__(self, extra: dict[str, Any]) -> None:
+    def __init__(self, extra: dict[str, Any], store: BucketStore | None = None) -> None:
+        """``store``: a Redis store to run on; by default the embedded store, on a clock
+        the test moves (``clock``)."""
         self.clock = Clock()
         self.config = Config.model_validate(merge(BASE_CONFIG, extra))
-        self.store = EmbeddedStore(clock=self.clock, tombstone_ms=1_000, stale_after_ms=600_000)
+        self.store: BucketStore = store or EmbeddedStore(
+            clock=self.clock, tombstone_ms=1_000, stale_after_ms=600_000
+        )
         self.pool: PoolPolicy = resolve_pools(self.config)["default"]
         self.waiters: list[Waiter] = []
         self.tenant_of: dict[str, str] = {}
@@ -113,6 +144,12 @@ class Room:
     def tenants(self, served: list[LeaseSpec]) -> list[str]:
         return [self.tenant_of[spec.lease_id] for spec in served]
 
+    async def tenant(self, name: str) -> TenantStatus:
+        """The tenant as status shows it, in P1."""
+        (status,) = await self.store.tenants(self.pool, [name])
+        assert status.qos_class == "P1" and status.tenant == name
+        return status
+
 
 @pytest.mark.fast
 @pytest.mark.parametrize("fairness", ["vtc", "fifo"])
@@ -133,13 +170,14 @@ async def test_a_tenant_that_floods_the_class_does_not_go_first(fairness: str) -
         assert sorted(order[:4]) == ["heavy", "heavy", "light", "light"]
 
 
-@pytest.mark.fast
-async def test_backlogged_tenants_service_differs_by_at_most_the_paper_s_bound() -> None:
+async def test_backlogged_tenants_service_differs_by_at_most_the_paper_s_bound(
+    redis_store: BucketStore | None,
+) -> None:
     """Two tenants backlogged, one with 400-token prompts and one with 100-token ones:
     at every admission while both wait, the tokens served to each differ by at most
     twice the largest request's charge (VTC's bound, Theorem 4.4 of the paper), and
-    each tenant's turns follow its counter, not its arrival."""
-    room = Room(one_slot())
+    each tenant's turns follow its counter, not its arrival. On every store."""
+    room = Room(one_slot(), redis_store)
     holder = await room.hold()
     sizes = {"large": 400, "small": 100}
     for _ in range(20):
@@ -252,13 +290,43 @@ async def test_a_tenant_with_later_waiters_keeps_the_charge_of_one_that_left() -
     await room.hold()
     for _ in range(2):
         assert not await room.request("flood", 100)
-    host = room.store.transport.host
-    (key,) = [k for k in sorted(host.keys()) if ":vtc:P1:" in k]
-    before = float(host.call("GET", key))
+    assert (await room.tenant("flood")).counter == 200
     await room.store.cancel(room.pool, room.waiters[:1])
-    assert float(host.call("GET", key)) == before == 200
+    assert (await room.tenant("flood")).counter == 200
     await room.store.cancel(room.pool, room.waiters[1:])  # now its last: given back
-    assert float(host.call("GET", key)) == 100
+    assert (await room.tenant("flood")).counter == 100
+
+
+async def test_status_shows_a_tenants_counter_tokens_served_and_waiters(
+    redis_store: BucketStore | None,
+) -> None:
+    """Served tokens count admissions (prompt plus expected output) and follow the real
+    usage at Release; the counter moves with every charge; waiters are the tenant's
+    own, counted in the queue; a tenant never seen is idle. On every store."""
+    room = Room(one_slot(), redis_store)
+    first = await room.admit("a", 100)
+    assert await room.tenant("a") == TenantStatus("P1", "a", 100.0, 100.0, 0)
+    for _ in range(2):
+        assert not await room.request("a", 40)  # the slot is taken: both wait
+    assert not await room.request("b", 30)
+    assert await room.tenant("a") == TenantStatus("P1", "a", 180.0, 100.0, 2)
+    # b starts at the class's virtual time: the start of the last request admitted, 0
+    assert await room.tenant("b") == TenantStatus("P1", "b", 30.0, 0.0, 1)
+    assert await room.tenant("nobody") == TenantStatus("P1", "nobody", None, 0.0, 0)
+    await room.release(first, output_tokens=25)  # w_q 2: the counter moves by 50
+    results = await room.store.pump(room.pool, DAEMON, room.waiters)
+    assert [r.state for r in results].count(WaiterState.ADMITTED) == 1
+    assert await room.tenant("b") == TenantStatus("P1", "b", 30.0, 30.0, 0)
+    assert await room.tenant("a") == TenantStatus("P1", "a", 230.0, 125.0, 2)
+    if redis_store is None:  # the embedded store's clock is the test's
+        room.clock.advance(600_000)  # fairness.idle_s after its last charge
+        assert (await room.tenant("b")).counter is None
+
+
+@pytest.mark.fast
+async def test_status_names_tenants_only_in_classes_that_share_by_tokens() -> None:
+    room = Room(one_slot("fifo"))
+    assert await room.store.tenants(room.pool, ["a"]) == []
 
 
 @pytest.mark.fast
@@ -266,6 +334,7 @@ async def test_counters_of_idle_tenants_expire() -> None:
     """2,000 tenants, one request each 1 ms apart, leave a counter each, which is gone
     ``fairness.idle_s`` after its charge."""
     room = Room({"classes": {"P1": {"fairness": "vtc"}}, "fairness": {"idle_s": 5}})
+    assert isinstance(room.store, EmbeddedStore)
     host = room.store.transport.host
 
     def counters() -> set[str]:
@@ -287,10 +356,14 @@ async def _queued(qos: QosdClient, count: int) -> None:
     assert await eventually(read, lambda n: n == count) == count
 
 
-async def flood(first: QosdClient, second: QosdClient) -> list[str]:
+async def flood(
+    first: QosdClient,
+    second: QosdClient,
+    while_queued: Callable[[], Awaitable[None]] | None = None,
+) -> list[str]:
     """Holds the one slot, queues six requests of one tenant on ``first`` and then two
-    of another on ``second``, then frees the slot and each admitted lease in turn:
-    the tenants in the order they were admitted."""
+    of another on ``second`` (then calls ``while_queued``), then frees the slot and
+    each admitted lease in turn: the tenants in the order they were admitted."""
     holder = await first.acquire("P2", 10, max_wait_ms=0)
     assert holder.admitted
     waiting: dict[asyncio.Task[Any], str] = {}
@@ -299,6 +372,8 @@ async def flood(first: QosdClient, second: QosdClient) -> list[str]:
         task = asyncio.create_task(qos.acquire("P1", 100, tenant=tenant, max_wait_ms=60_000))
         waiting[task] = tenant
         await _queued(first, n + 1)
+    if while_queued is not None:
+        await while_queued()
     clients = {"heavy": first, "light": second}
     lease, releasing, order = holder.lease_id, first, []
     while waiting:
@@ -322,8 +397,25 @@ async def test_daemons_share_the_class_by_tokens_on_every_store(
     the second; the second tenant's two are among the first four admitted, fleet-wide."""
     first = await make_daemon(one_slot())
     second = first if backend.redis is None else await make_daemon(one_slot())
-    order = await flood(first.client, second.client)
+
+    async def shown_while_queued() -> None:
+        """Each tenant's waiters, fleet-wide, and its counter: 100 a request queued."""
+        status = await second.client.status("default", tenants=["heavy", "light", "idle"])
+        p1 = status.pool("default").cls("P1")
+        assert p1.fairness == "vtc"
+        assert [(t.name, t.live, t.counter, t.waiting) for t in p1.tenants] == [
+            ("heavy", True, 600.0, 6),
+            ("light", True, 200.0, 2),
+            ("idle", False, 0.0, 0),
+        ]
+        code, out, err = await run_cli("status", "-a", first.address, "--tenant", "heavy")
+        assert code == 0, err
+        assert re.search(r"heavy\s+1\s+600\s+0\s+6$", out, re.MULTILINE), out
+
+    order = await flood(first.client, second.client, shown_while_queued)
     assert sorted(order[:4]) == ["heavy", "heavy", "light", "light"]
+    status = await first.client.status("default", tenants=["light"])
+    assert status.pool("default").cls("P1").tenant("light").served_tokens == 200
 
 
 async def test_fairness_is_live_through_reload(tmp_path: Path) -> None:

@@ -85,6 +85,9 @@ async def test_status_shows_rates_compliance_and_pins(make_daemon: DaemonFactory
         await qos.status("gpu-9")
     with pytest.raises(InvalidRequest, match="history must be between 0 and 100"):
         await qos.status(history=101)
+    for tenants in ([f"t{n}" for n in range(101)], ["acme", ""]):
+        with pytest.raises(InvalidRequest, match="tenants must name at most 100 tenants"):
+            await qos.status(tenants=tenants)
 
     freed = await running.admin.unpin_rate("default")
     assert not freed.pinned and freed.admitted_rate_tokens_s == 5_000  # from where it was

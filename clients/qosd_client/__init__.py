@@ -31,6 +31,7 @@ from qosd_client.types import (
     SampleSink,
     ServerLoad,
     Status,
+    TenantState,
     Unauthenticated,
     Unavailable,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "ServerLoad",
     "Status",
     "SyncQosdClient",
+    "TenantState",
     "Unauthenticated",
     "Unavailable",
 ]

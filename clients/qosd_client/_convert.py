@@ -25,6 +25,7 @@ from qosd_client.types import (
     ReportResult,
     ServerLoad,
     Status,
+    TenantState,
     Unauthenticated,
     Unavailable,
 )
@@ -216,6 +217,18 @@ def pool_state(pool: qosd_pb2.PoolStatus) -> PoolState:
                 latency=_latency(c.latency),
                 in_flight=c.in_flight,
                 in_flight_tokens=c.in_flight_tokens,
+                fairness=c.fairness or "fifo",
+                tenants=tuple(
+                    TenantState(
+                        name=t.name,
+                        weight=t.weight,
+                        live=t.live,
+                        counter=t.counter,
+                        served_tokens=t.served_tokens,
+                        waiting=t.waiting,
+                    )
+                    for t in c.tenants
+                ),
             )
             for c in pool.classes
         ),
@@ -307,6 +320,18 @@ def pool_message(pool: PoolState) -> qosd_pb2.PoolStatus:
                 latency=_latency_message(c.latency),
                 in_flight=c.in_flight,
                 in_flight_tokens=c.in_flight_tokens,
+                fairness=c.fairness,
+                tenants=[
+                    qosd_pb2.TenantStatus(
+                        name=t.name,
+                        weight=t.weight,
+                        live=t.live,
+                        counter=t.counter,
+                        served_tokens=t.served_tokens,
+                        waiting=t.waiting,
+                    )
+                    for t in c.tenants
+                ],
             )
             for c in pool.classes
         ],

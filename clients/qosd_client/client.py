@@ -179,11 +179,17 @@ class QosdClient:
         return _convert.report_result(response)
 
     async def status(
-        self, pool: str = "", *, history: int = 0, timeout_s: float | None = None
+        self,
+        pool: str = "",
+        *,
+        history: int = 0,
+        tenants: Sequence[str] = (),
+        timeout_s: float | None = None,
     ) -> Status:
         """Budgets, waiting rooms and the SLO loop's state now (the Admin service),
-        fleet-wide with Redis; ``history`` past rate changes per pool."""
-        request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
+        fleet-wide with Redis; ``history`` past rate changes per pool; ``tenants``:
+        those to show in each class that shares by tokens."""
+        request = qosd_pb2.GetStatusRequest(pool=pool, history=history, tenants=tenants)
         try:
             response = await self._admin.GetStatus(
                 request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()
@@ -347,8 +353,15 @@ class SyncQosdClient:
             raise _convert.translate(error) from error
         return _convert.report_result(response)
 
-    def status(self, pool: str = "", *, history: int = 0, timeout_s: float | None = None) -> Status:
-        request = qosd_pb2.GetStatusRequest(pool=pool, history=history)
+    def status(
+        self,
+        pool: str = "",
+        *,
+        history: int = 0,
+        tenants: Sequence[str] = (),
+        timeout_s: float | None = None,
+    ) -> Status:
+        request = qosd_pb2.GetStatusRequest(pool=pool, history=history, tenants=tenants)
         try:
             response = self._admin.GetStatus(
                 request, timeout=timeout_s or self._timeout_s, metadata=self._metadata()

@@ -127,6 +127,19 @@ class LatencyState:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantState:
+    """One tenant of a class that shares by tokens, as GetStatus saw it (see
+    qosd.v1.TenantStatus)."""
+
+    name: str
+    weight: float
+    live: bool  # False once idle: no counter kept
+    counter: float  # tokens charged per unit of weight; 0 when not live
+    served_tokens: float  # prompt plus output tokens admitted while live
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
 class ClassState:
     """One class in one pool, as GetStatus saw it (see qosd.v1.ClassStatus)."""
 
@@ -145,6 +158,15 @@ class ClassState:
     latency: LatencyState
     in_flight: int = 0  # leases admitted, neither released nor expired (fleet-wide)
     in_flight_tokens: float = 0.0  # their prompt plus expected output tokens (KV)
+    fairness: str = "fifo"  # how its waiters take turns: "fifo" or "vtc"
+    tenants: tuple[TenantState, ...] = ()  # those asked for, in a "vtc" class
+
+    def tenant(self, name: str) -> TenantState:
+        """The tenant ``name`` (asked for in the status call); KeyError if absent."""
+        for tenant in self.tenants:
+            if tenant.name == name:
+                return tenant
+        raise KeyError(name)
 
 
 @dataclass(frozen=True, slots=True)

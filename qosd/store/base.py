@@ -22,6 +22,7 @@ from qosd.model import (
     ServerLoad,
     Settlement,
     StoredSample,
+    TenantStatus,
     UsageReport,
     Waiter,
 )
@@ -88,6 +89,11 @@ class BucketStore(Protocol):
     async def status(self, pool: PoolPolicy) -> PoolStatus:
         """The pool's budget, queues and leases in flight now; read-only, and
         O(classes) whatever the number of leases, so scraping it often is safe."""
+        ...
+
+    async def tenants(self, pool: PoolPolicy, names: Sequence[str]) -> list[TenantStatus]:
+        """The named tenants of each of the pool's classes that share by tokens, in
+        class order; read-only, and O(waiters of those classes): an admin query."""
         ...
 
     async def control(self, pool: PoolPolicy) -> ControlRecord:

@@ -248,6 +248,12 @@ class LoadArgs(NamedTuple):
     expire_ms: int  # of the servers hash
 
 
+class TenantArgs(NamedTuple):
+    """tenants.lua's arguments: one per tenant asked about."""
+
+    digest: str  # tenant_digest() of its name
+
+
 class ServerLoadArgs(NamedTuple):
     server: str
     waiting: int | str  # '' unknown
@@ -332,6 +338,14 @@ class StatusServers(NamedTuple):
     kv_usage: str
 
 
+class TenantStatus(NamedTuple):
+    """tenants.lua's reply, one per tenant asked about."""
+
+    counter: str  # '' while the tenant is idle (no counter kept)
+    served: str  # prompt plus output tokens admitted while live, settled at Release
+    waiting: int  # its waiters in the class's queue
+
+
 class ControlReply(NamedTuple):
     """control.lua's reply: Redis time, the state's R and K, the control hash's fields
     in CONTROL_HASH order ('' where unset), then the state's epoch E."""
@@ -402,6 +416,7 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("SERVER", "ARG", ServerLoadArgs, "load.lua: one per server, after LOAD"),
     Layout("REPORT", "ARG", ReportArgs, "report.lua: ARGV"),
     Layout("SAMPLE", "ARG", SampleArgs, "report.lua: one per sample, after REPORT"),
+    Layout("TENANT", "ARG", TenantArgs, "tenants.lua: one per tenant asked about"),
     Layout("HEADER", "REPLY", AcquireHeader, "acquire.lua: first"),
     Layout("DECISION", "REPLY", Decision, "acquire.lua: one per request; pump.lua: per waiter"),
     Layout("CANCELLED", "REPLY", Cancelled, "cancel.lua: one per waiter"),
@@ -409,6 +424,7 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("STATUS", "REPLY", StatusHead, "status.lua: first"),
     Layout("STATUS_CLASS", "REPLY", StatusClass, "status.lua: one per class"),
     Layout("STATUS_SERVERS", "REPLY", StatusServers, "status.lua: last"),
+    Layout("TENANT_STATUS", "REPLY", TenantStatus, "tenants.lua: one per tenant asked"),
     Layout("CONTROL", "REPLY", ControlReply, "control.lua"),
     Layout("ADJUSTED", "REPLY", Adjusted, "adjust.lua"),
 )
@@ -427,6 +443,7 @@ SCRIPT_ARGS: dict[str, tuple[str, ...]] = {
     "lead": ("LEAD",),
     "load": ("LOAD", "SERVER*"),
     "report": ("REPORT", "SAMPLE*"),
+    "tenants": ("TENANT*",),
 }
 
 #: Codes the scripts return, by Lua prefix. The domain enums are the source.

@@ -28,6 +28,7 @@ from qosd.model import (
     Settlement,
     StoredSample,
     StoreUnavailable,
+    TenantStatus,
     UsageReport,
     Waiter,
 )
@@ -121,6 +122,9 @@ class InstrumentedStore(BucketStore):
     async def status(self, pool: PoolPolicy) -> PoolStatus:
         return await self._measured("status", self._store.status(pool))
 
+    async def tenants(self, pool: PoolPolicy, names: Sequence[str]) -> list[TenantStatus]:
+        return await self._measured("tenants", self._store.tenants(pool, names))
+
     async def control(self, pool: PoolPolicy) -> ControlRecord:
         return await self._measured("control", self._store.control(pool))
 
@@ -189,6 +193,6 @@ class InstrumentedStore(BucketStore):
 
 # The calls whose latency and failures are measured, one label each.
 _MEASURED = (
-    "acquire", "pump", "cancel", "release", "status", "control", "adjust", "set_prefill",
+    "acquire", "pump", "cancel", "release", "status", "tenants", "control", "adjust", "set_prefill",
     "report_load", "history", "lead", "report", "window", "ping",
 )  # fmt: skip

@@ -39,12 +39,13 @@ from qosd.model import (
     Settlement,
     StoredSample,
     StoreUnavailable,
+    TenantStatus,
     UsageReport,
     Waiter,
     WaiterState,
     lease_field,
 )
-from qosd.policy import ClassPolicy, FairShares, PoolPolicy, tenant_of_lease
+from qosd.policy import ClassPolicy, FairShares, PoolPolicy, tenant_digest, tenant_of_lease
 from qosd.store import contract
 from qosd.store.batching import ScriptBatcher
 from qosd.store.contract import Settled, Status
@@ -64,7 +65,7 @@ POOL_PRELUDE = ("args", "allocation", "state", "in_flight", "save", "budget", "d
 #: Every script qosd loads.
 SCRIPTS = (
     "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead", "report",
-    "load",
+    "load", "tenants",
 )  # fmt: skip
 _CONSTANT = re.compile(r"local ([A-Z][A-Z0-9_]*) = ")
 _NAME = re.compile(r"\b[A-Z][A-Z0-9_]*\b")
@@ -91,6 +92,11 @@ def script_source(name: str) -> str:
         if (match := _CONSTANT.match(line)) and match.group(1) in used
     ]
     return "\n".join(constants) + "\n" + source
+
+
+def _counter_key(prefix: str, cls: ClassPolicy, digest: str) -> str:
+    """The key of a tenant's counter in a class that shares by tokens."""
+    return f"{prefix}vtc:{cls.name}:{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +327,7 @@ class RedisStore:
         digest = tenant_of_lease(lease_id) if cls.fair else None
         if cls.fair is None or digest is None:
             return None
-        return f"{prefix}vtc:{cls.name}:{digest}", cls.fair, digest
+        return _counter_key(prefix, cls, digest), cls.fair, digest
 
     @classmethod
     def _fair_counter(cls, prefix: str, policy: ClassPolicy, lease: LeaseSpec) -> tuple[str, str]:
@@ -579,6 +585,34 @@ class RedisStore:
             server_waiting=int(servers.waiting) if servers.waiting else None,
             server_kv_usage=float(servers.kv_usage) if servers.kv_usage else None,
         )
+
+    async def tenants(self, pool: PoolPolicy, names: Sequence[str]) -> list[TenantStatus]:
+        args_for = self._args_for(pool)
+        asked: list[tuple[ClassPolicy, str]] = []
+        keys: list[str] = []
+        args: list[str] = []
+        for index, cls in enumerate(pool.classes):
+            if cls.fair is None:
+                continue
+            for name in names:
+                digest = tenant_digest(name)
+                asked.append((cls, name))
+                keys += [args_for.keys[1 + index], _counter_key(args_for.prefix, cls, digest)]
+                args.append(digest)
+        if not asked:
+            return []
+        reply = await self._run(self._scripts["tenants"], keys, args)
+        rows = contract.records(contract.TenantStatus, reply, len(asked))
+        return [
+            TenantStatus(
+                qos_class=cls.name,
+                tenant=name,
+                counter=float(row.counter) if row.counter else None,
+                served_tokens=float(row.served),
+                waiting=int(row.waiting),
+            )
+            for (cls, name), row in zip(asked, rows, strict=True)
+        ]
 
     # -- the SLO loop's state -------------------------------------------------------
 

@@ -699,25 +699,86 @@ class GetStatusRequest(_message.Message):
 
     POOL_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     """Only this pool; empty: every configured pool."""
     history: _builtins.int
     """How many past adjustments to return per pool, newest first (at most 100);
     0: only the last one (in `last_adjustment`).
     """
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tenants to show in each class that shares by tokens (`fairness: vtc`), by name;
+        at most 100. Reading them costs one read of those classes' queues, so a scrape
+        that names none stays O(classes).
+        """
+
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
         history: _builtins.int = ...,
+        tenants: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "pool", b"pool", "tenants", b"tenants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
+
+@_typing.final
+class TenantStatus(_message.Message):
+    """One tenant of a class that shares by tokens (`fairness: vtc`), fleet-wide with
+    Redis. Asked for by name (GetStatusRequest.tenants).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    COUNTER_FIELD_NUMBER: _builtins.int
+    SERVED_TOKENS_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tenant's name, as asked."""
+    weight: _builtins.float
+    """Its weight in the class (`fairness.tenant_weights`, or the default weight)."""
+    live: _builtins.bool
+    """Whether the store keeps a counter for it: false once it was idle for
+    `fairness.idle_s` (it then starts where the backlogged tenants stand).
+    """
+    counter: _builtins.float
+    """Its virtual token counter: tokens charged per unit of weight, prompt tokens at
+    `fairness.input_weight` and output at `fairness.output_weight`, lifted to the
+    class's virtual time when it came back from idle. The backlogged tenant with the
+    smallest counter goes first. 0 when not live.
+    """
+    served_tokens: _builtins.float
+    """Prompt plus output tokens of its admitted requests while live: estimated at
+    admission, settled to the real usage at Release.
+    """
+    waiting: _builtins.int
+    """Its requests waiting in the class's queue now."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        weight: _builtins.float = ...,
+        live: _builtins.bool = ...,
+        counter: _builtins.float = ...,
+        served_tokens: _builtins.float = ...,
+        waiting: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counter", b"counter", "live", b"live", "name", b"name", "served_tokens", b"served_tokens", "waiting", b"waiting", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantStatus: _TypeAlias = TenantStatus  # noqa: Y015
 
 @_typing.final
 class ClassStatus(_message.Message):
@@ -738,6 +799,8 @@ class ClassStatus(_message.Message):
     LATENCY_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
+    FAIRNESS_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Class name, as configured."""
     priority: _builtins.int
@@ -780,11 +843,19 @@ class ClassStatus(_message.Message):
     """Their prompt plus expected output tokens, as estimated at Acquire: the KV cache
     they hold on the pool's servers (whatever the class's cost weights).
     """
+    fairness: _builtins.str
+    """How the class's waiters take turns: "fifo" (by due time) or "vtc" (fair shares
+    by tokens among its tenants).
+    """
     @_builtins.property
     def latency(self) -> Global___LatencyStatus:
         """Latency over the class's window (its samples of the last `report.max_age_s`, or
         all of them when that is null).
         """
+
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantStatus]:
+        """The tenants asked for (GetStatusRequest.tenants), in a class with fairness "vtc"."""
 
     def __init__(
         self,
@@ -804,10 +875,12 @@ class ClassStatus(_message.Message):
         latency: Global___LatencyStatus | None = ...,
         in_flight: _builtins.int = ...,
         in_flight_tokens: _builtins.float = ...,
+        fairness: _builtins.str = ...,
+        tenants: _abc.Iterable[Global___TenantStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "configured_rate_tokens_s", b"configured_rate_tokens_s", "in_flight", b"in_flight", "in_flight_tokens", b"in_flight_tokens", "latency", b"latency", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst_tokens", b"burst_tokens", "can_borrow", b"can_borrow", "configured_rate_tokens_s", b"configured_rate_tokens_s", "fairness", b"fairness", "in_flight", b"in_flight", "in_flight_tokens", b"in_flight_tokens", "latency", b"latency", "max_queue", b"max_queue", "max_wait_ms", b"max_wait_ms", "name", b"name", "oldest_wait_ms", b"oldest_wait_ms", "priority", b"priority", "rate_tokens_s", b"rate_tokens_s", "tenants", b"tenants", "tokens", b"tokens", "waiting", b"waiting", "waiting_here", b"waiting_here"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

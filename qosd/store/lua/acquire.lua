@@ -133,6 +133,7 @@ for _ = 1, count do
         end
         if fair then
           tenant.charge(i, fair.key, order, fair.charge)
+          tenant.served(i, fair.key, kv)
           tenant.admitted(i, order)
         end
         local expiry = add_lease(i, lease_key, field, cost, ttl_ms,

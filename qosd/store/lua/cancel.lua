@@ -27,5 +27,6 @@ for r = 1, tonumber(ARGV[ARG_CALLS]) do
   end
   a = a + CANCEL_ARGS
 end
+tenant.save()
 save_state()
 return reply

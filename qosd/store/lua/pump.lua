@@ -110,6 +110,9 @@ local function admit(w, m, how, bucket)
   if classes[i].fair_idle_ms > 0 then
     tenant.admitted(i, w.order)  -- scored by its start (tenants.lua)
   end
+  if m.fair_key then
+    tenant.served(i, m.fair_key, tonumber(m.input) + tonumber(m.output))
+  end
   local expiry = add_lease(i, m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
     m.input, m.output)
   if m.request_key then

@@ -103,5 +103,6 @@ end
 for key, writes in pairs(changed) do
   redis.call('HSET', key, unpack(writes))
 end
+tenant.save()
 save_state()
 return reply

@@ -2,7 +2,7 @@
 -- shares by tokens, their virtual token counters. Each is read once per script call
 -- and written back by tenant.save(). One table, not a local per function: a script's
 -- main chunk has at most 200 locals.
-local tenant = {buckets = {}, counters = {}}
+local tenant = {buckets = {}, records = {}}
 
 -- A tenant's ceiling bucket: {tokens, updated, rate, burst, changed}.
 function tenant.bucket(key, rate, burst)
@@ -50,43 +50,68 @@ function tenant.virtual_time(i)
   return c.virtual_time
 end
 
+-- A tenant's record in class i, from its key: {counter, served, idle_ms, live,
+-- changed}. The key holds "<counter>|<tokens served>" while the tenant is live (charged
+-- within the class's idle time), and nothing once it was idle; `served` counts the
+-- prompt and output tokens of its admitted requests, estimated at admission and
+-- settled at Release: what status shows of it (tenant_status.lua).
+function tenant.record(i, key)
+  local record = tenant.records[key]
+  if record == nil then
+    record = {counter = 0, served = 0, idle_ms = classes[i].fair_idle_ms, live = false,
+      changed = false}
+    local value = redis.call('GET', key)
+    if value then
+      local counter, served = string.match(value, '^([^|]*)|(.*)$')
+      record.counter, record.served, record.live = tonumber(counter), tonumber(served), true
+    end
+    tenant.records[key] = record
+  end
+  return record
+end
+
 -- Where a request of class i from the tenant whose counter is at `key` starts.
 function tenant.start(i, key)
-  local counter = tenant.counters[key]
-  if counter == nil then
-    counter = tonumber(redis.call('GET', key)) or 0
-    tenant.counters[key] = counter
-  end
-  return math.max(counter, tenant.virtual_time(i))
+  return math.max(tenant.record(i, key).counter, tenant.virtual_time(i))
 end
 
 -- Charges the tenant `charge` from `start`; kept for the class's idle time.
 function tenant.charge(i, key, start, charge)
-  tenant.counters[key] = start + charge
-  redis.call('SET', key, num(start + charge), 'PX', classes[i].fair_idle_ms)
+  local record = tenant.record(i, key)
+  record.counter, record.live, record.changed = start + charge, true, true
+end
+
+-- The tenant's request of `tokens` (prompt plus expected output) was admitted.
+function tenant.served(i, key, tokens)
+  local record = tenant.record(i, key)
+  record.served, record.live, record.changed = record.served + tokens, true, true
 end
 
 -- A lease of class i settled: its tenant's counter (at `key`) moves by the real
 -- usage less the estimate it was charged (`input`, `output`), at `charges`
--- ("<per prompt token>|<per output token>"); `undo`: the admission is undone, and
--- the whole charge comes back. A counter that has expired is left alone: its tenant
--- was idle, and comes back where the backlogged ones stand.
+-- ("<per prompt token>|<per output token>"), and its tokens served likewise; `undo`:
+-- the admission is undone, and the whole charge comes back. A counter that has
+-- expired is left alone: its tenant was idle, and comes back where the backlogged
+-- ones stand.
 function tenant.settle(i, key, charges, input, output, actual_input, actual_output, undo)
   local per_input, per_output = string.match(charges, '^([^|]*)|(.*)$')
   per_input, per_output = tonumber(per_input), tonumber(per_output)
-  local delta = -(per_input * tonumber(input) + per_output * tonumber(output))
+  input, output = tonumber(input), tonumber(output)
+  local input_delta, output_delta = -input, -output
   if not undo then
-    delta = 0
+    input_delta, output_delta = 0, 0
     if actual_input ~= '' then
-      delta = delta + per_input * (tonumber(actual_input) - tonumber(input))
+      input_delta = tonumber(actual_input) - input
     end
     if actual_output ~= '' then
-      delta = delta + per_output * (tonumber(actual_output) - tonumber(output))
+      output_delta = tonumber(actual_output) - output
     end
   end
-  local counter = tonumber(redis.call('GET', key))
-  if counter and delta ~= 0 then
-    redis.call('SET', key, num(counter + delta), 'PX', classes[i].fair_idle_ms)
+  local record = tenant.record(i, key)
+  if record.live and (input_delta ~= 0 or output_delta ~= 0) then
+    record.counter = record.counter + per_input * input_delta + per_output * output_delta
+    record.served = math.max(0, record.served + input_delta + output_delta)
+    record.changed = true
   end
 end
 
@@ -98,9 +123,11 @@ end
 -- queued ones, and a tenant that floods the queue (most of whose waiters time out)
 -- would take a request to the front of the class with every one it sends.
 function tenant.refund(i, key, charge, start)
-  local counter = tonumber(redis.call('GET', key))
-  if counter and start and math.abs(counter - (start + charge)) <= 1e-9 * math.max(1, counter) then
-    redis.call('SET', key, num(start), 'PX', classes[i].fair_idle_ms)
+  local record = tenant.record(i, key)
+  local counter = record.counter
+  if record.live and start
+      and math.abs(counter - (start + charge)) <= 1e-9 * math.max(1, counter) then
+    record.counter, record.changed = start, true
   end
 end
 
@@ -120,6 +147,12 @@ function tenant.save()
       end
       redis.call('SET', key, num(b[1]) .. '|' .. string.format('%.0f', b[2]),
         'PX', full_in_ms + 1000)
+    end
+  end
+  for key, record in pairs(tenant.records) do
+    if record.changed then
+      redis.call('SET', key, num(record.counter) .. '|' .. num(record.served),
+        'PX', record.idle_ms)
     end
   end
   for i = 1, class_count do
