@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from qosd import ctl
+from qosd.proxy.command import add_proxy
 
 if TYPE_CHECKING:
     from qosd.config import Config
@@ -183,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_cmd = check.add_parser("check", help="validate a config file and print it resolved")
     check_cmd.add_argument("path")
     ctl.add_commands(commands)
+    add_proxy(commands)
     missing = _add_plugin_commands(commands)
     if argv and argv[0] in missing:
         return int(missing[argv[0]]())

@@ -127,6 +127,12 @@ class Metrics:
             "qosd_invalid_requests", "Calls refused with INVALID_ARGUMENT, by RPC.", ["rpc"],
             registry=r,
         )  # fmt: skip
+        self.proxy_requests = Counter(
+            "qosd_proxy_requests",
+            "Requests answered by qosd proxy, by model, class and HTTP status.",
+            ["model", "class", "code"],
+            registry=r,
+        )
         self.releases = Counter(
             "qosd_releases", "Release calls, by outcome reported and result.",
             ["outcome", "result"], registry=r,

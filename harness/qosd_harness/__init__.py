@@ -400,6 +400,34 @@ def redis_sentinel(
             group.kill()
 
 
+def start_command(
+    args: Sequence[str], directory: Path, name: str, timeout_s: float = 20.0
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Starts ``qosd ARGS --ready-file ...`` (any command that writes one) with its
+    output in ``directory/NAME.log``, and waits for its ready file: the process and
+    what the file says. Raises RuntimeError, with the log's tail, if it exits first."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ready = directory / f"{name}.ready.json"
+    ready.unlink(missing_ok=True)
+    log_path = directory / f"{name}.log"
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "qosd.cli", *args, "--ready-file", str(ready)],
+            stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"qosd {args[0]} exited with {process.returncode}: " + log_path.read_text()[-2000:]
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"qosd {args[0]} did not become ready in time")
+        time.sleep(0.02)
+    return process, json.loads(ready.read_text())
+
+
 @dataclass
 class DaemonProcess:
     """A ``qosd serve`` process started with a config written to a temporary file.

@@ -1,4 +1,5 @@
-"""The commands the simulator adds to ``qosd``: ``qosd demo`` and ``qosd sim-triton``.
+"""The commands the simulator adds to ``qosd``: ``qosd demo``, ``qosd sim-triton`` and
+``qosd sim-vllm``.
 
 Registered through the ``qosd.commands`` entry points (sim/pyproject.toml): the daemon's
 command line loads them when this distribution is installed, and never imports the
@@ -112,6 +113,73 @@ def _sim_triton(args: argparse.Namespace) -> int:
         stream_every=args.stream_every,
     )
     return serve_until_signalled(settings, args.ready_file)
+
+
+def add_sim_vllm(commands: Any) -> None:
+    sim = commands.add_parser(
+        "sim-vllm",
+        help="run a simulated vLLM server (OpenAI-compatible HTTP, vLLM's metrics) for "
+        "demos, tests and benchmarks",
+    )
+    sim.add_argument(
+        "--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="port 0: a free one"
+    )
+    sim.add_argument("--model", default="llm", help="the model name it serves")
+    sim.add_argument(
+        "--default-max-tokens", type=int, default=16, help="answer length without max_tokens"
+    )
+    sim.add_argument(
+        "--max-waiting", type=int, default=4096, help="refuse with 503 beyond this many waiting"
+    )
+    sim.add_argument("--stream-every", type=int, default=1, help="a chunk every N tokens")
+    sim.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: waiting requests go by their priority field (lower first), as vLLM's",
+    )
+    sim.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a cost model constant, e.g. prefill_chunk_tokens=None (docs/simulator.md)",
+    )
+    sim.add_argument("--ready-file", help="write {pid, port} as JSON once serving")
+    sim.add_argument("--log-level", default="WARNING")
+    sim.set_defaults(run=_sim_vllm)
+
+
+def _sim_vllm(args: argparse.Namespace) -> int:
+    from qosd import logs  # noqa: PLC0415 - the command imports what it runs
+    from qosd_sim.gpu import GpuModel  # noqa: PLC0415
+    from qosd_sim.vllm import VllmSettings, serve_vllm_until_signalled  # noqa: PLC0415
+
+    logs.configure(args.log_level)
+    host, sep, port = args.listen.rpartition(":")
+    options = dict(gpu_option(item) for item in args.gpu)
+    if args.scheduling_policy == "priority":
+        options["priority_scheduling"] = True
+    try:
+        if not sep or not port.isdigit():
+            raise ValueError(f"--listen takes HOST:PORT, got {args.listen!r}")
+        for name in ("default_max_tokens", "max_waiting", "stream_every"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        gpu = GpuModel.from_options(options)
+    except ValueError as exc:
+        print(f"qosd sim-vllm: {exc}", file=sys.stderr)
+        return 2
+    settings = VllmSettings(
+        host=host.strip("[]"),
+        port=int(port),
+        model_name=args.model,
+        gpu=gpu,
+        default_max_tokens=args.default_max_tokens,
+        max_waiting=args.max_waiting,
+        stream_every=args.stream_every,
+    )
+    return serve_vllm_until_signalled(settings, args.ready_file)
 
 
 def gpu_option(item: str) -> tuple[str, int | float | None]:

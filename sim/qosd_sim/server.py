@@ -27,7 +27,7 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +121,7 @@ class RealTimeGpu:
 
     async def generate(
         self, sequence: Sequence, stream_every: int = 0
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Yields the first token, every ``stream_every``-th token, and the last."""
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[sequence] = queue

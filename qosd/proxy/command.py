@@ -1,0 +1,123 @@
+"""``qosd proxy``: its command line. Heavy imports wait until the command runs, so
+``qosd --help`` stays quick."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from typing import Any
+
+
+def add_proxy(commands: Any) -> None:
+    proxy = commands.add_parser(
+        "proxy",
+        help="an OpenAI-compatible admission proxy in front of vLLM and other "
+        "OpenAI-compatible servers (docs/proxy.md)",
+    )
+    proxy.add_argument(
+        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+        help="where the OpenAI API is served (port 0: a free one)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--upstream", action="append", default=[], metavar="MODEL=URL",
+        help="a server of MODEL, e.g. llama=http://vllm:8000 (repeat: several servers of "
+        "one model, or several models)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--default-class", metavar="CLASS",
+        help="the class of requests with no x-qos-class header (default: the configured "
+        "class of lowest priority)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--priority-upstreams", action="store_true",
+        help="send each request's class rank as vLLM's priority field (for servers run "
+        "with --scheduling-policy priority)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY=CLASS[:TENANT]",
+        help="requests with this bearer key get this class and tenant (repeatable; only "
+        "the key's SHA-256 is kept; prefix with sha256: to give the digest itself)",
+    )  # fmt: skip
+    proxy.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    proxy.add_argument("--config", "-c", help="YAML config file (default: built-in defaults)")
+    proxy.add_argument(
+        "--grpc-listen", action="append", metavar="ADDR",
+        help="the daemon's gRPC listener, for qosctl and gateways that call Acquire "
+        "(overrides server.listen)",
+    )  # fmt: skip
+    proxy.add_argument("--redis-url", help="redis://HOST:PORT/DB; omit for the embedded store")
+    proxy.add_argument("--redis-mode", choices=["standalone", "cluster", "sentinel"])
+    proxy.add_argument("--fail-mode", choices=["open", "closed"])
+    proxy.add_argument(
+        "--http-listen", metavar="HOST:PORT", help="serve /healthz, /readyz and /metrics"
+    )
+    proxy.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    proxy.add_argument("--log-format", choices=["text", "json"])
+    proxy.add_argument("--ready-file", help="write {pid, address, grpc, http} as JSON once serving")
+    proxy.set_defaults(run=run_proxy)
+
+
+def api_keys(items: list[str], classes: list[str]) -> dict[str, tuple[str, str]]:
+    """``KEY=CLASS[:TENANT]`` items as {SHA-256 of KEY: (class, tenant)}."""
+    keys: dict[str, tuple[str, str]] = {}
+    for item in items:
+        key, sep, rest = item.rpartition("=")
+        qos_class, _, tenant = rest.partition(":")
+        if not sep or not key or qos_class not in classes:
+            raise ValueError(
+                f"--api-key takes KEY=CLASS[:TENANT] with a configured class "
+                f"({', '.join(classes)}); got {item.split('=')[-1]!r} after the key"
+            )
+        digest = (
+            key.removeprefix("sha256:")
+            if key.startswith("sha256:")
+            else (hashlib.sha256(key.encode()).hexdigest())
+        )
+        keys[digest] = (qos_class, tenant)
+    return keys
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    from qosd.cli import configured  # noqa: PLC0415 - the command imports what it runs
+    from qosd.proxy.handler import ProxySettings  # noqa: PLC0415
+    from qosd.proxy.upstreams import Upstreams  # noqa: PLC0415
+
+    args.listen, proxy_listen = args.grpc_listen, args.listen
+    config = configured(args)
+    if config is None:
+        return 2
+    classes = list(config.classes)
+    try:
+        upstreams = Upstreams.parse(args.upstream)
+        if not upstreams.by_model:
+            raise ValueError("name at least one --upstream MODEL=URL")
+        default_class = args.default_class or max(
+            classes, key=lambda name: config.classes[name].priority
+        )
+        if default_class not in classes:
+            raise ValueError(f"--default-class {default_class!r} is not a configured class")
+        if args.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be at least 1024")
+        keys = api_keys(args.api_key, classes)
+    except ValueError as exc:
+        print(f"qosd proxy: {exc}", file=sys.stderr)
+        return 2
+    settings = ProxySettings(
+        upstreams=upstreams,
+        default_class=default_class,
+        priority_upstreams=args.priority_upstreams,
+        max_body_bytes=args.max_body_bytes,
+        api_keys=keys,
+    )
+    import uvloop  # noqa: PLC0415
+
+    from qosd.proxy.server import serve_proxy  # noqa: PLC0415
+    from qosd.server import StartupError  # noqa: PLC0415
+
+    try:
+        uvloop.run(serve_proxy(config, proxy_listen, settings, args.ready_file))
+    except (StartupError, OSError) as exc:
+        print(f"qosd proxy: {exc}", file=sys.stderr)
+        return 1
+    return 0

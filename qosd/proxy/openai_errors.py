@@ -1,0 +1,68 @@
+"""Errors in OpenAI's format, so that the official SDKs raise and retry as they do
+against OpenAI: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from aiohttp import web
+
+from qosd.model import Reason
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    502: "upstream_error",
+    503: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {
+                "message": str(self),
+                "type": _TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return web.Response(
+            status=self.status,
+            body=json.dumps(body).encode(),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def refusal(reason: Reason, retry_after_ms: int, message: str) -> OpenAIError:
+    """qosd's refusal as an answer the SDKs retry: 429 with ``Retry-After`` (seconds,
+    rounded up) and OpenAI's ``retry-after-ms``; a store outage under fail-closed, or
+    a draining proxy, is 503. ``x-qos-reason`` names qosd's reason."""
+    name = reason.name.lower()
+    headers = {"x-qos-reason": name}
+    if retry_after_ms > 0:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+        headers["retry-after-ms"] = str(retry_after_ms)
+    status = 503 if reason in (Reason.BACKEND_UNAVAILABLE, Reason.SHUTTING_DOWN) else 429
+    text = message or f"refused by qosd: {name}"
+    return OpenAIError(status, text, code=name, headers=headers)

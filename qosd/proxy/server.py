@@ -1,0 +1,104 @@
+"""Starts the proxy: a qosd daemon (its store, waiting room, SLO loop, gRPC and HTTP
+listeners, as ``qosd serve`` runs them) with the OpenAI-compatible listener in front."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from qosd.config import Config, parse_listen_address
+from qosd.proxy.handler import Proxy, ProxySettings
+from qosd.server import Daemon, start, write_ready_file
+
+log = logging.getLogger(__name__)
+
+#: How often latency samples gathered from the streams are reported, seconds.
+REPORT_INTERVAL_S = 0.2
+
+
+@dataclass
+class RunningProxy:
+    daemon: Daemon
+    proxy: Proxy
+    runner: web.AppRunner
+    session: aiohttp.ClientSession
+    reporter: asyncio.Task[None]
+    address: str  # HOST:PORT bound
+
+    async def stop(self) -> None:
+        self.daemon.admission.begin_drain()
+        await self.runner.cleanup()
+        self.reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reporter
+        await self.proxy.flush_samples()
+        await self.session.close()
+        await self.daemon.stop()
+
+
+def proxy_app(proxy: Proxy) -> web.Application:
+    app = web.Application(client_max_size=proxy.settings.max_body_bytes)
+    app.router.add_post("/v1/chat/completions", proxy.chat_completions)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_get("/v1/models", proxy.models)
+    return app
+
+
+async def start_proxy(config: Config, listen: str, settings: ProxySettings) -> RunningProxy:
+    """Starts the daemon, then the proxy's listener on ``listen`` (HOST:PORT)."""
+    daemon = await start(config)
+    try:
+        # Unbounded: the pool's own limits (max_in_flight, the budget) bound what is
+        # sent upstream; aiohttp's default of 100 connections would cap it below them.
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+        proxy = Proxy(daemon.admission, daemon.metrics, settings, session)
+        # A client that disconnects cancels its handler: its waiter leaves the queue,
+        # its upstream request is closed and its lease ends.
+        runner = web.AppRunner(proxy_app(proxy), access_log=None, handler_cancellation=True)
+        await runner.setup()
+        target = parse_listen_address(listen).target
+        host, _, port = target.rpartition(":")
+        ssl_context = daemon.certificates.ssl_context() if daemon.certificates else None
+        site = web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=ssl_context)
+        await site.start()
+    except BaseException:
+        await daemon.stop(0)
+        raise
+    bound_host, bound_port = runner.addresses[0][:2]
+    reporter = asyncio.get_running_loop().create_task(proxy.report_every(REPORT_INTERVAL_S))
+    log.info("qosd proxy serving the OpenAI API on %s:%s for %s", bound_host, bound_port,
+             ", ".join(settings.upstreams.models()))  # fmt: skip
+    return RunningProxy(daemon, proxy, runner, session, reporter, f"{bound_host}:{bound_port}")
+
+
+async def serve_proxy(
+    config: Config, listen: str, settings: ProxySettings, ready_file: str | None = None
+) -> None:
+    """Runs until SIGTERM or SIGINT, then stops taking requests and drains."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    running = await start_proxy(config, listen, settings)
+    if ready_file:
+        daemon = running.daemon
+        write_ready_file(
+            ready_file,
+            {
+                "address": running.address,
+                "grpc": daemon.addresses,
+                "http": daemon.http.address if daemon.http else None,
+            },
+        )
+    await stop.wait()
+    log.info("draining the proxy")
+    await running.stop()
