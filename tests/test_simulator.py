@@ -22,6 +22,7 @@ from qosd_sim import calibration
 from qosd_sim.experiment import read_busy_seconds, simulator_process
 from qosd_sim.gateway import token_inputs
 from qosd_sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
+from qosd_sim.server import RealTimeGpu
 
 # --- the cost model, in virtual time ------------------------------------------------------
 
@@ -416,6 +417,26 @@ async def test_bad_requests_get_clear_errors(simulator: tuple[str, str]) -> None
             await client.infer("llm", _inputs(-5, 10))
         with pytest.raises(InferenceServerException, match="KV cache"):
             await client.infer("llm", _inputs(10_000_000, 10))
+
+
+@pytest.mark.fast
+async def test_a_request_that_arrived_after_the_planned_start_is_still_served() -> None:
+    """The real-time GPU plans from an iteration's due start, which lags the clock
+    when it catches up; a request that arrived after that start, alone, was left
+    waiting for good (its submit's wake spent on the plan that could not take it).
+    Here one arrives 50 ms after the idle GPU plans: it is served once it is due."""
+    gpu = RealTimeGpu(GpuModel(speed=100))
+    gpu.start()
+    try:
+        late = Sequence("late", 10, 2, submitted_at=time.monotonic() + 0.05)
+
+        async def served() -> int:
+            return sum([1 async for _ in gpu.generate(late)])
+
+        assert await asyncio.wait_for(served(), 5.0) == 2
+        assert late.started_at is not None and late.started_at >= late.submitted_at
+    finally:
+        await gpu.stop()
 
 
 async def test_a_32k_prefill_delays_other_streams_next_token() -> None:

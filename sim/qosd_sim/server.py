@@ -92,6 +92,13 @@ class RealTimeGpu:
             iteration = self.engine.plan(start)
             if iteration is None:
                 busy_until = None
+                if self.engine.waiting:
+                    # What waits arrived after this iteration's start (the server was
+                    # catching up): plan again once it has arrived. Waiting for a wake
+                    # instead would wait for good, as its submit's wake is spent.
+                    head = self.engine.waiting[0].submitted_at
+                    await asyncio.sleep(max(0.0, head - time.monotonic()))
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
