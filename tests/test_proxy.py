@@ -113,7 +113,7 @@ async def test_a_stream_settles_with_the_usage_vllm_reported(make_stack: StackFa
     chunks = [chunk async for chunk in stream]
     assert all(chunk.usage is None for chunk in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).count("tok") == 20
-    pool = await stack.status(tenants=("acme",))
+    pool = await eventually(lambda: stack.status(tenants=("acme",)), lambda p: p.active_leases == 0)
     assert pool.active_leases == 0
     assert pool.cls("P1").tenant("acme").served_tokens == 12 + 20
     # Asked for, the usage chunk comes through.

@@ -1,8 +1,9 @@
 """One OpenAI-compatible request through the proxy: admit, forward, settle, report.
 
-Every admitted request ends its lease exactly once, in ``_forward``'s ``finally``:
-with the usage the server reported, or with what was streamed when the stream broke,
-or with nothing used when the upstream refused or was unreachable.
+Every admitted request ends its lease exactly once, from ``_forward``'s ``finally``,
+as its answer ends: with the usage the server reported, or with what was streamed
+when the stream broke, or with nothing used when the upstream refused or was
+unreachable.
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ class _Progress:
     usage: Usage | None = None
     outcome: Outcome = Outcome.CANCELLED
     used_nothing: bool = False  # the upstream refused or was unreachable
-    settled: bool = False
 
 
 class Proxy:
@@ -97,7 +97,7 @@ class Proxy:
         self._session = session
         self.estimator = Estimator()
         self._samples: list[Sample] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._settling: set[asyncio.Task[None]] = set()
 
     # -- the routes -----------------------------------------------------------------
 
@@ -277,15 +277,20 @@ class Proxy:
                         )
                     if not call.stream:
                         return await self._whole(answer, progress)
-                    return await self._stream(request, answer, call, lease_id, progress)
+                    return await self._stream(request, answer, call, progress)
                 except BaseException:
                     answer.close()  # the client left: the upstream drops the request
                     raise
         finally:
             upstream.in_flight -= 1
-            # Shielded: a client that leaves cancels this handler, and the lease must
-            # still end.
-            await asyncio.shield(self._settle(call, lease_id, progress))
+            # In a task of its own: the answer goes out while the lease ends (a store
+            # call the client need not wait for), and a client that leaves cancels
+            # this handler, not the settlement.
+            settling = asyncio.get_running_loop().create_task(
+                self._settle(call, lease_id, progress)
+            )
+            self._settling.add(settling)
+            settling.add_done_callback(self._settling.discard)
 
     async def _whole(self, answer: aiohttp.ClientResponse, progress: _Progress) -> web.Response:
         raw = await answer.read()
@@ -302,7 +307,6 @@ class Proxy:
         request: web.Request,
         answer: aiohttp.ClientResponse,
         call: _Call,
-        lease_id: str,
         progress: _Progress,
     ) -> web.StreamResponse:
         """Relays the server-sent events as they come (a slow client slows the reads
@@ -313,11 +317,7 @@ class Proxy:
         )
         await response.prepare(request)
         async for line in answer.content:
-            if line.startswith(b"data: [DONE]"):
-                # Settled before the client sees the end: once it has, its lease has ended.
-                progress.outcome = Outcome.OK
-                await asyncio.shield(self._settle(call, lease_id, progress))
-            elif line.startswith(b"data: "):
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 try:
                     chunk = json.loads(line[6:])
                 except ValueError:
@@ -340,11 +340,13 @@ class Proxy:
 
     # -- settlement and reports -----------------------------------------------------
 
+    async def settled(self) -> None:
+        """Waits for the leases of answered requests to end (on shutdown)."""
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
     async def _settle(self, call: _Call, lease_id: str, progress: _Progress) -> None:
-        """Ends the lease, once, and records the request's latencies."""
-        if progress.settled:
-            return
-        progress.settled = True
+        """Ends the lease and records the request's latencies."""
         usage = progress.usage
         if progress.used_nothing:
             input_tokens, output_tokens = 0, 0

@@ -37,6 +37,7 @@ class RunningProxy:
         self.reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.reporter
+        await self.proxy.settled()
         await self.proxy.flush_samples()
         await self.session.close()
         await self.daemon.stop()
