@@ -254,6 +254,24 @@ def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> N
     assert annotations["checksum/qosd-config"]
 
 
+def test_proxy_mode_serves_the_openai_api_in_front_of_vllm(helm: str, tmp_path: Path) -> None:
+    """The example values: a Deployment running ``qosd proxy`` with one --upstream per
+    server, and a Service with the OpenAI port beside gRPC and HTTP."""
+    documents = render(helm, CHART, "-f", str(CHART / "ci" / "proxy-vllm.yaml"))
+    validate(documents, tmp_path)
+    (container,) = qosd_containers(documents)
+    args = container["args"]
+    assert args[:3] == ["proxy", "--config", "/etc/qosd/qosd.yaml"]
+    assert args[args.index("--upstream") + 1] == "llama-3-8b=http://vllm.inference:8000"
+    assert "--priority-upstreams" in args and args[args.index("--listen") + 1] == "0.0.0.0:8080"
+    assert_hardened(container)
+    (service,) = by_kind(documents, "Service")
+    ports = {port["name"]: port["port"] for port in service["spec"]["ports"]}
+    assert ports == {"grpc": 50051, "http": 9464, "openai": 8080}
+    config = check_config_with_qosd(documents, tmp_path)
+    assert config["redis"]["url"] == "redis://redis.data:6379/0"
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -270,6 +288,10 @@ def test_the_sidecar_template_in_a_gateway_chart(helm: str, tmp_path: Path) -> N
         (["--set", "workers=0"], "/workers"),
         (["--set", "tls.secretName=t", "--set", "auth.control.identities={spiffe://a/b}"],
          "set tls.requireClientCert"),
+        (["--set", "mode=proxy"], "proxy mode needs proxy.upstreams"),
+        (["--set", "mode=proxy", "--set", "proxy.upstreams.llm={vllm:8000}"], "/proxy/upstreams"),
+        (["--set", "mode=proxy", "--set", "proxy.upstreams.llm={http://vllm:8000}",
+          "--set", "workers=2", "--set", "redis.url=redis://r:6379/0"], "one process per pod"),
     ],
 )  # fmt: skip
 def test_values_that_cannot_work_are_refused(helm: str, options: list[str], message: str) -> None:

@@ -106,7 +106,13 @@ app.kubernetes.io/component: qosd
 
 {{/* Checks that stop a release that could not work as intended. */}}
 {{- define "qosd.validate" -}}
-{{- if and (eq .Values.mode "standalone") (gt (int .Values.replicaCount) 1) (not (include "qosd.redisUrl" .)) -}}
+{{- if and (eq .Values.mode "proxy") (not .Values.proxy.upstreams) -}}
+{{- fail "qosd: proxy mode needs proxy.upstreams (model: [URL of an OpenAI-compatible server such as a vLLM Service])" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "proxy") (ne (toString .Values.workers) "auto") (gt (int .Values.workers) 1) -}}
+{{- fail "qosd: proxy mode runs one process per pod; scale it with replicaCount" -}}
+{{- end -}}
+{{- if and (ne .Values.mode "sidecar") (gt (int .Values.replicaCount) 1) (not (include "qosd.redisUrl" .)) -}}
 {{- fail "qosd: replicaCount > 1 needs redis.url or redis.trial.enabled: replicas on the embedded store would each keep a budget of their own" -}}
 {{- end -}}
 {{- if and (eq .Values.mode "standalone") (ne (toString .Values.workers) "auto") (gt (int .Values.workers) 1) (not (include "qosd.redisUrl" .)) -}}
@@ -157,10 +163,35 @@ TLS and token Secrets. */}}
 name: qosd
 image: {{ include "qosd.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- if eq .Values.mode "proxy" }}
+args:
+  - proxy
+  - --config
+  - /etc/qosd/qosd.yaml
+  - --listen
+  - "0.0.0.0:{{ .Values.proxy.port }}"
+  {{- range $model, $urls := .Values.proxy.upstreams }}
+  {{- range $url := $urls }}
+  - --upstream
+  - {{ printf "%s=%s" $model $url | quote }}
+  {{- end }}
+  {{- end }}
+  {{- with .Values.proxy.defaultClass }}
+  - --default-class
+  - {{ . | quote }}
+  {{- end }}
+  {{- if .Values.proxy.priorityUpstreams }}
+  - --priority-upstreams
+  {{- end }}
+{{- else }}
 args: ["serve", "--config", "/etc/qosd/qosd.yaml"]
+{{- end }}
 ports:
   {{- if ne .Values.mode "sidecar" }}
   - {name: qosd-grpc, containerPort: {{ .Values.grpc.port }}, protocol: TCP}
+  {{- end }}
+  {{- if eq .Values.mode "proxy" }}
+  - {name: qosd-openai, containerPort: {{ .Values.proxy.port }}, protocol: TCP}
   {{- end }}
   - {name: qosd-http, containerPort: {{ .Values.http.port }}, protocol: TCP}
 {{- if or .Values.redis.existingSecret .Values.otel.headersSecret .Values.extraEnv }}
