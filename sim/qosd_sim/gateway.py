@@ -65,8 +65,62 @@ def _inputs(request: Request) -> list[triton.InferInput]:
     return token_inputs(request.input_tokens, request.output_tokens)
 
 
-class Gateway:
-    """Replays a workload; one instance per run."""
+class ReplayLoop:
+    """Sends a workload's requests at their offsets and keeps what became of each;
+    ``_infer`` is how one request is served (by a gateway around qosd and Triton
+    here, through an OpenAI-compatible endpoint in ``qosd_sim.openai_gateway``)."""
+
+    def __init__(self, on_record: Callable[[RequestRecord], None] | None = None) -> None:
+        self._on_record = on_record
+        self.records: list[RequestRecord] = []
+
+    async def _infer(self, request: Request, record: RequestRecord, arrived: float) -> None:
+        raise NotImplementedError
+
+    async def _one(self, request: Request, arrived: float) -> None:
+        record = RequestRecord(request)
+        self.records.append(record)
+        try:
+            await self._infer(request, record, arrived)
+        except asyncio.CancelledError:
+            record.error = record.error or "unfinished at the end of the run"
+            if not record.admitted and record.decision == "NONE":
+                record.decision = "UNANSWERED"  # still waiting for admission
+        except Exception as exc:  # a failed request is a result, not a crash
+            record.error = f"{type(exc).__name__}: {exc}"
+            if not record.admitted and record.decision == "NONE":
+                record.decision = "ERROR"
+        finally:
+            if self._on_record is not None:
+                self._on_record(record)
+
+    async def replay(self, workload: Sequence[Request], *, drain_s: float = 30.0) -> None:
+        """Sends each request at its offset, then waits up to ``drain_s`` for the rest.
+
+        What is still running after that is cancelled and recorded unfinished. Latency
+        counts from each request's scheduled arrival, not from when this loop got to
+        it, so a busy gateway cannot hide its own delay (no coordinated omission).
+        """
+        started = time.monotonic()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for request in workload:
+                arrival = started + request.at_s
+                delay = arrival - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(self._one(request, arrival)))
+            if tasks:
+                await asyncio.wait(tasks, timeout=drain_s)
+        finally:
+            pending = [task for task in tasks if not task.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+class Gateway(ReplayLoop):
+    """Replays a workload around qosd and Triton; one instance per run."""
 
     def __init__(
         self,
@@ -84,13 +138,12 @@ class Gateway:
         with qosd, its answer's ``server_priority`` is passed instead. ``replicas``:
         more daemons of the same fleet; request i calls ``[qos, *replicas][i % n]``,
         as gateway replicas behind a load balancer would."""
+        super().__init__(on_record)
         self._class_ranks = class_ranks or {}
         self._daemons = [qos, *replicas] if qos is not None else []
         self._triton = triton_client
         self._model = model
         self._expected_output_tokens = expected_output_tokens
-        self._on_record = on_record
-        self.records: list[RequestRecord] = []
 
     async def _stream(
         self, request: Request, lease_id: str, priority: int
@@ -187,44 +240,3 @@ class Gateway:
             )
         except QosdError as exc:
             record.error = record.error or f"release: {exc}"
-
-    async def _one(self, request: Request, arrived: float) -> None:
-        record = RequestRecord(request)
-        self.records.append(record)
-        try:
-            await self._infer(request, record, arrived)
-        except asyncio.CancelledError:
-            record.error = record.error or "unfinished at the end of the run"
-            if not record.admitted and record.decision == "NONE":
-                record.decision = "UNANSWERED"  # still waiting for admission
-        except Exception as exc:  # a failed request is a result, not a crash
-            record.error = f"{type(exc).__name__}: {exc}"
-            if not record.admitted and record.decision == "NONE":
-                record.decision = "ERROR"
-        finally:
-            if self._on_record is not None:
-                self._on_record(record)
-
-    async def replay(self, workload: Sequence[Request], *, drain_s: float = 30.0) -> None:
-        """Sends each request at its offset, then waits up to ``drain_s`` for the rest.
-
-        What is still running after that is cancelled and recorded unfinished. Latency
-        counts from each request's scheduled arrival, not from when this loop got to
-        it, so a busy gateway cannot hide its own delay (no coordinated omission).
-        """
-        started = time.monotonic()
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for request in workload:
-                arrival = started + request.at_s
-                delay = arrival - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(self._one(request, arrival)))
-            if tasks:
-                await asyncio.wait(tasks, timeout=drain_s)
-        finally:
-            pending = [task for task in tasks if not task.done()]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
