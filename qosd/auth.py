@@ -89,10 +89,16 @@ def bearer_token(context: grpc.aio.ServicerContext) -> bytes | None:
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
             text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            if text[: len(BEARER_PREFIX)].lower() == BEARER_PREFIX:
-                return text[len(BEARER_PREFIX) :].strip().encode()
-            return b""  # present but not a bearer token: a wrong credential
+            return bearer_of(text)
     return None
+
+
+def bearer_of(header: str) -> bytes:
+    """The token of an ``authorization`` header's value; empty when it is not a
+    bearer token (a wrong credential, not a missing one)."""
+    if header[: len(BEARER_PREFIX)].lower() == BEARER_PREFIX:
+        return header[len(BEARER_PREFIX) :].strip().encode()
+    return b""
 
 
 class CallerCheck:
@@ -104,8 +110,11 @@ class CallerCheck:
         self._identities = frozenset(rule.identities)
 
     def judge(self, context: grpc.aio.ServicerContext) -> Refusal | None:
-        token = bearer_token(context)
-        identities = peer_identities(context)
+        return self.judge_credentials(bearer_token(context), peer_identities(context))
+
+    def judge_credentials(self, token: bytes | None, identities: list[str]) -> Refusal | None:
+        """``token``: the bearer token shown (None: no authorization header; empty:
+        one that is not a bearer token); ``identities``: the client certificate's."""
         if token is not None and self._token is not None and self._token.matches(token):
             return None
         if self._identities.intersection(identities):

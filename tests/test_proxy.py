@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -254,6 +255,28 @@ async def test_two_replicas_on_one_redis_give_p0_its_turn_fleet_wide(
     assert finished == ["P0", "P2"]
     await first.close()
     await second.close()
+
+
+async def test_auth_qos_guards_the_openai_listener(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    """With ``auth.qos`` set, as on the daemon: no key is a 401, a wrong one a 403
+    (in OpenAI's format, which the SDK raises as its own errors), the token passes."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    stack = await make_stack({"auth": {"qos": {"token_file": str(token)}}})
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{stack.url()}/chat/completions", json=chat()) as answer,
+    ):
+        assert answer.status == 401
+        assert (await answer.json())["error"]["param"] == "authorization"
+    with pytest.raises(openai.PermissionDeniedError):
+        await stack.client().chat.completions.create(**chat())
+    client = openai.AsyncOpenAI(base_url=stack.url(), api_key="s3cret")
+    answer = await client.chat.completions.create(**chat(3, max_tokens=2))
+    assert answer.usage is not None and answer.usage.completion_tokens == 2
+    await client.close()
 
 
 async def test_models_lists_the_upstreams_models(make_stack: StackFactory) -> None:

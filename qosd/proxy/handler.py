@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import grpc
 from aiohttp import web
 
 from qosd.admission import MAX_LATENCY_MS, Admission, InvalidArgument
+from qosd.auth import CallerCheck, bearer_of
 from qosd.metrics import Metrics
 from qosd.model import LeaseExpired, LeaseNotFound, Outcome, Sample, StoreUnavailable
 from qosd.proxy.estimate import Estimator, Usage, prompt_text
@@ -50,6 +52,8 @@ class ProxySettings:
     max_body_bytes: int = 8 * 1024 * 1024
     #: API key (the bearer token) SHA-256 hex digest -> (class, tenant).
     api_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: ``auth.qos``'s rule, when set: who may send requests.
+    caller_check: CallerCheck | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +128,7 @@ class Proxy:
         code = 500
         call: _Call | None = None
         try:
+            self._authorize(request)
             call = await self._parse(request)
             response = await self._admit_and_forward(request, path, call)
             code = response.status
@@ -137,6 +142,21 @@ class Proxy:
             ).inc()
 
     # -- admission ------------------------------------------------------------------
+
+    def _authorize(self, request: web.Request) -> None:
+        """``auth.qos``, as the daemon applies it to Acquire: a bearer token or an
+        allowed mTLS identity; 401 when the caller shows neither, 403 when wrong."""
+        check = self.settings.caller_check
+        if check is None:
+            return
+        header = request.headers.get("authorization")
+        token = None if header is None else bearer_of(header)
+        refusal = check.judge_credentials(token, _peer_identities(request))
+        if refusal is not None:
+            status = 401 if refusal.code is grpc.StatusCode.UNAUTHENTICATED else 403
+            self._metrics.auth_refusals.labels("proxy", refusal.code.name).inc()
+            raise OpenAIError(status, refusal.message, "authorization",
+                              code=refusal.code.name.lower())  # fmt: skip
 
     async def _parse(self, request: web.Request) -> _Call:
         try:
@@ -438,6 +458,19 @@ def _read_load(upstream: Upstream, answer: aiohttp.ClientResponse) -> None:
         if name == "named_metrics.num_requests_waiting":
             with contextlib.suppress(ValueError):
                 upstream.waiting = float(number)
+
+
+def _peer_identities(request: web.Request) -> list[str]:
+    """The client certificate's subject alternative names, else its common name (as
+    the daemon reads them from gRPC's auth context); empty without mTLS."""
+    certificate = request.transport.get_extra_info("peercert") if request.transport else None
+    if not certificate:
+        return []
+    names = [value for _, value in certificate.get("subjectAltName", ())]
+    if names:
+        return names
+    return [value for rdn in certificate.get("subject", ()) for key, value in rdn
+            if key == "commonName"]  # fmt: skip
 
 
 def _objective(request: web.Request, names: tuple[str, ...]) -> float | None:

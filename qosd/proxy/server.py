@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from qosd.auth import CallerCheck, Group
 from qosd.config import Config, parse_listen_address
 from qosd.proxy.handler import Proxy, ProxySettings
 from qosd.server import Daemon, start, write_ready_file
@@ -54,6 +56,10 @@ def proxy_app(proxy: Proxy) -> web.Application:
 async def start_proxy(config: Config, listen: str, settings: ProxySettings) -> RunningProxy:
     """Starts the daemon, then the proxy's listener on ``listen`` (HOST:PORT)."""
     daemon = await start(config)
+    if config.auth.qos.configured:
+        settings = dataclasses.replace(
+            settings, caller_check=CallerCheck(config.auth.qos, Group.QOS)
+        )
     try:
         # Unbounded: the pool's own limits (max_in_flight, the budget) bound what is
         # sent upstream; aiohttp's default of 100 connections would cap it below them.
