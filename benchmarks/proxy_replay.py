@@ -35,19 +35,23 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks.litellm_peer import MASTER_KEY, litellm_proxy, model_entry, version
-from qosd_harness import redis_server, source_commit, start_command, stop_process
-from qosd_sim.experiment import MODEL, CapacityChoice, Policy, configured_capacity, daemon_config
+from qosd_harness import redis_server, source_commit
+from qosd_sim.experiment import (
+    MODEL,
+    CapacityChoice,
+    Policy,
+    PolicyRun,
+    configured_capacity,
+    daemon_config,
+)
 from qosd_sim.gpu import GpuModel
 from qosd_sim.objectives import CLASSES, SCORINGS
-from qosd_sim.openai_gateway import OpenAIGateway, rank_priorities
+from qosd_sim.openai_experiment import proxy_process, replay_openai, vllm_process
+from qosd_sim.openai_gateway import rank_priorities
 from qosd_sim.replay import read_trace
 from qosd_sim.results import RunSamples, policy_summary
 from qosd_sim.seeds import REPORTED_SEEDS
@@ -56,32 +60,6 @@ from qosd_sim.workload import WorkloadSpec, seeded_workload
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023_conv.csv"
 TARGETS = ("none", "qosd", "litellm")
 OUTPUT_WEIGHT = 4.0  # as the QoS benchmark prices output
-STREAM_EVERY = 8  # server chunks of 8 tokens: the three ways pay the same per chunk
-
-
-@contextmanager
-def server(directory: Path) -> Iterator[str]:
-    process, ready = start_command(
-        ["sim-vllm", "--listen", "127.0.0.1:0", "--model", MODEL, "--max-waiting", "100000",
-         "--stream-every", str(STREAM_EVERY)], directory, "vllm")  # fmt: skip
-    try:
-        yield f"http://127.0.0.1:{ready['port']}"
-    finally:
-        stop_process(process)
-
-
-@contextmanager
-def qosd_proxy(config: dict[str, Any], upstream: str, directory: Path) -> Iterator[str]:
-    path = directory / "qosd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process, ready = start_command(
-        ["proxy", "--config", str(path), "--listen", "127.0.0.1:0", "--grpc-listen",
-         "127.0.0.1:0", "--upstream", f"{MODEL}={upstream}", "--log-level", "WARNING"],
-        directory, "proxy")  # fmt: skip
-    try:
-        yield f"http://{ready['address']}/v1"
-    finally:
-        stop_process(process)
 
 
 def litellm_config(upstream: str, tpm: int, redis_port: int) -> dict[str, Any]:
@@ -104,10 +82,17 @@ def run(
     directory = scratch / target
     directory.mkdir(parents=True, exist_ok=True)
     gpu = GpuModel()
-    with server(directory) as upstream:
+
+    def replay(policy: Policy, url: str, **options: Any) -> PolicyRun:
+        return asyncio.run(
+            replay_openai(policy, workload.requests, url=url, metrics_url=f"{upstream}/metrics",
+                          drain_s=args.drain, window_s=args.duration, **options)
+        )  # fmt: skip
+
+    with vllm_process(gpu, directory) as upstream:
         if target == "none":
-            return replay(f"{upstream}/v1", workload, args, None)
-        if target == "qosd":
+            run = replay(Policy.FIFO, f"{upstream}/v1", qosd_address=None, priorities=None)
+        elif target == "qosd":
             config = daemon_config(
                 Policy.QOSD,
                 capacity_cost_s=pool_cost_s,
@@ -116,37 +101,32 @@ def run(
                 gpu=gpu,
             )
             config["redis"]["key_prefix"] += f"-{time.monotonic_ns()}"
-            with qosd_proxy(config, upstream, directory) as url:
-                return replay(url, workload, args, None)
-        config = litellm_config(upstream, litellm_tpm(gpu), redis.port)
-        with litellm_proxy(args.litellm_venv, config, directory) as (url, _):
-            return replay(f"{url}/v1", workload, args, rank_priorities(list(CLASSES)))
+            with proxy_process(config, upstream, directory, priority_upstreams=False) as (
+                url,
+                grpc,
+            ):
+                run = replay(Policy.QOSD, url, qosd_address=grpc, priorities=None)
+        else:
+            config = litellm_config(upstream, litellm_tpm(gpu), redis.port)
+            with litellm_proxy(args.litellm_venv, config, directory) as (url, _):
+                run = replay(Policy.FIFO, f"{url}/v1", qosd_address=None, api_key=MASTER_KEY,
+                             priorities=rank_priorities(list(CLASSES)))  # fmt: skip
+    return summarise(run, workload, args)
 
 
-def replay(
-    url: str, workload: Any, args: argparse.Namespace, priorities: dict[str, int] | None
-) -> dict[str, Any]:
-    async def go() -> tuple[list[Any], float]:
-        gateway = OpenAIGateway(url, model=MODEL, api_key=MASTER_KEY, priorities=priorities)
-        started = time.monotonic()
-        try:
-            await gateway.replay(workload.requests, drain_s=args.drain)
-        finally:
-            await gateway.close()
-        return gateway.records, time.monotonic() - started
-
-    records, elapsed = asyncio.run(go())
+def summarise(run: PolicyRun, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
     summary = policy_summary(
-        records, SCORINGS["scaled"], RunSamples(end_s=elapsed), window_s=args.duration,
-        capacity_tokens_s=workload.trace_capacity_tokens_s,
+        run.records, SCORINGS["scaled"], RunSamples(end_s=run.duration_s, busy=run.busy),
+        window_s=args.duration, capacity_tokens_s=workload.trace_capacity_tokens_s,
     )  # fmt: skip
     return {
         "p0_on_time": summary["P0"]["attainment_of_offered"],
         "p1_attained_of_offered": summary["P1"]["attainment_of_offered"],
         "goodput_tokens_s": summary["all"]["goodput_tokens_s"],
         "goodput_of_saturated": summary["all"]["goodput_span_of_saturated"],
+        "busy_fraction": summary["all"]["busy_fraction"],
         "classes": {name: summary[name] for name in CLASSES},
-        "errors": sum(1 for r in records if r.error and "unfinished" not in r.error),
+        "errors": sum(1 for r in run.records if r.error and "unfinished" not in r.error),
     }
 
 

@@ -61,6 +61,7 @@ from qosd_sim.experiment import (
 from qosd_sim.gateway import RequestRecord
 from qosd_sim.gpu import VLLM_A100_BATCHED_TOKENS, GpuModel
 from qosd_sim.objectives import CLASSES, SCORINGS, describe
+from qosd_sim.openai_experiment import run_policy_openai
 from qosd_sim.plots import plot_runs
 from qosd_sim.replay import (
     BurstProcess,
@@ -328,6 +329,14 @@ def parse_args() -> argparse.Namespace:
         "--long-prefill-threshold",
     )
     parser.add_argument(
+        "--server",
+        choices=["triton", "vllm"],
+        default="triton",
+        help="triton: a gateway calls Acquire and streams from a simulated Triton through "
+        "tritonclient; vllm: the official openai client streams from a simulated vLLM "
+        "(qosd sim-vllm), through qosd proxy for static and qosd, with no gateway code",
+    )
+    parser.add_argument(
         "--long-prefill-threshold",
         type=int,
         default=VLLM_A100_BATCHED_TOKENS // 4,
@@ -482,6 +491,7 @@ def main() -> int:
         "commit": source_commit(Path(__file__).resolve().parents[1]),
         "trace": args.trace or "bundled sample",
         "engine": gpu.engine,
+        "server": args.server,
         "load": args.load,
         "seeds": [s.workload.seed for s in seed_runs],
         "development_seeds": list(DEVELOPMENT_SEEDS),
@@ -541,8 +551,9 @@ def replay_seeds(
             )
             for policy in policies:
                 began = time.monotonic()
+                run = run_policy_openai if args.server == "vllm" else run_policy
                 seed_run.runs.append(
-                    run_policy(
+                    run(
                         policy,
                         drawn.requests,
                         gpu=gpu,

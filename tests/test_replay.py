@@ -29,6 +29,7 @@ from qosd_sim.experiment import (
 from qosd_sim.gateway import RequestRecord
 from qosd_sim.gpu import GpuModel
 from qosd_sim.objectives import FIXED_P0, SCALED, Objectives
+from qosd_sim.openai_experiment import run_policy_openai
 from qosd_sim.replay import (
     BurstProcess,
     BurstTargets,
@@ -595,3 +596,22 @@ def test_daemon_config_holds_only_what_an_operator_knows() -> None:
     refuse = daemon_config(Policy.QOSD, capacity_cost_s=20_000, output_weight=4.0,
                            redis_url=None, gpu=gpu, admit_long_prompts=False)  # fmt: skip
     assert [c["max_cost_tokens"] for c in refuse["classes"].values()] == [20_000] * 3
+
+
+def test_the_replay_runs_through_the_openai_api_with_no_gateway_code() -> None:
+    """``qos_replay.py --server vllm``: the same requests straight to a simulated vLLM
+    (fifo) and through qosd proxy (qosd), with the official openai client; each is
+    served with its trace's output length, and the GPU's busy time is read."""
+    gpu = GpuModel(speed=20.0)
+    requests = [Request(n, 0.05 * n, 40 + n, 6, ("P0", "P1", "P2")[n % 3], "t") for n in range(9)]
+    for policy in (Policy.FIFO, Policy.QOSD):
+        run = run_policy_openai(
+            policy, requests, gpu=gpu, capacity_cost_s=1_000_000.0, output_weight=4.0,
+            redis_url=None, drain_s=20.0, window_s=0.5,
+        )  # fmt: skip
+        assert [r.completed for r in run.records] == [True] * 9, policy
+        assert {r.tokens_seen for r in run.records} == {6}
+        assert run.busy and run.busy[-1][1] > 0
+        for record in run.records:
+            assert record.ttft_ms is not None and record.e2e_ms is not None
+            assert record.ttft_ms <= record.e2e_ms

@@ -441,20 +441,20 @@ def _rate_point(t_s: float, status: Status) -> RatePoint:
     )
 
 
-async def _sample_rates(qos: QosdClient, into: list[RatePoint], started: float) -> None:
+async def sample_rates(qos: QosdClient, into: list[RatePoint], started: float) -> None:
     while True:
         with contextlib.suppress(Exception):
             into.append(_rate_point(time.monotonic() - started, await qos.status(MODEL)))
         await asyncio.sleep(1.0)
 
 
-async def _busy_sample(metrics_url: str, started: float) -> tuple[float, float]:
+async def busy_sample(metrics_url: str, started: float) -> tuple[float, float]:
     """(seconds since ``started``, busy seconds), timed by the server's own clock."""
     clock, busy = await asyncio.to_thread(read_busy_seconds, metrics_url)
     return (clock - started, busy)
 
 
-async def _sample_busy(
+async def sample_busy(
     metrics_url: str, into: list[tuple[float, float]], started: float, window_s: float | None
 ) -> None:
     """Every whole second from the start, and at the end of the arrival window."""
@@ -468,7 +468,7 @@ async def _sample_busy(
         for at in marks:
             await asyncio.sleep(max(0.0, started + at - time.monotonic()))
             with contextlib.suppress(Exception):
-                into.append(await _busy_sample(metrics_url, started))
+                into.append(await busy_sample(metrics_url, started))
 
 
 async def _replay(
@@ -499,10 +499,10 @@ async def _replay(
             client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks, replicas=replicas
         )
         background.append(
-            asyncio.create_task(_sample_busy(metrics_url, run.busy, started, window_s))
+            asyncio.create_task(sample_busy(metrics_url, run.busy, started, window_s))
         )
         if qos is not None:
-            background.append(asyncio.create_task(_sample_rates(qos, run.rates, started)))
+            background.append(asyncio.create_task(sample_rates(qos, run.rates, started)))
         if on_tick is not None:
 
             async def ticker() -> None:
@@ -515,7 +515,7 @@ async def _replay(
         run.records = gateway.records
         run.duration_s = time.monotonic() - started
         with contextlib.suppress(Exception):
-            run.busy.append(await _busy_sample(metrics_url, started))
+            run.busy.append(await busy_sample(metrics_url, started))
         if qos is not None:
             status = await qos.status(MODEL, history=100)
             run.adjustments = [

@@ -129,6 +129,19 @@ class VllmMetrics:
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_BUCKETS,
         )
+        # The simulator's own, as sim-triton serves them (not vLLM metrics): what the
+        # replay benchmark reads the GPU's busy fraction from.
+        self.busy = Gauge(
+            "qosd_sim_gpu_busy_seconds",
+            "Seconds the simulated GPU spent running iterations (simulator only)",
+            ["model"],
+            registry=registry,
+        )
+        self.clock = Gauge(
+            "qosd_sim_monotonic_seconds",
+            "The simulator's monotonic clock when it read qosd_sim_gpu_busy_seconds",
+            registry=registry,
+        )
 
 
 class SimulatedVllm:
@@ -405,6 +418,9 @@ def vllm_app(server: SimulatedVllm) -> web.Application:
         m.running.labels(*labels).set(server.running())
         m.waiting.labels(*labels).set(server.waiting())
         m.kv_usage.labels(*labels).set(server.kv_usage())
+        now = time.monotonic()
+        m.busy.labels(server.settings.model_name).set(server.gpu.busy_seconds(now))
+        m.clock.set(now)
         return web.Response(
             body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

@@ -1,0 +1,166 @@
+"""The QoS benchmark's policies against ``qosd sim-vllm``, through the OpenAI API: the
+same workloads and scoring as ``experiment.run_policy`` (a simulated Triton and a
+gateway calling Acquire), with no gateway code.
+
+- ``fifo``: the official ``openai`` async client straight to the simulated vLLM;
+- ``static`` and ``qosd``: the same client through ``qosd proxy``, configured as
+  ``experiment.daemon_config`` configures the daemon.
+
+Where the simulated GPU schedules by priority, requests carry their class's rank in
+vLLM's ``priority`` field (``--priority-upstreams`` through the proxy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qosd_client import QosdClient
+from qosd_harness import start_command, stop_process
+from qosd_sim.experiment import (
+    MODEL,
+    Policy,
+    PolicyRun,
+    busy_sample,
+    daemon_config,
+    sample_busy,
+    sample_rates,
+)
+from qosd_sim.gpu import GpuModel
+from qosd_sim.objectives import CLASSES
+from qosd_sim.openai_gateway import OpenAIGateway, rank_priorities
+from qosd_sim.replay import Request
+
+#: Server chunks of this many tokens: every way to the server pays the same per chunk,
+#: and the replay's client keeps up with a GPU's worth of streams on a small machine.
+STREAM_EVERY = 8
+
+
+@contextlib.contextmanager
+def vllm_process(gpu: GpuModel, directory: Path, name: str = "vllm") -> Iterator[str]:
+    """``qosd sim-vllm`` on a free port with ``gpu``'s constants; its base URL."""
+    options: list[str] = []
+    for item in fields(gpu):
+        if item.name == "priority_scheduling":
+            continue
+        options += ["--gpu", f"{item.name}={getattr(gpu, item.name)}"]
+    policy = "priority" if gpu.priority_scheduling else "fcfs"
+    process, ready = start_command(
+        ["sim-vllm", "--listen", "127.0.0.1:0", "--model", MODEL, "--max-waiting", "1000000",
+         "--stream-every", str(STREAM_EVERY), "--scheduling-policy", policy, *options],
+        directory, name,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{ready['port']}"
+    finally:
+        stop_process(process)
+
+
+@contextlib.contextmanager
+def proxy_process(
+    tree: dict[str, Any], upstream: str, directory: Path, *, priority_upstreams: bool
+) -> Iterator[tuple[str, str]]:
+    """``qosd proxy`` with the config ``tree`` in front of ``upstream``: its OpenAI base
+    URL and its gRPC address."""
+    path = directory / "qosd.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    process, ready = start_command(
+        ["proxy", "--config", str(path), "--listen", "127.0.0.1:0", "--grpc-listen",
+         "127.0.0.1:0", "--upstream", f"{MODEL}={upstream}", "--log-level", "WARNING",
+         *(["--priority-upstreams"] if priority_upstreams else [])],
+        directory, "proxy",
+    )  # fmt: skip
+    try:
+        yield f"http://{ready['address']}/v1", ready["grpc"][0]
+    finally:
+        stop_process(process)
+
+
+async def replay_openai(
+    policy: Policy,
+    workload: Sequence[Request],
+    *,
+    url: str,
+    metrics_url: str,
+    qosd_address: str | None,
+    priorities: dict[str, int] | None,
+    drain_s: float,
+    window_s: float | None,
+    api_key: str = "unused",
+) -> PolicyRun:
+    """One replay through ``url``, with the GPU's busy seconds and (through qosd)
+    the pool's rates sampled every second."""
+    run = PolicyRun(policy, [])
+    gateway = OpenAIGateway(url, model=MODEL, api_key=api_key, priorities=priorities)
+    qos = QosdClient(qosd_address) if qosd_address else None
+    started = time.monotonic()
+    background = [asyncio.create_task(sample_busy(metrics_url, run.busy, started, window_s))]
+    if qos is not None:
+        background.append(asyncio.create_task(sample_rates(qos, run.rates, started)))
+    try:
+        await gateway.replay(workload, drain_s=drain_s)
+        run.records = gateway.records
+        run.duration_s = time.monotonic() - started
+        with contextlib.suppress(Exception):
+            run.busy.append(await busy_sample(metrics_url, started))
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await gateway.close()
+        if qos is not None:
+            await qos.close()
+    return run
+
+
+def run_policy_openai(
+    policy: Policy,
+    workload: Sequence[Request],
+    *,
+    gpu: GpuModel,
+    capacity_cost_s: float,
+    output_weight: float,
+    redis_url: str | None,
+    drain_s: float = 20.0,
+    window_s: float | None = None,
+    admit_long_prompts: bool = True,
+    config_overrides: Callable[[dict[str, Any]], None] | None = None,
+) -> PolicyRun:
+    """``experiment.run_policy``'s counterpart with ``--server vllm``."""
+    priorities = rank_priorities(list(CLASSES)) if gpu.priority_scheduling else None
+    with tempfile.TemporaryDirectory(prefix="qosd-openai-") as scratch:
+        directory = Path(scratch)
+        with vllm_process(gpu, directory) as upstream:
+            metrics_url = f"{upstream}/metrics"
+            if policy is Policy.FIFO:
+                return asyncio.run(
+                    replay_openai(policy, workload, url=f"{upstream}/v1", metrics_url=metrics_url,
+                                  qosd_address=None, priorities=priorities, drain_s=drain_s,
+                                  window_s=window_s)
+                )  # fmt: skip
+            tree = daemon_config(
+                policy,
+                capacity_cost_s=capacity_cost_s,
+                output_weight=output_weight,
+                redis_url=redis_url,
+                gpu=gpu,
+                admit_long_prompts=admit_long_prompts,
+                overrides=config_overrides,
+            )
+            tree["redis"]["key_prefix"] += f"-{time.monotonic_ns()}"  # runs share a Redis
+            with proxy_process(
+                tree, upstream, directory, priority_upstreams=gpu.priority_scheduling
+            ) as (url, grpc):
+                return asyncio.run(
+                    replay_openai(policy, workload, url=url, metrics_url=metrics_url,
+                                  qosd_address=grpc, priorities=None, drain_s=drain_s,
+                                  window_s=window_s)
+                )  # fmt: skip
