@@ -26,7 +26,7 @@ from qosd.config import Config
 from qosd.proxy.handler import ProxySettings
 from qosd.proxy.server import RunningProxy, start_proxy
 from qosd.proxy.upstreams import Upstreams
-from qosd_harness import RedisServer
+from qosd_harness import RedisServer, free_port
 from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_app
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import eventually, until
@@ -80,7 +80,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
             proxy_settings = ProxySettings(
-                upstreams=Upstreams.parse([f"{MODEL}={url}"]),
+                upstreams=Upstreams.parse([f"{MODEL}={proxy.pop('upstream', url)}"]),
                 default_class=proxy.pop("default_class", "P1"),
                 **proxy,
             )
@@ -169,6 +169,33 @@ async def test_a_client_that_leaves_mid_stream_ends_its_request_and_lease(
     assert await until(lambda: stack.vllm.gpu.engine.pending == 0)
     pool = await eventually(stack.status, lambda p: p.active_leases == 0)
     assert pool.active_leases == 0
+
+
+@pytest.mark.parametrize(
+    ("upstream", "status"),
+    [("refusing", 503), ("unreachable", 502)],
+)
+async def test_an_upstream_that_refuses_or_is_gone_ends_the_lease(
+    make_stack: StackFactory, upstream: str, status: int
+) -> None:
+    """vLLM at its queue cap answers 503, which the client gets as it came; a server
+    that is not there is a 502. Either way the lease ends, with nothing used."""
+    if upstream == "refusing":
+        stack = await make_stack({"classes": {"P1": {"fairness": "vtc"}}},
+                                 vllm={"max_waiting": 0})  # fmt: skip
+    else:
+        stack = await make_stack({"classes": {"P1": {"fairness": "vtc"}}},
+                                 upstream=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{stack.url()}/chat/completions", json=chat(8, max_tokens=4),
+                     headers={"x-qos-tenant": "acme"}) as answer,
+    ):  # fmt: skip
+        assert answer.status == status
+        assert "error" in await answer.json()
+    pool = await eventually(lambda: stack.status(tenants=("acme",)), lambda p: p.active_leases == 0)
+    assert pool.active_leases == 0
+    assert pool.cls("P1").tenant("acme").served_tokens == 0  # settled as nothing used
 
 
 async def test_refusals_are_429s_the_sdk_retries(make_stack: StackFactory) -> None:

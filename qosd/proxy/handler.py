@@ -64,6 +64,7 @@ class _Call:
     qos_class: str
     tenant: str
     body: dict[str, Any]
+    raw: bytes  # the body as it came
     prompt_bytes: int
     input_tokens: int
     output_tokens: int
@@ -200,6 +201,7 @@ class Proxy:
             qos_class=qos_class,
             tenant=tenant,
             body=body,
+            raw=raw,
             prompt_bytes=len(text.encode("utf-8")),
             input_tokens=self.estimator.prompt_tokens(model, text),
             output_tokens=self.estimator.expected_output(qos_class, max_tokens),
@@ -269,18 +271,25 @@ class Proxy:
         lease_id: str,
         priority: int,
     ) -> web.StreamResponse:
-        body = dict(call.body)
-        if call.stream:  # the usage to settle with, whether or not the client asked
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        if self.settings.priority_upstreams:
-            body["priority"] = priority
+        payload = call.raw  # as the client sent it, unless the proxy adds to it
+        if call.stream or self.settings.priority_upstreams:
+            body = dict(call.body)
+            if call.stream:  # the usage to settle with, whether or not the client asked
+                options = body.get("stream_options") or {}
+                body["stream_options"] = {**options, "include_usage": True}
+            if self.settings.priority_upstreams:
+                body["priority"] = priority
+            payload = json.dumps(body).encode()
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers["content-type"] = "application/json"
         progress = _Progress()
         upstream.in_flight += 1
         try:
             progress.sent_at = time.monotonic()
             try:
-                answer = await self._session.post(upstream.url + path, json=body, headers=headers)
+                answer = await self._session.post(
+                    upstream.url + path, data=payload, headers=headers
+                )
             except (TimeoutError, aiohttp.ClientError) as exc:
                 progress.used_nothing, progress.outcome = True, Outcome.ERROR
                 raise OpenAIError(502, f"upstream {upstream.url} unreachable: {exc}",
