@@ -124,6 +124,7 @@ class DaemonHttp:
         ssl_context: ssl.SSLContext | None = None,
         *,
         reuse_port: bool = False,
+        routes: Callable[[web.Application], None] | None = None,
     ) -> None:
         """``reuse_port``: the workers of ``serve --workers N`` share one HTTP port
         (SO_REUSEPORT); each answers for itself, so ``/readyz`` says whether the
@@ -133,6 +134,7 @@ class DaemonHttp:
         self._reuse_port = reuse_port
         self._ssl_context = ssl_context
         self._metrics_page = metrics_page
+        self._routes = routes  # more of the daemon on this listener (qosd.json_api)
         host, _, port = parse_listen_address(address).target.rpartition(":")
         self._host, self._port = host, int(port)
         self._runner: web.AppRunner | None = None
@@ -144,6 +146,8 @@ class DaemonHttp:
         app.router.add_get("/readyz", self._readyz)
         if self._metrics_page is not None:
             app.router.add_get("/metrics", self._metrics)
+        if self._routes is not None:
+            self._routes(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(

@@ -29,6 +29,7 @@ from qosd.config import Config, FailMode, parse_listen_address
 from qosd.control.leader import Controller
 from qosd.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.health import DaemonHttp, HealthMonitor
+from qosd.json_api import JsonApi
 from qosd.metrics import Metrics
 from qosd.model import StoreUnavailable, new_daemon_id
 from qosd.reload import ConfigReloader, ReloadPlan
@@ -254,7 +255,7 @@ async def _start(
         config.auth,
         on_refusal=lambda method, code: metrics.auth_refusals.labels(method, code.name).inc(),
     )
-    add_to_server(
+    chains = add_to_server(
         QoSService(admission, metrics, tracer), admin, server, envoy_rls, tracer, authorizer
     )
     health_servicer = health.aio.HealthServicer()
@@ -298,6 +299,7 @@ async def _start(
             daemon.metrics_page,
             certificates.ssl_context() if certificates is not None else None,
             reuse_port=reuse_port,
+            routes=JsonApi(chains).add_routes,
         )
         try:
             await daemon.http.start()

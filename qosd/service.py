@@ -322,6 +322,10 @@ METHOD_GROUPS: dict[str, Group] = {
 }
 
 
+#: A method as a handler of raw request bytes: the chain a call runs through.
+RawHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
 def add_to_server(
     service: QoSService | None,
     admin: AdminService,
@@ -329,7 +333,7 @@ def add_to_server(
     envoy_rls: EnvoyRateLimitService | None = None,
     tracer: Tracer | None = None,
     authorizer: Authorizer | None = None,
-) -> None:
+) -> dict[str, tuple[type[Message], RawHandler]]:
     """Registers qosd's services so that an undecodable request is INVALID_ARGUMENT.
 
     The generated registration lets grpc.aio decode requests before any servicer
@@ -338,7 +342,12 @@ def add_to_server(
     is wrong. With a tracer, each handler also runs in a server span. With an
     authorizer, each call is judged first (``METHOD_GROUPS``); none: every call is
     served (the admin listener). ``service`` None: the Admin service alone.
+
+    Returns each method's request type and handler chain, by method name (``Acquire``,
+    ``GetStatus``...): what the JSON API runs, so that its calls are judged, traced
+    and validated exactly as gRPC calls are (qosd.json_api).
     """
+    chains: dict[str, tuple[type[Message], RawHandler]] = {}
 
     def register(service_name: str, methods: Methods, names: tuple[str, ...] = ()) -> None:
         handlers = {}
@@ -349,6 +358,7 @@ def add_to_server(
                 handler = _authorized(authorizer, f"{service_name}/{method_name}", group, handler)
             if tracer is not None:
                 handler = tracing.traced_handler(tracer, service_name, method_name, handler)
+            chains[method_name] = (message_type, handler)
             handlers[method_name] = grpc.unary_unary_rpc_method_handler(
                 handler, request_deserializer=None, response_serializer=_serialize
             )
@@ -385,6 +395,7 @@ def add_to_server(
             {"ShouldRateLimit": (envoy_rls_pb2.RateLimitRequest, envoy_rls.ShouldRateLimit)},
             (MIRROR_SERVICE,),
         )
+    return chains
 
 
 def _authorized(

@@ -4,6 +4,10 @@ client's trace with what qosd decided as attributes."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +56,7 @@ def traced_daemon(
     _, endpoint = receiver
     tree = {
         "redis": {"url": redis_standalone.url, "key_prefix": f"trace{free_port()}"},
+        "server": {"http_listen": f"127.0.0.1:{free_port()}"},  # the JSON API's
         "pools": {"llm": {"capacity_tokens_s": 10_000, "models": ["llm"]}},
         "default_pool": "llm",
         "cost": {"output_weight": 1.0},
@@ -134,6 +139,27 @@ async def test_acquire_and_release_spans_continue_the_callers_trace(
     assert release.attributes["qosd.cost_tokens"] == 130.0  # 120 in + 10 out settled
     assert release.attributes["qosd.adjustment_tokens"] == -20.0
     assert collector.wait_for(name="qosd.store/release", parent_id=release.span_id)
+
+
+async def test_json_api_calls_continue_the_callers_trace(
+    receiver: tuple[OtlpReceiver, str], traced_daemon: DaemonProcess
+) -> None:
+    """An Acquire over the JSON API with a traceparent header is a child of the
+    caller's span, with the attributes a gRPC Acquire's span has."""
+    collector, _ = receiver
+    trace_id, parent_id = os.urandom(16).hex(), os.urandom(8).hex()
+    answer = await asyncio.to_thread(
+        subprocess.run,
+        ["curl", "-s", "-X", "POST", f"http://{traced_daemon.ready['http']}/v1/acquire",
+         "-H", f"traceparent: 00-{trace_id}-{parent_id}-01",
+         "-d", '{"qos_class": "P0", "model": "llm", "input_tokens": 40, "tenant": "json"}'],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert json.loads(answer.stdout)["decision"] == "DECISION_ADMITTED"
+    (acquire,) = collector.wait_for(name=ACQUIRE, trace_id=trace_id)
+    assert acquire.parent_id == parent_id
+    assert acquire.attributes["qosd.tenant"] == "json"
+    assert acquire.attributes["qosd.decision"] == "admitted"
 
 
 async def test_waits_rejections_and_errors_are_in_the_trace(

@@ -1,0 +1,158 @@
+"""qosd's API as JSON over HTTP, on the daemon's HTTP listener, for gateways that have no
+gRPC code generation (nginx or OpenResty Lua, Kong plugins, Node, Go without protoc).
+
+    POST /v1/acquire   AcquireRequest   -> AcquireResponse
+    POST /v1/release   ReleaseRequest   -> ReleaseResponse
+    POST /v1/report    ReportRequest    -> ReportResponse
+    GET  /v1/status    ?pool=&history=&tenant=...  -> GetStatusResponse
+
+Bodies are the messages of ``proto/qosd/v1/qosd.proto`` in protobuf's JSON mapping:
+field names as in the .proto (``input_tokens``) or their JSON names
+(``inputTokens``), enums by name, 64-bit integers as numbers or strings. Each call
+runs the gRPC method's own handler chain (qosd.service.add_to_server): the same
+authorization (``authorization: Bearer`` and mTLS identities), the same trace
+propagation (``traceparent``), the same validation. Answers are the response
+messages, with every field present; an error is ``{"code": "INVALID_ARGUMENT",
+"message": ...}`` with the HTTP status its gRPC code maps to.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from qosd.service import RawHandler
+from qosd_client.v1 import qosd_pb2
+
+#: The gRPC codes an answer can carry, as HTTP statuses (as Google's HTTP APIs map them).
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+#: Request headers a call carries into the handler chain as its metadata.
+METADATA_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
+#: The largest request body: a Report batch at limits.max_report_batch is far below it.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+ROUTES = {"acquire": "Acquire", "release": "Release", "report": "Report"}
+
+
+class HttpCallContext:
+    """What qosd's handlers use of a gRPC servicer context, for a call that came over
+    HTTP: its metadata (from the headers), its peer's certificate, and an abort that
+    records the status."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._metadata = tuple(
+            (name, value) for name in METADATA_HEADERS if (value := request.headers.get(name))
+        )
+        self._request = request
+        self._code = grpc.StatusCode.OK
+        self._details = ""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None  # HTTP states no deadline: the class's own waits apply
+
+    def peer(self) -> str:
+        remote = self._request.remote or ""
+        return f"ipv4:{remote}" if remote else "unknown"
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        """The client certificate's names, keyed as gRPC's auth context keys them."""
+        transport = self._request.transport
+        certificate = transport.get_extra_info("peercert") if transport else None
+        if not certificate:
+            return {}
+        names = [value.encode() for _, value in certificate.get("subjectAltName", ())]
+        common = [value.encode() for rdn in certificate.get("subject", ())
+                  for key, value in rdn if key == "commonName"]  # fmt: skip
+        found: dict[str, list[bytes]] = {}
+        if names:
+            found["x509_subject_alternative_name"] = names
+        if common:
+            found["x509_common_name"] = common
+        return found
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+        raise grpc.aio.AbortError()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class JsonApi:
+    """The routes, over the handler chains ``add_to_server`` returned."""
+
+    def __init__(self, chains: dict[str, tuple[type[Message], RawHandler]]) -> None:
+        self._chains = chains
+
+    def add_routes(self, app: web.Application) -> None:
+        for path in ROUTES:
+            app.router.add_post(f"/v1/{path}", self._post)
+        app.router.add_get("/v1/status", self._status)
+
+    async def _post(self, request: web.Request) -> web.Response:
+        method = ROUTES[request.path.rsplit("/", 1)[1]]
+        message_type = self._chains[method][0]
+        raw = await request.content.read(MAX_BODY_BYTES + 1)
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(413, "INVALID_ARGUMENT", f"the body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            message = json_format.Parse(raw or b"{}", message_type())
+        except json_format.ParseError as exc:
+            return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
+        return await self._call(method, message, request)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        query = request.query
+        try:
+            history = int(query.get("history", "0"))
+        except ValueError:
+            return _error(400, "INVALID_ARGUMENT", "history: must be an integer")
+        message = _status_request(query.get("pool", ""), history, query.getall("tenant", []))
+        return await self._call("GetStatus", message, request)
+
+    async def _call(self, method: str, message: Message, request: web.Request) -> web.Response:
+        context = HttpCallContext(request)
+        try:
+            answer = await self._chains[method][1](message.SerializeToString(), context)
+        except grpc.aio.AbortError:
+            code = context.code()
+            return _error(HTTP_STATUS.get(code, 500), code.name, context.details())
+        body = json_format.MessageToDict(
+            answer, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        return web.json_response(body)
+
+
+def _status_request(pool: str, history: int, tenants: Sequence[str]) -> Message:
+    return qosd_pb2.GetStatusRequest(pool=pool, history=history, tenants=list(tenants))
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps({"code": code, "message": message}).encode(),
+        content_type="application/json",
+    )

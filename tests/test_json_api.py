@@ -1,0 +1,98 @@
+"""The JSON API on the daemon's HTTP listener, called with curl: the same answers,
+validation and authorization as gRPC (qosd/json_api.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import DaemonFactory
+
+HTTP = {"server": {"http_listen": "127.0.0.1:0"}}
+
+
+def curl(url: str, *args: str) -> tuple[int, Any]:
+    """curl's answer: the HTTP status and the JSON body."""
+    done = subprocess.run(
+        ["curl", "-s", "-w", "\\n%{http_code}", url, *args],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    body, _, code = done.stdout.rpartition("\n")
+    return int(code), json.loads(body)
+
+
+async def post(base: str, path: str, body: str, *headers: str) -> tuple[int, Any]:
+    options = [arg for header in headers for arg in ("-H", header)]
+    return await asyncio.to_thread(curl, f"{base}{path}", "-X", "POST", "-d", body, *options)
+
+
+async def test_acquire_release_report_and_status_over_json(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(HTTP)
+    assert running.daemon.http is not None
+    base = f"http://{running.daemon.http.address}"
+    code, acquired = await post(base, "/v1/acquire", json.dumps(
+        {"qos_class": "P1", "model": "llama-3-8b", "inputTokens": 1200,
+         "expected_output_tokens": 256, "tenant": "acme"}))  # fmt: skip
+    assert code == 200 and acquired["decision"] == "DECISION_ADMITTED"
+    assert acquired["pool"] == "default" and acquired["lease_id"].startswith("default:P1:")
+    status = (await running.client.status()).pool("default")
+    assert status.active_leases == 1
+    code, settled = await post(base, "/v1/release", json.dumps(
+        {"lease_id": acquired["lease_id"], "actual_input_tokens": 1000,
+         "actual_output_tokens": 100}))  # fmt: skip
+    assert code == 200 and settled["already_released"] is False
+    assert (await running.client.status()).pool("default").active_leases == 0
+    code, reported = await post(base, "/v1/report", json.dumps(
+        {"samples": [{"model": "llama-3-8b", "qos_class": "P0", "ttft_ms": 120}]}))  # fmt: skip
+    assert code == 200 and reported["accepted"] == 1
+    code, shown = await asyncio.to_thread(curl, f"{base}/v1/status?pool=default&history=2")
+    assert code == 200
+    (pool,) = shown["pools"]
+    assert [c["name"] for c in pool["classes"]] == ["P0", "P1", "P2"]
+    assert pool["classes"][0]["latency"]["samples"] == 1
+
+
+async def test_bad_input_gets_a_400_naming_the_field(make_daemon: DaemonFactory) -> None:
+    running = await make_daemon(HTTP)
+    assert running.daemon.http is not None
+    base = f"http://{running.daemon.http.address}"
+    cases = {
+        '{"qos_class": "P1", "model": "m", "input_tokens": "many"}': "input_tokens",
+        '{"qos_class": "P1", "model": "m", "input_tokens": 0}': "input_tokens",
+        '{"qos_class": "P9", "model": "m", "input_tokens": 5}': "qos_class",
+        '{"qos_klass": "P1"}': "qos_klass",
+        "{not json": "AcquireRequest",
+    }
+    for body, field in cases.items():
+        code, error = await post(base, "/v1/acquire", body)
+        assert code == 400, body
+        assert error["code"] == "INVALID_ARGUMENT" and field in error["message"], error
+    code, error = await post(base, "/v1/release", '{"lease_id": "default:P1:nope"}')
+    assert code == 404 and error["code"] == "NOT_FOUND"
+    code, error = await asyncio.to_thread(curl, f"{base}/v1/status?pool=gpu-9")
+    assert code == 404 and "gpu-9" in error["message"]
+
+
+async def test_the_same_auth_as_grpc(make_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """auth.qos set: no token is a 401, a wrong one a 403, the token is served; a
+    control call (PinRate) is not on the JSON API at all."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    running = await make_daemon({**HTTP, "auth": {"qos": {"token_file": str(token)}}})
+    assert running.daemon.http is not None
+    base = f"http://{running.daemon.http.address}"
+    body = '{"qos_class": "P1", "model": "m", "input_tokens": 5}'
+    code, error = await post(base, "/v1/acquire", body)
+    assert code == 401 and error["code"] == "UNAUTHENTICATED"
+    code, error = await post(base, "/v1/acquire", body, "authorization: Bearer wrong")
+    assert code == 403 and error["code"] == "PERMISSION_DENIED"
+    code, answer = await post(base, "/v1/acquire", body, "authorization: Bearer s3cret")
+    assert code == 200 and answer["decision"] == "DECISION_ADMITTED"
+    status = (await asyncio.to_thread(
+        subprocess.run, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
+                         f"{base}/v1/pin"], capture_output=True, text=True, check=True,
+    )).stdout  # fmt: skip
+    assert status == "404"
