@@ -477,6 +477,8 @@ def main() -> int:
         overrides=settings,
     )
     records_path = Path(args.json).with_suffix(".records.json.gz")
+    # Before the runs: a folder that is not there must not cost a run's results.
+    records_path.parent.mkdir(parents=True, exist_ok=True)
     rows = read_trace(args.trace)
     if args.from_records:
         with gzip.open(records_path, "rt", encoding="utf-8") as handle:
