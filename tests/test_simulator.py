@@ -244,6 +244,46 @@ def test_priority_scheduling_takes_waiting_requests_by_priority() -> None:
     assert sorted(by_arrival, key=by_arrival.__getitem__) == [s.request_id for s in queue()]
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.fast
+def test_priority_scheduling_preempts_a_running_request_of_lower_priority(
+    chunked: bool,
+) -> None:
+    """One batch slot, a low-priority request decoding in it: a top-priority arrival
+    takes the slot at once (vLLM preempts), and the low one resumes after it,
+    recomputing its prompt and output so far, its tokens counted once. Without
+    priority scheduling the arrival waits for the slot."""
+
+    def run(priority_scheduling: bool) -> tuple[Sequence, Sequence, int, list[int]]:
+        model = GpuModel(max_batch=1, priority_scheduling=priority_scheduling,
+                         prefill_chunk_tokens=2_048 if chunked else None)  # fmt: skip
+        engine = Engine(model)
+        low = Sequence("low", 500, 40, submitted_at=0.0, priority=2)
+        top = Sequence("top", 100, 5, submitted_at=0.0, priority=0)
+        engine.submit(low)
+        now, counted = 0.0, []
+        while not (low.done and top.done):
+            if low.generated == 10 and top.submitted_at == 0.0 and not engine.waiting:
+                top.submitted_at = now
+                engine.submit(top)
+            iteration = engine.plan(now)
+            assert iteration is not None
+            now += iteration.duration_s
+            counted += [e.generated for e in engine.complete(now) if e.sequence is low]
+        return low, top, engine.preemptions, counted
+
+    low, top, preemptions, counted = run(priority_scheduling=True)
+    assert preemptions == 1
+    assert top.finished_at is not None and low.finished_at is not None
+    assert top.finished_at < low.finished_at
+    assert low.recomputed == 10 and low.generated == 40
+    assert counted == list(range(1, 41))  # every token once, in order, resumed at 11
+    low, top, preemptions, _ = run(priority_scheduling=False)
+    assert preemptions == 0
+    assert low.finished_at is not None and top.started_at is not None
+    assert top.started_at >= low.finished_at
+
+
 @pytest.mark.fast
 def test_capacity_is_configurable() -> None:
     requests = [(1_000, 200)] * 300

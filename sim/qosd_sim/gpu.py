@@ -74,8 +74,9 @@ class GpuModel:
     #: ``--long-prefill-token-threshold``), so prompts behind a long one share the
     #: budget with it rather than wait for it; None: no cap.
     long_prefill_token_threshold: int | None = None
-    #: Waiting requests go by their priority (lower first), then arrival (vLLM's
-    #: ``--scheduling-policy priority``); False: by arrival alone.
+    #: Waiting requests go by their priority (lower first), then arrival, and one that
+    #: finds no batch slot or KV room preempts a running request of lower priority
+    #: (vLLM's ``--scheduling-policy priority``); False: by arrival alone.
     priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -184,10 +185,18 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     priority: int = 0  # lower first, where the model schedules by priority
+    #: Output tokens to prefill again with the prompt: those it had when it was last
+    #: preempted (vLLM recomputes a preempted request's KV rather than swap it).
+    recomputed: int = 0
 
     @property
     def kv_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens its prefill covers: the prompt, and any output to recompute."""
+        return self.input_tokens + self.recomputed
 
     @property
     def context_tokens(self) -> int:
@@ -224,6 +233,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding KV, prefilled or not
         self.kv_used = 0
+        self.preemptions = 0
         self._current: Iteration | None = None
 
     @property
@@ -254,19 +264,48 @@ class Engine:
         self.waiting.insert(index, sequence)
 
     def _admit_head(self, now: float) -> Sequence | None:
-        if not self.waiting or len(self.running) >= self.model.max_batch:
+        if not self.waiting:
             return None
         head = self.waiting[0]
         # A server catching up on a late wake-up plans an iteration that began before
         # now: what arrived after its start is not in it.
         if head.submitted_at > now:
             return None
-        if self.kv_used + head.kv_tokens > self.model.kv_capacity_tokens:
-            return None
+        while (
+            len(self.running) >= self.model.max_batch
+            or self.kv_used + head.kv_tokens > self.model.kv_capacity_tokens
+        ):
+            victim = self._victim_for(head)
+            if victim is None:
+                return None
+            self._preempt(victim)
         self.waiting.popleft()
         self.running.append(head)
         self.kv_used += head.kv_tokens
         return head
+
+    def _victim_for(self, head: Sequence) -> Sequence | None:
+        """With priority scheduling, a running request of lower priority than ``head``
+        makes room for it, as vLLM's scheduler preempts: the lowest priority, and the
+        latest arrival among those."""
+        if not self.model.priority_scheduling:
+            return None
+        lower = [s for s in self.running if s.priority > head.priority]
+        return max(lower, key=lambda s: (s.priority, s.submitted_at), default=None)
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Back to the waiting queue, in (priority, arrival) order, its KV freed: it
+        prefills its prompt and the output it had again when it runs next."""
+        self.running.remove(victim)
+        self.kv_used -= victim.kv_tokens
+        victim.recomputed, victim.prefilled = victim.generated, 0
+        index = len(self.waiting)
+        rank = (victim.priority, victim.submitted_at)
+        while index > 0 and (self.waiting[index - 1].priority,
+                             self.waiting[index - 1].submitted_at) > rank:  # fmt: skip
+            index -= 1
+        self.waiting.insert(index, victim)
+        self.preemptions += 1
 
     def plan(self, now: float) -> Iteration | None:
         """The next iteration, or None when idle. Call ``complete`` when it has run."""
@@ -285,14 +324,15 @@ class Engine:
         prefill: list[tuple[Sequence, int]] = []
         tokens = 0
         while self.waiting and (
-            not prefill or tokens + self.waiting[0].input_tokens <= self.model.max_prefill_tokens
+            not prefill or tokens + self.waiting[0].prefill_target <= self.model.max_prefill_tokens
         ):
             admitted = self._admit_head(now)
             if admitted is None:
                 break
-            admitted.started_at = now
-            prefill.append((admitted, admitted.input_tokens))
-            tokens += admitted.input_tokens
+            if admitted.started_at is None:
+                admitted.started_at = now
+            prefill.append((admitted, admitted.prefill_target))
+            tokens += admitted.prefill_target
         if prefill:
             return Iteration(self.model.prefill_s(n for _, n in prefill), prefill=prefill)
         if self.running:
@@ -308,13 +348,13 @@ class Engine:
         cap = self.model.long_prefill_token_threshold
         while self._admit_head(now) is not None:
             pass
-        decode = [s for s in self.running if s.prefilled == s.input_tokens]
+        decode = [s for s in self.running if s.prefilled == s.prefill_target]
         left = budget - len(decode)
         prefill: list[tuple[Sequence, int]] = []
         for sequence in self.running:
             if left <= 0:
                 break
-            remaining = sequence.input_tokens - sequence.prefilled
+            remaining = sequence.prefill_target - sequence.prefilled
             if remaining > 0:
                 if sequence.started_at is None:
                     sequence.started_at = now
@@ -343,10 +383,15 @@ class Engine:
             events.append(self._emit(sequence, TokenKind.NEXT, now))
         for sequence, chunk in iteration.prefill:
             sequence.prefilled += chunk
-            if sequence.prefilled == sequence.input_tokens:
+            if sequence.prefilled != sequence.prefill_target:
+                continue
+            if sequence.first_token_at is None:
                 sequence.generated = 1
                 sequence.first_token_at = now
                 events.append(self._emit(sequence, TokenKind.FIRST, now))
+            else:  # resumed after a preemption: recomputed, and the next token
+                sequence.generated += 1
+                events.append(self._emit(sequence, TokenKind.NEXT, now))
         return events
 
     def _emit(self, sequence: Sequence, kind: TokenKind, now: float) -> TokenEvent:

@@ -14,8 +14,8 @@ message's text, summed), and the answer is ``max_tokens`` (or
 ``max_completion_tokens``) tokens long, ``default_max_tokens`` when neither is set,
 as with vLLM's ``ignore_eos``. A request's ``priority`` (lower first) orders the
 waiting queue when the engine schedules by priority (``GpuModel.priority_scheduling``,
-vLLM's ``--scheduling-policy priority``); a running request is never preempted, which
-vLLM does only when the KV cache runs out.
+vLLM's ``--scheduling-policy priority``), and a request that finds no batch slot or KV
+room preempts a running one of lower priority, which recomputes when it resumes.
 """
 
 from __future__ import annotations
