@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+from aiohttp import web
+
+from qosd_harness import free_port
+from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_app
 from tests.conftest import DaemonFactory
+from tests.waiting import eventually, until
 
 HTTP = {"server": {"http_listen": "127.0.0.1:0"}}
 
@@ -96,3 +103,70 @@ async def test_the_same_auth_as_grpc(make_daemon: DaemonFactory, tmp_path: Path)
                          f"{base}/v1/pin"], capture_output=True, text=True, check=True,
     )).stdout  # fmt: skip
     assert status == "404"
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_nginx_with_lua_admits_through_the_json_api(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """A real gateway with no gRPC: nginx with Debian's Lua module, in front of a
+    simulated vLLM, calls Acquire in its access phase and Release after the answer
+    (tests/data/nginx_qosd.conf). Admitted requests reach the server and their leases
+    end; a refused one is a 429 with qosd's reason; a bad class is qosd's 400."""
+    running = await make_daemon({**HTTP, "classes": {"P2": {"burst_tokens": 50}}})
+    assert running.daemon.http is not None
+    qosd = running.daemon.http.address
+    server = SimulatedVllm(VllmSettings(port=0, model_name="llama-3-8b"))
+    runner = web.AppRunner(vllm_app(server), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server.gpu.start()
+    port = free_port()
+    conf = (Path(__file__).parent / "data" / "nginx_qosd.conf").read_text()
+    for name, value in {"DIR": str(tmp_path), "PORT": str(port), "QOSD": qosd,
+                        "QOSD_HOST": qosd.rpartition(":")[0], "QOSD_PORT": qosd.rpartition(":")[2],
+                        "UPSTREAM": f"127.0.0.1:{runner.addresses[0][1]}"}.items():  # fmt: skip
+        conf = conf.replace(f"@{name}@", value)
+    (tmp_path / "nginx.conf").write_text(conf)
+    nginx = await asyncio.to_thread(  # CPython's spawn, from a thread (as run_cli)
+        subprocess.Popen,
+        ["/usr/sbin/nginx", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+         "-e", str(tmp_path / "error.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert await until(lambda: _listening(port) or nginx.poll() is not None)
+        assert nginx.poll() is None, (tmp_path / "error.log").read_text()
+        base = f"http://127.0.0.1:{port}"
+        body = json.dumps({"model": "llama-3-8b", "max_tokens": 3,
+                           "messages": [{"role": "user", "content": "one two"}]})  # fmt: skip
+        code, answer = await post(base, "/v1/chat/completions", body, "x-qos-class: P0",
+                                  "content-type: application/json")  # fmt: skip
+        assert code == 200 and answer["usage"]["completion_tokens"] == 3
+        status = await eventually(
+            lambda: running.client.status("default"),
+            lambda s: s.pool("default").active_leases == 0,
+        )
+        assert status.pool("default").active_leases == 0
+        page = (await running.daemon.metrics_page()).decode()
+        assert 'qosd_releases_total{outcome="OK",result="OK"} 1.0' in page  # from the timer
+        refused = await asyncio.to_thread(
+            subprocess.run,
+            ["curl", "-s", "-D", "-", "-o", "/dev/null", "-X", "POST", f"{base}/v1/completions",
+             "-H", "x-qos-class: P2", "-d", "{}"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert refused.stdout.startswith("HTTP/1.1 429")
+        assert "x-qos-reason: COST_EXCEEDS_BURST" in refused.stdout
+        code, error = await post(base, "/v1/completions", "{}", "x-qos-class: P9")
+        assert code == 400 and "qos_class" in error["message"]
+    finally:
+        nginx.terminate()
+        await asyncio.to_thread(nginx.wait, 10)
+        await runner.cleanup()
+        await server.gpu.stop()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
