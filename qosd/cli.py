@@ -69,11 +69,14 @@ def _not_installed(command: str, what: str, reason: str) -> int:
     return 2
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """The config flags of `serve` (and of commands that run a daemon: `demo`)."""
+def add_config_flags(parser: argparse.ArgumentParser, listen_flag: str = "--listen") -> None:
+    """The config flags of `serve` (and of commands that run a daemon: `demo`, `proxy`).
+    ``listen_flag``: the name of the gRPC listener's flag (`proxy` serves HTTP on
+    `--listen` and names it `--grpc-listen`); its value is ``args.listen`` either way."""
     parser.add_argument("--config", "-c", help="YAML config file (default: built-in defaults)")
     parser.add_argument(
-        "--listen",
+        listen_flag,
+        dest="listen",
         action="append",
         metavar="ADDR",
         help="HOST:PORT or unix:PATH; repeat for several (overrides server.listen)",
@@ -81,7 +84,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="redis://HOST:PORT/DB; omit for the embedded store")
     parser.add_argument("--redis-mode", choices=["standalone", "cluster", "sentinel"])
     parser.add_argument("--fail-mode", choices=["open", "closed"])
-    parser.add_argument("--http-listen", metavar="HOST:PORT", help="serve /healthz and /readyz")
+    parser.add_argument(
+        "--http-listen", metavar="HOST:PORT", help="serve /healthz, /readyz, /metrics and JSON"
+    )
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (overrides logging.level)")
     parser.add_argument("--log-format", choices=["text", "json"], help="overrides logging.format")
 

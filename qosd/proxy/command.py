@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from typing import Any
 
@@ -16,7 +15,7 @@ def add_proxy(commands: Any) -> None:
         "OpenAI-compatible servers (docs/proxy.md)",
     )
     proxy.add_argument(
-        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+        "--listen", dest="openai_listen", default="127.0.0.1:8080", metavar="HOST:PORT",
         help="where the OpenAI API is served (port 0: a free one)",
     )  # fmt: skip
     proxy.add_argument(
@@ -40,26 +39,17 @@ def add_proxy(commands: Any) -> None:
         "the key's SHA-256 is kept; prefix with sha256: to give the digest itself)",
     )  # fmt: skip
     proxy.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    proxy.add_argument("--config", "-c", help="YAML config file (default: built-in defaults)")
-    proxy.add_argument(
-        "--grpc-listen", action="append", metavar="ADDR",
-        help="the daemon's gRPC listener, for qosctl and gateways that call Acquire "
-        "(overrides server.listen)",
-    )  # fmt: skip
-    proxy.add_argument("--redis-url", help="redis://HOST:PORT/DB; omit for the embedded store")
-    proxy.add_argument("--redis-mode", choices=["standalone", "cluster", "sentinel"])
-    proxy.add_argument("--fail-mode", choices=["open", "closed"])
-    proxy.add_argument(
-        "--http-listen", metavar="HOST:PORT", help="serve /healthz, /readyz and /metrics"
-    )
-    proxy.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
-    proxy.add_argument("--log-format", choices=["text", "json"])
+    from qosd.cli import add_config_flags  # noqa: PLC0415 - cli imports this module
+
+    add_config_flags(proxy, listen_flag="--grpc-listen")
     proxy.add_argument("--ready-file", help="write {pid, address, grpc, http} as JSON once serving")
     proxy.set_defaults(run=run_proxy)
 
 
 def api_keys(items: list[str], classes: list[str]) -> dict[str, tuple[str, str]]:
     """``KEY=CLASS[:TENANT]`` items as {SHA-256 of KEY: (class, tenant)}."""
+    from qosd.proxy.handler import key_digest  # noqa: PLC0415 - the command imports what it runs
+
     keys: dict[str, tuple[str, str]] = {}
     for item in items:
         key, sep, rest = item.rpartition("=")
@@ -69,11 +59,7 @@ def api_keys(items: list[str], classes: list[str]) -> dict[str, tuple[str, str]]
                 f"--api-key takes KEY=CLASS[:TENANT] with a configured class "
                 f"({', '.join(classes)}); got {item.split('=')[-1]!r} after the key"
             )
-        digest = (
-            key.removeprefix("sha256:")
-            if key.startswith("sha256:")
-            else (hashlib.sha256(key.encode()).hexdigest())
-        )
+        digest = key.removeprefix("sha256:") if key.startswith("sha256:") else key_digest(key)
         keys[digest] = (qos_class, tenant)
     return keys
 
@@ -83,7 +69,6 @@ def run_proxy(args: argparse.Namespace) -> int:
     from qosd.proxy.handler import ProxySettings  # noqa: PLC0415
     from qosd.proxy.upstreams import Upstreams  # noqa: PLC0415
 
-    args.listen, proxy_listen = args.grpc_listen, args.listen
     config = configured(args)
     if config is None:
         return 2
@@ -116,7 +101,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     from qosd.server import StartupError  # noqa: PLC0415
 
     try:
-        uvloop.run(serve_proxy(config, proxy_listen, settings, args.ready_file))
+        uvloop.run(serve_proxy(config, args.openai_listen, settings, args.ready_file))
     except (StartupError, OSError) as exc:
         print(f"qosd proxy: {exc}", file=sys.stderr)
         return 1
