@@ -79,13 +79,7 @@ def add_sim_triton(commands: Any) -> None:
     sim.add_argument("--model", default="llm", help="the model name it serves")
     sim.add_argument("--qosd", default="", metavar="ADDR", help="Report latencies to this qosd")
     sim.add_argument("--stream-every", type=int, default=0, help="stream a response every N tokens")
-    sim.add_argument(
-        "--gpu",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a cost model constant, e.g. prefill_chunk_tokens=None (docs/simulator.md)",
-    )
+    add_gpu_options(sim)
     sim.add_argument("--ready-file", help="write {pid, port, metrics_port} as JSON once serving")
     sim.add_argument("--log-level", default="WARNING")
     sim.set_defaults(run=_sim_triton)
@@ -138,13 +132,7 @@ def add_sim_vllm(commands: Any) -> None:
         default="fcfs",
         help="priority: waiting requests go by their priority field (lower first), as vLLM's",
     )
-    sim.add_argument(
-        "--gpu",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a cost model constant, e.g. prefill_chunk_tokens=None (docs/simulator.md)",
-    )
+    add_gpu_options(sim)
     sim.add_argument("--ready-file", help="write {pid, port} as JSON once serving")
     sim.add_argument("--log-level", default="WARNING")
     sim.set_defaults(run=_sim_vllm)
@@ -180,6 +168,17 @@ def _sim_vllm(args: argparse.Namespace) -> int:
         stream_every=args.stream_every,
     )
     return serve_vllm_until_signalled(settings, args.ready_file)
+
+
+def add_gpu_options(parser: argparse.ArgumentParser) -> None:
+    """``--gpu KEY=VALUE``, repeatable: the simulated servers' cost model constants."""
+    parser.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a cost model constant, e.g. prefill_chunk_tokens=None (docs/simulator.md)",
+    )
 
 
 def gpu_option(item: str) -> tuple[str, int | float | None]:
