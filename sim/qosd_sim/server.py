@@ -27,9 +27,9 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import uvloop
@@ -45,6 +45,7 @@ from qosd_sim.http_api import kserve_http_app
 from qosd_sim.metrics import TritonMetrics, serve_metrics
 
 log = logging.getLogger("qosd_sim")
+T = TypeVar("T")
 
 INPUT_NAMES = ("input_tokens", "output_tokens")
 OUTPUT_NAME = "token_count"
@@ -525,29 +526,43 @@ async def run_simulator(
             await qos.close()
 
 
-def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = None) -> int:
-    """``qosd sim-triton``: runs until SIGINT or SIGTERM; writes the ports once serving.
-
-    Returns the exit status: 0 after a signal, 1 when it could not start.
-    """
+def until_signalled(
+    command: str,
+    serve: Callable[[asyncio.Event, asyncio.Future[T]], Coroutine[Any, Any, None]],
+    on_ready: Callable[[T], None],
+) -> int:
+    """A simulated server command's life: ``serve`` until SIGINT or SIGTERM, with
+    ``on_ready`` once it serves. Returns the exit status: 0 after a signal, 1 when it
+    could not start (``serve`` raised StartupError, said on stderr)."""
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        ready: asyncio.Future[tuple[int, int, int | None]] = loop.create_future()
-        runner = asyncio.create_task(run_simulator(settings, stop=stop, ready=ready))
+        ready: asyncio.Future[T] = loop.create_future()
+        runner = asyncio.create_task(serve(stop, ready))
         either: set[asyncio.Future[Any]] = {runner, ready}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             try:
                 await runner
             except StartupError as exc:
-                print(f"qosd sim-triton: {exc}", file=sys.stderr, flush=True)
+                print(f"qosd {command}: {exc}", file=sys.stderr, flush=True)
                 return 1
             return 0
-        port, metrics_port, http_port = ready.result()
+        on_ready(ready.result())
+        await runner
+        return 0
+
+    return uvloop.run(main())
+
+
+def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = None) -> int:
+    """``qosd sim-triton``: runs until SIGINT or SIGTERM; writes the ports once serving."""
+
+    def serving(ports: tuple[int, int, int | None]) -> None:
+        port, metrics_port, http_port = ports
         rest = f", HTTP {settings.host}:{http_port}" if http_port is not None else ""
         print(
             f"simulated Triton: gRPC {settings.host}:{port}{rest}, "
@@ -558,7 +573,7 @@ def serve_until_signalled(settings: SimulatorSettings, ready_file: str | None = 
             write_ready_file(
                 ready_file, {"port": port, "metrics_port": metrics_port, "http_port": http_port}
             )
-        await runner
-        return 0
 
-    return uvloop.run(main())
+    return until_signalled(
+        "sim-triton", lambda stop, ready: run_simulator(settings, stop=stop, ready=ready), serving
+    )

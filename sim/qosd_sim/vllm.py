@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -41,8 +39,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from qosd.server import write_ready_file
 from qosd_sim.gpu import GpuModel, Sequence, TokenEvent, TokenKind
-from qosd_sim.server import RealTimeGpu
+from qosd_sim.server import RealTimeGpu, StartupError, until_signalled
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -438,14 +437,17 @@ def vllm_app(server: SimulatedVllm) -> web.Application:
 async def run_vllm(
     settings: VllmSettings, *, stop: asyncio.Event, ready: asyncio.Future[int] | None = None
 ) -> None:
-    """Serves until ``stop`` is set; ``ready`` gets the bound port. Raises OSError when
-    it cannot bind, with nothing left running."""
+    """Serves until ``stop`` is set; ``ready`` gets the bound port. Raises StartupError
+    when it cannot bind, with nothing left running."""
     server = SimulatedVllm(settings)
     runner = web.AppRunner(vllm_app(server), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_port=False)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
         server.gpu.start()
         if ready is not None:
             ready.set_result(runner.addresses[0][1])
@@ -456,34 +458,14 @@ async def run_vllm(
 
 
 def serve_vllm_until_signalled(settings: VllmSettings, ready_file: str | None = None) -> int:
-    """``qosd sim-vllm``: runs until SIGINT or SIGTERM; 1 when it could not start."""
-    import uvloop  # noqa: PLC0415 - the command's own loop
+    """``qosd sim-vllm``: runs until SIGINT or SIGTERM; writes the port once serving."""
 
-    from qosd.server import write_ready_file  # noqa: PLC0415
-
-    async def main() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        ready: asyncio.Future[int] = loop.create_future()
-        runner = asyncio.create_task(run_vllm(settings, stop=stop, ready=ready))
-        either: set[asyncio.Future[Any]] = {runner, ready}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not ready.done():
-            try:
-                await runner
-            except OSError as exc:
-                print(f"qosd sim-vllm: cannot listen on {settings.host}:{settings.port}: {exc}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                return 1
-            return 0
-        port = ready.result()
+    def serving(port: int) -> None:
         print(f"simulated vLLM serving {settings.model_name} on http://{settings.host}:{port}",
               flush=True)  # fmt: skip
         if ready_file:
             write_ready_file(ready_file, {"port": port})
-        await runner
-        return 0
 
-    return uvloop.run(main())
+    return until_signalled(
+        "sim-vllm", lambda stop, ready: run_vllm(settings, stop=stop, ready=ready), serving
+    )
