@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -37,7 +38,8 @@ from prometheus_client import (
     values,
 )
 
-from qosd_client.types import Status
+from qosd.policy import PoolPolicy
+from qosd_client.types import ClassState, Status
 from qosd_client.v1 import qosd_pb2
 
 #: Tenants shown per pool and class in ``qosd_tenant_admitted_tokens``: the top ones.
@@ -141,6 +143,14 @@ class Metrics:
             "qosd_report_samples", "Latency samples received by Report, accepted or not.",
             ["result"], registry=r,
         )  # fmt: skip
+        self.slo_samples = Counter(
+            "qosd_slo_samples",
+            "Stored latency samples judged against their objectives as the windows judge "
+            "them (qosd.control.windows.verdict): result met or missed. The SLI of the "
+            "burn-rate alerts.",
+            ["pool", "class", "result"],
+            registry=r,
+        )
         self.store_seconds = Histogram(
             "qosd_store_call_seconds", "Store (Redis or embedded) call latency, by call.",
             ["call"], buckets=STORE_BUCKETS_S, registry=r,
@@ -169,6 +179,14 @@ class Metrics:
             "(the previous certificate kept).",
             ["result"],
             registry=r,
+        )
+        self.tls_expiry = Gauge(
+            "qosd_tls_certificate_expiry_timestamp_seconds",
+            "When the served TLS certificate expires (its notAfter), Unix seconds, by its "
+            "file; set at start and at each rotation loaded. Absent without server TLS.",
+            ["file"],
+            registry=r,
+            multiprocess_mode="livemin",
         )
         self.config_reloads = Counter(
             "qosd_config_reloads",
@@ -255,6 +273,21 @@ class Metrics:
         self.leases = self._gauge(
             "qosd_active_leases", "Leases neither released nor expired, fleet-wide.", ["pool"]
         )
+        self.in_flight_tokens = self._gauge(
+            "qosd_in_flight_tokens",
+            "Prompt plus expected output tokens of the pool's leases in flight, fleet-wide.",
+            ["pool"],
+        )
+        self.max_in_flight = self._gauge(
+            "qosd_pool_max_in_flight",
+            "The pool's bound on leases in flight (max_in_flight); absent without one.",
+            ["pool"],
+        )
+        self.max_in_flight_tokens = self._gauge(
+            "qosd_pool_max_in_flight_tokens",
+            "The pool's bound on tokens in flight (max_in_flight_tokens); absent without one.",
+            ["pool"],
+        )
         self.server_waiting = self._gauge(
             "qosd_server_waiting_requests",
             "Requests the pool's servers hold waiting, by their own latest reports "
@@ -273,6 +306,7 @@ class Metrics:
             registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self._decision_children: dict[tuple[str, str, bool, int], tuple[Any, Any]] = {}
+        self._slo_children: dict[tuple[str, str, bool], Any] = {}
         self.tenant_tokens = self._gauge(
             "qosd_tenant_admitted_tokens",
             f"Prompt plus expected output tokens this daemon admitted, per tenant: the top "
@@ -311,55 +345,83 @@ class Metrics:
         if waited_ms:
             children[1].observe(waited_ms / 1000)
 
+    def slo_sample(self, pool: str, qos_class: str, met: bool) -> None:
+        """Counts one stored sample judged against its objectives."""
+        key = (pool, qos_class, met)
+        child = self._slo_children.get(key)
+        if child is None:
+            child = self.slo_samples.labels(pool, qos_class, "met" if met else "missed")
+            self._slo_children[key] = child
+        child.inc()
+
     def tenant_admitted(self, pool: str, qos_class: str, tenant: str, tokens: int) -> None:
         top = self._top_tenants.get((pool, qos_class))
         if top is None:
             top = self._top_tenants[(pool, qos_class)] = TopTenants()
         top.add(tenant, tokens)
 
-    def update_from_status(self, status: Status, leads: bool) -> None:
+    def update_from_status(
+        self, status: Status, leads: bool, policies: Mapping[str, PoolPolicy] | None = None
+    ) -> None:
         """Sets the state gauges from the status service's read (qosd/status.py): the
-        same figures GetStatus answers and qosctl shows."""
-        for gauge in (self.compliance, self.latency, self.server_waiting, self.server_kv):
+        same figures GetStatus answers and qosctl shows; the in-flight bounds from the
+        pools' ``policies`` (configuration, which GetStatus does not carry)."""
+        for gauge in (
+            self.compliance, self.latency, self.server_waiting, self.server_kv,
+            self.max_in_flight, self.max_in_flight_tokens,
+        ):  # fmt: skip
             gauge.clear()  # a class whose window emptied must not keep an old value
+        for name, policy in (policies or {}).items():
+            self._set_bounds(name, policy)
         for pool in status.pools:
             self.pool_rate.labels(pool.name).set(pool.admitted_rate_tokens_s)
             self.pool_capacity.labels(pool.name).set(pool.capacity_tokens_s)
             self.pool_pinned.labels(pool.name).set(1 if pool.pinned else 0)
             self.leases.labels(pool.name).set(pool.active_leases)
+            self.in_flight_tokens.labels(pool.name).set(
+                sum(cls.in_flight_tokens for cls in pool.classes)
+            )
             if pool.server_waiting_requests is not None:
                 self.server_waiting.labels(pool.name).set(pool.server_waiting_requests)
             if pool.server_kv_cache_usage is not None:
                 self.server_kv.labels(pool.name).set(pool.server_kv_cache_usage)
             for cls in pool.classes:
-                labels = (pool.name, cls.name)
-                self.class_rate.labels(*labels).set(cls.rate_tokens_s)
-                share = cls.rate_tokens_s / pool.admitted_rate_tokens_s
-                self.class_share.labels(*labels).set(share)
-                self.queue.labels(*labels).set(cls.waiting)
-                latency = cls.latency
-                self.window_samples.labels(*labels).set(latency.samples)
-                if latency.compliance is not None:
-                    self.compliance.labels(*labels).set(latency.compliance)
-                for metric, percentiles in (
-                    ("ttft", latency.ttft),
-                    ("tpot", latency.tpot),
-                    ("e2e", latency.e2e),
-                ):
-                    if percentiles is None:
-                        continue
-                    for percentile, value in (
-                        ("p50", percentiles.p50_ms),
-                        ("p95", percentiles.p95_ms),
-                        ("p99", percentiles.p99_ms),
-                    ):
-                        self.latency.labels(*labels, metric, percentile).set(value / 1000)
+                self._set_class(pool.name, pool.admitted_rate_tokens_s, cls)
         self.tenant_tokens.clear()  # the top changes: only the current one is shown
         for (pool_name, class_name), top in self._top_tenants.items():
             for tenant, tokens in top.top():
                 self.tenant_tokens.labels(pool_name, class_name, tenant).set(tokens)
         self.store_up.set(1)
         self.leader.set(1 if leads else 0)
+
+    def _set_bounds(self, pool: str, policy: PoolPolicy) -> None:
+        if policy.max_in_flight > 0:
+            self.max_in_flight.labels(pool).set(policy.max_in_flight)
+        if policy.max_in_flight_tokens > 0:
+            self.max_in_flight_tokens.labels(pool).set(policy.max_in_flight_tokens)
+
+    def _set_class(self, pool: str, pool_rate: float, cls: ClassState) -> None:
+        labels = (pool, cls.name)
+        self.class_rate.labels(*labels).set(cls.rate_tokens_s)
+        self.class_share.labels(*labels).set(cls.rate_tokens_s / pool_rate)
+        self.queue.labels(*labels).set(cls.waiting)
+        latency = cls.latency
+        self.window_samples.labels(*labels).set(latency.samples)
+        if latency.compliance is not None:
+            self.compliance.labels(*labels).set(latency.compliance)
+        for metric, percentiles in (
+            ("ttft", latency.ttft),
+            ("tpot", latency.tpot),
+            ("e2e", latency.e2e),
+        ):
+            if percentiles is None:
+                continue
+            for percentile, value in (
+                ("p50", percentiles.p50_ms),
+                ("p95", percentiles.p95_ms),
+                ("p99", percentiles.p99_ms),
+            ):
+                self.latency.labels(*labels, metric, percentile).set(value / 1000)
 
     def exposition(self) -> bytes:
         """The page: this daemon's registry; for a worker, every worker's events and

@@ -168,7 +168,8 @@ class Daemon:
         except StoreUnavailable:
             self.metrics.store_up.set(0)
         else:
-            self.metrics.update_from_status(status, self.status.leads)
+            policies = {name: self.status.policy(name) for name in self.status.pool_names()}
+            self.metrics.update_from_status(status, self.status.leads, policies)
         return self.metrics.exposition()
 
 
@@ -224,6 +225,7 @@ async def _start(
             ServerCertificates(
                 config.server.tls,
                 on_reload=lambda ok: metrics.tls_reloads.labels("loaded" if ok else "failed").inc(),
+                on_expiry=metrics.tls_expiry.labels(config.server.tls.cert_file).set,
             )
             if config.server.tls.enabled
             else None

@@ -20,6 +20,7 @@ from qosd import tracing
 from qosd.admission import Admission, InvalidArgument
 from qosd.auth import Authorizer, Group
 from qosd.control.leader import Controller
+from qosd.control.windows import verdict
 from qosd.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.metrics import Metrics
 from qosd.model import (
@@ -185,6 +186,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             self._metrics.report_samples.labels("unavailable").inc(len(request.samples))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
         self._metrics.report_samples.labels("accepted").inc(len(accepted))
+        self._judge(accepted)
         self._metrics.report_samples.labels("rejected").inc(len(rejected))
         if self._tracer is not None:
             span = trace.get_current_span()
@@ -201,6 +203,15 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             loads_accepted=len(loads),
             loads_rejected=loads_rejected,
         )
+
+    def _judge(self, samples: list[Sample]) -> None:
+        """Counts the stored samples that met or missed their objectives, judged as
+        the windows judge them (``windows.verdict``): the burn-rate alerts' SLI."""
+        classes = self._admission.config.classes
+        for sample in samples:
+            met = verdict(sample, classes[sample.qos_class].slo)
+            if met is not None:
+                self._metrics.slo_sample(sample.pool, sample.qos_class, met)
 
 
 class AdminService(qosd_pb2_grpc.AdminServicer):

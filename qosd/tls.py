@@ -12,6 +12,8 @@ Connections already open keep the certificate they began with.
 
 from __future__ import annotations
 
+import base64
+import calendar
 import logging
 import ssl
 import threading
@@ -40,13 +42,17 @@ class CertificatePair:
     client_ca: bytes | None
     # For the HTTP listener. Loading it is also the proof that the key matches.
     http_context: ssl.SSLContext
+    expires_at: float  # the served certificate's notAfter, Unix seconds
 
 
 class ServerCertificates:
     """The files of ``server.tls``, watched; hands each listener its credentials."""
 
     def __init__(
-        self, config: ServerTlsConfig, on_reload: Callable[[bool], None] | None = None
+        self,
+        config: ServerTlsConfig,
+        on_reload: Callable[[bool], None] | None = None,
+        on_expiry: Callable[[float], None] | None = None,
     ) -> None:
         assert config.cert_file is not None and config.key_file is not None
         self._paths = [config.cert_file, config.key_file]
@@ -54,7 +60,12 @@ class ServerCertificates:
             self._paths.append(config.client_ca_file)
         self._lock = threading.Lock()  # gRPC calls the fetcher on its own threads
         self._on_reload = on_reload
+        # Told the served certificate's expiry at start and at each rotation, so an
+        # alert can warn before it lapses (qosd_tls_certificate_expiry_timestamp_seconds).
+        self._on_expiry = on_expiry
         self._pair = self._load()  # at start, a bad file is an error: raise
+        if on_expiry is not None:
+            on_expiry(self._pair.expires_at)
         self._signature = self._read_signature()
         self._failed: Signature | None = None  # a rotation that did not load, once
         self._checked_at = time.monotonic()
@@ -86,7 +97,8 @@ class ServerCertificates:
         if self._read_signature() != before:
             raise ValueError("the files changed while they were read")  # next look: again
         client_ca = contents[2] if len(contents) > 2 else None
-        return CertificatePair(contents[0], contents[1], client_ca, context)
+        expires_at = certificate_expiry(contents[0])
+        return CertificatePair(contents[0], contents[1], client_ca, context, expires_at)
 
     def refresh(self, *, force: bool = False) -> bool:
         """Loads the files again if they changed since the last look; True when a new
@@ -117,6 +129,8 @@ class ServerCertificates:
         log.info("TLS certificate reloaded from %s", self._paths[0])
         if self._on_reload is not None:
             self._on_reload(True)
+        if self._on_expiry is not None:
+            self._on_expiry(pair.expires_at)
         return True
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
@@ -158,3 +172,48 @@ def _grpc_configuration(pair: CertificatePair) -> grpc.ServerCertificateConfigur
     return grpc.ssl_server_certificate_configuration(
         [(pair.key, pair.cert)], root_certificates=pair.client_ca
     )
+
+
+def certificate_expiry(pem: bytes) -> float:
+    """The notAfter of the first certificate in ``pem``, Unix seconds. Read from the
+    DER (RFC 5280: Certificate, TBSCertificate, then validity after the optional
+    version, the serial, the signature algorithm and the issuer), since the standard
+    library has no public reader and the daemon should not depend on one for a
+    gauge. Raises ValueError on anything else."""
+    begin, end = b"-----BEGIN CERTIFICATE-----", b"-----END CERTIFICATE-----"
+    start = pem.find(begin)
+    stop = pem.find(end, start)
+    if start < 0 or stop < 0:
+        raise ValueError("no PEM certificate")
+    der = base64.b64decode(b"".join(pem[start + len(begin) : stop].split()))
+    tbs = _der_items(_der_items(der)[0][1])[0][1]
+    fields = _der_items(tbs)
+    if fields and fields[0][0] == 0xA0:  # [0] version
+        fields = fields[1:]
+    validity = _der_items(fields[3][1])
+    tag, value = validity[1]
+    text = value.decode("ascii").rstrip("Z")
+    if tag == 0x17:  # UTCTime, YYMMDDHHMMSS: 50 and above are 19xx (RFC 5280 4.1.2.5.1)
+        year = int(text[:2])
+        text = f"{1900 + year if year >= 50 else 2000 + year}{text[2:]}"
+    elif tag != 0x18:  # GeneralizedTime, YYYYMMDDHHMMSS
+        raise ValueError(f"notAfter has tag {tag:#x}, not a time")
+    return float(calendar.timegm(time.strptime(text[:14], "%Y%m%d%H%M%S")))
+
+
+def _der_items(data: bytes) -> list[tuple[int, bytes]]:
+    """The (tag, contents) of each DER element in ``data``, in order."""
+    items: list[tuple[int, bytes]] = []
+    at = 0
+    while at < len(data):
+        tag, length = data[at], data[at + 1]
+        at += 2
+        if length & 0x80:
+            size = length & 0x7F
+            length = int.from_bytes(data[at : at + size], "big")
+            at += size
+        if at + length > len(data):
+            raise ValueError("truncated DER")
+        items.append((tag, data[at : at + length]))
+        at += length
+    return items

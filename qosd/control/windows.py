@@ -24,9 +24,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from qosd.config import SloConfig
 from qosd.model import Outcome, StoredSample
+
+
+class Measured(Protocol):
+    """What judging a sample reads: a sample as Report received it (``model.Sample``)
+    or as a window holds it (``model.StoredSample``)."""
+
+    @property
+    def ttft_ms(self) -> float | None: ...
+    @property
+    def tpot_ms(self) -> float | None: ...
+    @property
+    def e2e_ms(self) -> float | None: ...
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def status(self) -> Outcome: ...
+    @property
+    def slo_ttft_ms(self) -> float | None: ...
+    @property
+    def slo_tpot_ms(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +92,7 @@ def request_objectives(
     return Objectives(ttft, slo.tpot_ms if tpot_ms is None else tpot_ms, slo.e2e_ms)
 
 
-def sample_objectives(sample: StoredSample, slo: SloConfig) -> Objectives:
+def sample_objectives(sample: Measured, slo: SloConfig) -> Objectives:
     """A stored sample's objectives: those it reported, else its class's for its prompt."""
     return request_objectives(
         slo, sample.input_tokens, ttft_ms=sample.slo_ttft_ms, tpot_ms=sample.slo_tpot_ms
@@ -183,7 +204,7 @@ def has_objectives(slo: SloConfig) -> bool:
     return slo.ttft_ms is not None or slo.tpot_ms is not None or slo.e2e_ms is not None
 
 
-def complies(sample: StoredSample, objectives: Objectives) -> bool:
+def complies(sample: Measured, objectives: Objectives) -> bool:
     """Whether the sample met every objective it has (``sample_objectives``)."""
     if sample.status == Outcome.ERROR:
         return False
@@ -195,6 +216,17 @@ def complies(sample: StoredSample, objectives: Objectives) -> bool:
         if objective is not None and measured is not None and measured > objective:
             return False
     return True
+
+
+def verdict(sample: Measured, slo: SloConfig) -> bool | None:
+    """One sample judged as the windows judge it: whether it met its objectives; None
+    when it is not judged (cancelled, or with no objective, its own or its class's).
+    ``qosd_slo_samples_total`` counts by it, so a burn rate from that counter and the
+    window's compliance ratio agree on what a miss is."""
+    if sample.status == Outcome.CANCELLED:
+        return None
+    objectives = sample_objectives(sample, slo)
+    return complies(sample, objectives) if objectives.any else None
 
 
 def started_ms(sample: StoredSample) -> float:
