@@ -200,29 +200,6 @@ async def test_backlogged_tenants_service_differs_by_at_most_the_paper_s_bound(
     assert 6 <= first_ten.count("small") <= 8
 
 
-
-@pytest.mark.parametrize("threshold", [None, 1_000], ids=["no-rule", "long-prefill-rule"])
-async def test_a_long_prompt_steps_aside_for_its_class_whatever_its_counter(
-    redis_store: BucketStore | None, threshold: float | None
-) -> None:
-    """A tenant that sends little else sends a prompt the long-prefill rule applies to:
-    its counter is the lowest, but it goes after the class's other waiters, as it would
-    by due time, and not in the first moment the top class has nothing in flight. With
-    no such rule it goes by its counter. On every store."""
-    room = Room(one_slot(), redis_store)
-    if threshold is not None:
-        await room.store.set_prefill(room.pool, threshold, None)
-    holder = await room.hold()
-    assert not await room.request("long", 1_200)
-    for _ in range(3):
-        assert not await room.request("busy", 100)
-    assert len(room.waiters) == 4
-    order = room.tenants(await room.serve_in_turn(holder))
-    if threshold is None:
-        assert order.index("long") <= 1
-    else:
-        assert order == ["busy", "busy", "busy", "long"]
-
 @pytest.mark.fast
 async def test_a_tenant_back_from_idle_banks_no_credit() -> None:
     """One tenant has been served 1,000 tokens while another was idle. When the idle

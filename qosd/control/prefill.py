@@ -21,10 +21,10 @@ The threshold is the prompt length whose predicted stall equals the tolerance, b
 never below the 99th percentile of recent prompt lengths: the rule is for prompts
 unusual in their pool, and must not hold back the pool's ordinary traffic while the
 top class runs at its limit (no slack). The top class's own prompts are never held:
-that would only trade one of its requests for others. The stores
-(``long_prompts.held``, waiters.lua) hold a longer prompt while the top class has
-requests in flight or waiting, so it waits for a gap in that traffic (bursty traffic
-has them), within its max wait, and is refused with REASON_LONG_PREFILL otherwise.
+that would only trade one of its requests for others. The stores (``budget.held_for_gap``) hold a
+longer prompt while the top class has requests in flight or waiting, so it waits for
+a gap in that traffic (bursty traffic has them), within its max wait, and is refused
+with REASON_LONG_PREFILL otherwise.
 On a server that chunks prefill (``pools.<pool>.chunked_prefill``; vLLM V1, SGLang)
 running streams keep decoding through a long prompt, but prefill chunks go oldest
 request first within each pass's token budget: a prompt that arrives behind a

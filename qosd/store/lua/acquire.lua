@@ -101,12 +101,12 @@ for _ = 1, count do
       end
       local wait_cap_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_CAP_MS])
       wait_ms = by_deadline.granted_wait_ms(wait_ms, ttft_ms, wait_cap_ms, input)
-      local held = long_prompts.held(i, input)
+      local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic
       elseif pool_gated then
-        how = gated_how_for_new(i, cost, kv, order, input)
-      elseif not has_live_waiter(i, order, input) then  -- no overtaking a waiter placed before
+        how = gated_how_for_new(i, cost, kv, order)
+      elseif not has_live_waiter(i, order) then  -- no overtaking a waiter placed before
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)
       end

@@ -215,7 +215,7 @@ for _, m in ipairs(order) do
       status = STATUS_LATE
     elseif redis.call('HEXISTS', WAITERS, m.field) == 0 then
       status = STATUS_GONE
-    elseif long_prompts.held(m.class, tonumber(m.input)) then
+    elseif held_for_gap(m.class, tonumber(m.input)) then
       status = STATUS_HELD
     else
       status = STATUS_WAITING

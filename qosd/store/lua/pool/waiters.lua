@@ -20,28 +20,12 @@ local function waiter_value(w)
     string.format('%.0f', w.due)
 end
 
--- Prompts longer than the learned threshold, of classes below the top one: their
--- prefill delays the top class's first tokens (or, unchunked, stalls every stream)
--- for longer than the top class's requests can absorb. One table, not a local per
--- function: a script's main chunk has at most 200 locals.
-local long_prompts = {}
-
-function long_prompts.is_long(i, input)
+-- A prompt longer than the learned threshold stalls an unchunked server for longer
+-- than the top class's requests can absorb: one of another class i waits while the
+-- top class has anything in flight or waiting (a held waiter).
+local function held_for_gap(i, input)
   return i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
-end
-
--- A long prompt waits while the top class has anything in flight or waiting (a held
--- waiter).
-function long_prompts.held(i, input)
-  return long_prompts.is_long(i, input) and (state.in_n[1] > 0 or state.waiting[1] > 0)
-end
-
--- In a class that shares by tokens, a long prompt also steps aside for its class's
--- other waiters: by due time it would be behind them (its objective and its own
--- prefill put it there), and its tenant's low counter must not bring it to the head,
--- to be admitted in the first moment the top class has nothing in flight.
-function long_prompts.steps_aside(i, input)
-  return classes[i].fair_idle_ms > 0 and long_prompts.is_long(i, input)
+    and (state.in_n[1] > 0 or state.waiting[1] > 0)
 end
 
 local daemon_seen = {}
@@ -77,7 +61,6 @@ local function heads()
       local removed = false
       local start = 0
       local head = nil
-      local long_head = nil  -- the first long prompt that steps aside, for want of others
       while head == nil and start < WAITER_LOOKAHEAD do
         local page = redis.call('ZRANGE', classes[i].queue, start, start + WAITER_PAGE - 1,
           'WITHSCORES')
@@ -97,29 +80,24 @@ local function heads()
               by_deadline.late_waiters[id] = i
             end
             if w.blocked <= now and now <= w.deadline and not late
-                and not long_prompts.held(i, w.input) then
+                and not held_for_gap(i, w.input) then
               w.id = id
               w.class = i
               w.rank = effective_rank(i, now - w.enqueued)
-              w.steps_aside = long_prompts.steps_aside(i, w.input)
-              if not w.steps_aside then
-                head = w
-                break
-              end
-              long_head = long_head or w
+              head = w
+              break
             end
-            start = start + 1  -- blocked, past its max wait, late, held or aside: look past it
+            start = start + 1  -- blocked, past its max wait, late, or held: look past it
           end
         end
         if #page < 2 * WAITER_PAGE then
           break
         end
       end
-      if removed or (head == nil and long_head == nil) then  -- keep the count in step
+      if removed or head == nil then  -- keep the count in step with the queue itself
         state.waiting[i] = redis.call('ZCARD', classes[i].queue)
         state_changed = true
       end
-      head = head or long_head
       if head then
         found[#found + 1] = head
       end
@@ -134,22 +112,16 @@ local function heads()
   return found
 end
 
--- Has class i a live waiter placed before a new request of `input` prompt tokens
--- placed at `order` (order_us, or its start in a class that shares by tokens), that
--- is not stepping aside (for its tenant's ceiling, or late)? The new request must not
+-- Has class i a live waiter placed before `order` (order_us), that is not stepping
+-- aside (for its tenant's ceiling, or late)? A new request of the class must not
 -- overtake one (first come first served among equal objectives and prompts); the
--- others it may. A long prompt that steps aside in its class waits for any of its
--- class's other waiters, and they do not wait for it.
-local function has_live_waiter(i, order, input)
+-- others it may.
+local function has_live_waiter(i, order)
   if state.waiting[i] == 0 then
     return false
   end
   for _, w in ipairs(heads()) do
     if w.class == i then
-      local aside = long_prompts.steps_aside(i, input)
-      if w.steps_aside ~= aside then
-        return aside
-      end
       return w.order <= order
     end
   end
@@ -184,8 +156,8 @@ end
 -- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
 -- It needs room, no waiter of its class placed before it, and nobody of another class
 -- standing better than it, or as well and earlier.
-local function gated_how_for_new(i, cost, kv, order, input)
-  if has_live_waiter(i, order, input) or not has_room(i, kv) then
+local function gated_how_for_new(i, cost, kv, order)
+  if has_live_waiter(i, order) or not has_room(i, kv) then
     return 0
   end
   local mine = within_share(i, cost) and 0 or 1
