@@ -350,8 +350,12 @@ class Metrics:
         key = (pool, qos_class, met)
         child = self._slo_children.get(key)
         if child is None:
-            child = self.slo_samples.labels(pool, qos_class, "met" if met else "missed")
-            self._slo_children[key] = child
+            # Both results at once: a class that never missed shows missed 0, so the
+            # burn rate reads 0, not nothing.
+            for result in (True, False):
+                labels = (pool, qos_class, "met" if result else "missed")
+                self._slo_children[(pool, qos_class, result)] = self.slo_samples.labels(*labels)
+            child = self._slo_children[key]
         child.inc()
 
     def tenant_admitted(self, pool: str, qos_class: str, tenant: str, tokens: int) -> None:
