@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs the system packages `make test` needs, when they are missing: redis-server
-# and redis-cli (the tests start their own servers), promtool (checks /metrics), npm
+# and redis-cli (the tests start their own servers), promtool (checks /metrics and the
+# alert rules) and prometheus (scrapes a live daemon for the dashboard's queries), npm
 # (scripts/get_helm.sh fetches helm through it), h2load (the benchmarks' smoke run),
 # setpriv (make check-image), and nginx with its Lua module (a gateway in a test). Debian and Ubuntu, with apt-get (sudo when not
 # root); elsewhere it names what is missing and fails. Quick when nothing is missing.
 set -euo pipefail
 declare -A package=(
-  [redis-server]=redis-server [redis-cli]=redis-tools [promtool]=prometheus [npm]=npm
+  [redis-server]=redis-server [redis-cli]=redis-tools [promtool]=prometheus [prometheus]=prometheus [npm]=npm
   [h2load]=nghttp2-client [setpriv]=util-linux [make]=make [nginx]=nginx
 )
 missing=()
