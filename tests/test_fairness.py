@@ -200,6 +200,21 @@ async def test_backlogged_tenants_service_differs_by_at_most_the_paper_s_bound(
     assert 6 <= first_ten.count("small") <= 8
 
 
+async def test_a_request_is_weighed_with_its_own_size(redis_store: BucketStore | None) -> None:
+    """A tenant that sends little else sends one long prompt, queued first: its counter
+    is the lowest, but its request would leave it served more than the backlogged
+    tenant's next three, so those go first (by start tags alone it would go at once,
+    the first moment there is room, whatever its size). On every store."""
+    room = Room(one_slot(), redis_store)
+    holder = await room.hold()
+    assert not await room.request("long", 1_200)
+    for _ in range(3):
+        assert not await room.request("busy", 100)
+    assert len(room.waiters) == 4
+    order = room.tenants(await room.serve_in_turn(holder))
+    assert order == ["busy", "busy", "busy", "long"]
+
+
 @pytest.mark.fast
 async def test_a_tenant_back_from_idle_banks_no_credit() -> None:
     """One tenant has been served 1,000 tokens while another was idle. When the idle

@@ -97,7 +97,7 @@ for _ = 1, count do
       local due = by_deadline.due_us(enqueued_at, ttft_ms)
       local order = by_deadline.order_us(due, enqueued_at, input)
       if fair then
-        order = tenant.start(i, fair.key)  -- by tenants' counters, not by due time
+        order = tenant.finish(i, fair.key, fair.charge)  -- by tenants' service, not due time
       end
       local wait_cap_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_CAP_MS])
       wait_ms = by_deadline.granted_wait_ms(wait_ms, ttft_ms, wait_cap_ms, input)
@@ -132,9 +132,9 @@ for _ = 1, count do
           bucket[5] = true
         end
         if fair then
-          tenant.charge(i, fair.key, order, fair.charge)
+          tenant.charge(i, fair.key, order)
           tenant.served(i, fair.key, kv)
-          tenant.admitted(i, order)
+          tenant.admitted(i, order - fair.charge)
         end
         local expiry = add_lease(i, lease_key, field, cost, ttl_ms,
           ARGV[a + ARG_REQUEST_KEEP_MS], ARGV[a + ARG_REQUEST_WEIGHT],
@@ -177,7 +177,7 @@ for _ = 1, count do
           end
           redis.call('ZADD', c.queue, order, field)
           if fair then
-            tenant.charge(i, fair.key, order, fair.charge)  -- its next request starts after
+            tenant.charge(i, fair.key, order)  -- its next request starts after
           end
           redis.call('HSET', WAITERS, field, waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,

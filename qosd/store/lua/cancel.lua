@@ -12,16 +12,16 @@ local k = NEXT_KEY
 for r = 1, tonumber(ARGV[ARG_CALLS]) do
   local i = class_index[ARGV[a + ARG_CANCEL_QOS_CLASS]]
   local fair = ARGV[a + ARG_CANCEL_FAIR_REFUND] ~= '0'
-  local start = nil
+  local finish = nil
   if fair then
-    start = tonumber(redis.call('ZSCORE', classes[i].queue, ARGV[a + ARG_CANCEL_FIELD]))
+    finish = tonumber(redis.call('ZSCORE', classes[i].queue, ARGV[a + ARG_CANCEL_FIELD]))
   end
   -- The queue entry goes even when its record is missing (it must not linger).
   local removed = remove_waiter(i, ARGV[a + ARG_CANCEL_FIELD])
   reply[(r - 1) * CANCELLED_FIELDS + REPLY_CANCELLED_REMOVED] = removed
   if fair then
     if removed == 1 then
-      tenant.refund(i, KEYS[k], tonumber(ARGV[a + ARG_CANCEL_FAIR_REFUND]), start)
+      tenant.refund(i, KEYS[k], tonumber(ARGV[a + ARG_CANCEL_FAIR_REFUND]), finish)
     end
     k = k + 1
   end

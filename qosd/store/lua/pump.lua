@@ -107,10 +107,8 @@ local function admit(w, m, how, bucket)
     bucket[1] = bucket[1] - w.cost
     bucket[5] = true
   end
-  if classes[i].fair_idle_ms > 0 then
-    tenant.admitted(i, w.order)  -- scored by its start (tenants.lua)
-  end
   if m.fair_key then
+    tenant.admitted(i, w.order - m.fair_refund)  -- scored by its finish (tenants.lua)
     tenant.served(i, m.fair_key, tonumber(m.input) + tonumber(m.output))
   end
   local expiry = add_lease(i, m.lease_key, m.field, w.cost, m.ttl_ms, m.keep_ms, m.weight,
@@ -209,7 +207,7 @@ for _, m in ipairs(order) do
   if not m.admitted then
     if by_deadline.late_waiters[m.field] then
       if m.fair_key then
-        m.start = tonumber(redis.call('ZSCORE', classes[m.class].queue, m.field))
+        m.finish = tonumber(redis.call('ZSCORE', classes[m.class].queue, m.field))
       end
       remove_waiter(by_deadline.late_waiters[m.field], m.field)  -- answered REASON_DEADLINE
       status = STATUS_LATE
@@ -222,7 +220,7 @@ for _, m in ipairs(order) do
     end
   end
   if m.fair_key and status == STATUS_LATE then
-    tenant.refund(m.class, m.fair_key, m.fair_refund, m.start)  -- dropped unserved
+    tenant.refund(m.class, m.fair_key, m.fair_refund, m.finish)  -- dropped unserved
   end
   reply[n + REPLY_DECISION_STATUS] = status
   reply[n + REPLY_DECISION_REASON] = REASON_NONE

@@ -31,13 +31,17 @@ function tenant.wait_ms(bucket, cost)
 end
 
 -- Fair shares by tokens (the Virtual Token Counter, Sheng et al., OSDI '24), kept as
--- start tags so that a class's queue stays one sorted set. A tenant's counter is the
+-- finish tags so that a class's queue stays one sorted set. A tenant's counter is the
 -- service it has been charged, per unit of weight. A request of class i starts at
 -- the larger of its tenant's counter and the class's virtual time (the start of the
--- last request admitted): a tenant back from idle is lifted to where the backlogged
--- ones stand, and banks no credit. Its queue entry is scored by that start, so the
--- backlogged tenant with the smallest counter goes first. Its tenant is charged at
--- once (its next request starts after this one), and the counter expires after the
+-- last request admitted, as in start-time fair queueing): a tenant back from idle is
+-- lifted to where the backlogged ones stand, and banks no credit. It finishes at its
+-- start plus its charge, and its queue entry is scored by that finish: the request
+-- that leaves its tenant's service least goes first. So a request is weighed with its own size: an idle tenant's 32K-token prompt
+-- does not go ahead of the backlogged tenants' short ones as soon as it arrives (by
+-- start tags it would, whatever its size), and the service of two backlogged tenants
+-- still differs by at most one largest charge of each. Its tenant is charged at once
+-- (its next request starts at this one's finish), and the counter expires after the
 -- class's idle time, so idle tenants leave no state.
 
 -- Class i's virtual time (in the pool's state hash, 'v:<class>').
@@ -70,15 +74,16 @@ function tenant.record(i, key)
   return record
 end
 
--- Where a request of class i from the tenant whose counter is at `key` starts.
-function tenant.start(i, key)
-  return math.max(tenant.record(i, key).counter, tenant.virtual_time(i))
+-- Where a request of class i charged `charge`, from the tenant whose counter is at
+-- `key`, finishes: its queue score.
+function tenant.finish(i, key, charge)
+  return math.max(tenant.record(i, key).counter, tenant.virtual_time(i)) + charge
 end
 
--- Charges the tenant `charge` from `start`; kept for the class's idle time.
-function tenant.charge(i, key, start, charge)
+-- Charges the tenant up to `finish`; kept for the class's idle time.
+function tenant.charge(i, key, finish)
   local record = tenant.record(i, key)
-  record.counter, record.live, record.changed = start + charge, true, true
+  record.counter, record.live, record.changed = finish, true, true
 end
 
 -- The tenant's request of `tokens` (prompt plus expected output) was admitted.
@@ -115,23 +120,23 @@ function tenant.settle(i, key, charges, input, output, actual_input, actual_outp
   end
 end
 
--- A waiter of class i, queued to start at `start`, left the queue unserved (timed
+-- A waiter of class i, queued to finish at `finish`, left the queue unserved (timed
 -- out, cancelled, or late). If it was its tenant's last charge, the counter goes
 -- back to its start, so a tenant whose lone request timed out is not charged for
 -- it. Otherwise the tenant's later waiters were queued after it, and the counter
 -- stays: taken back, it would let the tenant's next request start ahead of its own
 -- queued ones, and a tenant that floods the queue (most of whose waiters time out)
 -- would take a request to the front of the class with every one it sends.
-function tenant.refund(i, key, charge, start)
+function tenant.refund(i, key, charge, finish)
   local record = tenant.record(i, key)
   local counter = record.counter
-  if record.live and start
-      and math.abs(counter - (start + charge)) <= 1e-9 * math.max(1, counter) then
-    record.counter, record.changed = start, true
+  if record.live and finish and math.abs(counter - finish) <= 1e-9 * math.max(1, counter) then
+    record.counter, record.changed = finish - charge, true
   end
 end
 
--- A request that started at `start` was admitted: the class's virtual time reaches it.
+-- A request that started at `start` was admitted: the class's virtual time reaches
+-- it.
 function tenant.admitted(i, start)
   if start > tenant.virtual_time(i) then
     classes[i].virtual_time = start
