@@ -345,6 +345,12 @@ class Metrics:
         if waited_ms:
             children[1].observe(waited_ms / 1000)
 
+    def pools_known(self, pools: list[str]) -> None:
+        """Shows the pools' reset counters at 0 from the start: a reset is rare, and
+        rate() and increase() see no first increment of a series that appears with it."""
+        for pool in pools:
+            self.store_resets.labels(pool)
+
     def slo_sample(self, pool: str, qos_class: str, met: bool) -> None:
         """Counts one stored sample judged against its objectives."""
         key = (pool, qos_class, met)

@@ -220,6 +220,7 @@ async def _start(
     await store.start()
     undo.push_async_callback(store.close)
     admission = Admission(config, store, tracer, daemon_id=daemon_id)
+    metrics.pools_known(admission.pool_names())
     try:
         certificates = (
             ServerCertificates(

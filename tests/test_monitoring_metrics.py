@@ -79,6 +79,8 @@ async def test_leases_in_flight_against_the_bound(daemon: Daemon) -> None:
         _, samples = await _scrape(daemon)
         await qos.release(held.lease_id)
     assert _value(samples, "qosd_pool_max_in_flight", pool="default") == 4
+    # Each pool's reset counter is there from the start, at 0 (a rate sees the first).
+    assert _value(samples, "qosd_store_resets_total", pool="default") == 0
     assert _value(samples, "qosd_active_leases", pool="default") == 1
     assert _value(samples, "qosd_in_flight_tokens", pool="default") == 500
     # No bound on tokens was set: no series for it.
