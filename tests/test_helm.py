@@ -4,6 +4,7 @@ config the chart renders is one qosd accepts."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def validate(documents: list[dict[str, Any]], tmp_path: Path) -> None:
 
 
 def check_config_with_qosd(documents: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
-    (config_map,) = by_kind(documents, "ConfigMap")
+    (config_map,) = [doc for doc in by_kind(documents, "ConfigMap") if "qosd.yaml" in doc["data"]]
     path = tmp_path / "qosd.yaml"
     path.write_text(config_map["data"]["qosd.yaml"])
     checked = run(str(BIN / "qosd"), "config", "check", str(path))
@@ -298,3 +299,50 @@ def test_values_that_cannot_work_are_refused(helm: str, options: list[str], mess
     rendered = run(helm, "template", "rel", str(CHART), *options)
     assert rendered.returncode != 0
     assert message in rendered.stderr
+
+
+def test_monitoring_renders_the_rules_and_the_dashboard(helm: str, tmp_path: Path) -> None:
+    """The PrometheusRule carries rules/qosd-alerts.yaml with the SLO targets of the
+    values, and the dashboard ConfigMap dashboards/qosd.json with the sidecar's label.
+    kubernetes-validate checks the ConfigMap against Kubernetes's schema; it has none
+    for a CRD (it warns and passes a PrometheusRule), so promtool checks the rule's
+    groups."""
+    documents = render(helm, CHART, "-f", str(CHART / "ci" / "standalone-monitoring.yaml"))
+    (rule,) = by_kind(documents, "PrometheusRule")
+    (dashboards,) = [doc for doc in by_kind(documents, "ConfigMap") if "qosd.json" in doc["data"]]
+    validate([rule, dashboards], tmp_path)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    groups = rule["spec"]["groups"]
+    rules_file = tmp_path / "rendered-rules.yaml"
+    rules_file.write_text(yaml.safe_dump({"groups": groups}))
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is needed (scripts/system_packages.sh installs it)"
+    checked = run(promtool, "check", "rules", str(rules_file))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    shipped = yaml.safe_load((CHART / "rules" / "qosd-alerts.yaml").read_text())["groups"]
+    assert groups[1:] == shipped[1:]  # all but the targets, as the file has them
+    (target,) = groups[0]["rules"]
+    assert target["expr"] == (
+        'label_replace(vector(0.999), "class", "P0", "", "") or '
+        "0 * max by (class) (qosd_slo_samples_total) + 0.99"
+    )
+    assert dashboards["metadata"]["namespace"] == "monitoring"
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["metadata"]["annotations"] == {"grafana_folder": "qosd"}
+    shipped_json = (CHART / "dashboards" / "qosd.json").read_text()
+    assert json.loads(dashboards["data"]["qosd.json"]) == json.loads(shipped_json)
+
+
+def test_the_default_targets_are_those_of_the_rules_file(helm: str) -> None:
+    """Rendered with the default values, the rule is the file, group for group."""
+    documents = render(helm, CHART, "--set", "monitoring.prometheusRule.enabled=true")
+    (rule,) = by_kind(documents, "PrometheusRule")
+    shipped = yaml.safe_load((CHART / "rules" / "qosd-alerts.yaml").read_text())["groups"]
+    shipped[0]["rules"][0]["expr"] = shipped[0]["rules"][0]["expr"].strip()
+    assert rule["spec"]["groups"] == shipped
+    assert rule["metadata"]["namespace"] == "default"
+    assert not by_kind(render(helm, CHART), "PrometheusRule")  # off by default
+    assert [doc["data"].keys() for doc in by_kind(render(helm, CHART), "ConfigMap")] == [
+        {"qosd.yaml"}
+    ]

@@ -273,3 +273,12 @@ Unix socket.
 {{- define "qosd.configChecksum" -}}
 {{- include "qosd.config" . | sha256sum -}}
 {{- end -}}
+
+{{/* The SLO target per class, for the PrometheusRule: each of classSloTargets, then
+sloTarget for every other class that reports samples (rules/qosd-alerts.yaml holds
+what the defaults give). Called with .Values.monitoring.prometheusRule. */}}
+{{- define "qosd.sloTargetExpr" -}}
+{{- range $class, $target := .classSloTargets -}}
+label_replace(vector({{ $target }}), "class", "{{ $class }}", "", "") or {{ end -}}
+0 * max by (class) (qosd_slo_samples_total) + {{ .sloTarget }}
+{{- end -}}
