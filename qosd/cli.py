@@ -1,23 +1,22 @@
-"""``qosd`` command line: ``serve``, ``triton-scrape``, ``config check``, the operator
-commands of ``qosctl`` (``status``, ``watch``, ``leases``, ``pin``, ``unpin``,
-``health``; qosd.ctl), and the commands other distributions add through the
-``qosd.commands`` entry points (the simulator's ``demo`` and ``sim-triton``)."""
+"""``qosd`` command line: ``serve``, ``proxy``, ``scrape`` (alias ``triton-scrape``),
+``config check``, the operator commands of ``qosctl`` (``status``, ``watch``,
+``leases``, ``pin``, ``unpin``, ``health``; qosd.ctl), and the commands other
+distributions add through the ``qosd.commands`` entry points (the simulator's
+``demo`` and ``sim-triton``)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from qosd import ctl
 from qosd.proxy.command import add_proxy
+from qosd.scrape_command import add_scrape
 
 if TYPE_CHECKING:
     from qosd.config import Config
-    from qosd_client import ServerLoad
 
 # Only argparse and the parser's own modules at import: each command imports what it
 # runs (grpc, the config schema, the server), so `qosd --help` is quick.
@@ -150,39 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "one per CPU this process may use (overrides server.workers)",
     )
 
-    scrape = commands.add_parser(
-        "triton-scrape",
-        help="report latencies read from a Triton server's /metrics to qosd, for gateways "
-        "that cannot report (docs/integrations.md)",
-    )
-    scrape.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
-    scrape.add_argument("--qosd", default="127.0.0.1:50051", metavar="ADDR")
-    ctl.add_connection_options(scrape)
-    scrape.add_argument(
-        "--class", dest="classes", action="append", default=[], metavar="MODEL=CLASS",
-        help="the QoS class of a model's requests (repeatable)",
-    )  # fmt: skip
-    scrape.add_argument("--default-class", help="class of models not named by --class")
-    scrape.add_argument("--interval", type=float, default=5.0, help="seconds between reads")
-    scrape.add_argument("--max-samples", type=int, default=200, help="per model and read")
-    scrape.add_argument(
-        "--server", default="",
-        help="the name the server's load is reported under (default: --metrics-url); "
-        "qosd keeps each server's latest read",
-    )  # fmt: skip
-    scrape.add_argument(
-        "--no-load", action="store_true",
-        help="report latencies only, not the server's pending requests, waiting requests "
-        "and KV cache usage",
-    )  # fmt: skip
-    scrape.add_argument(
-        "--ready-file", metavar="PATH",
-        help="once the first read (the baseline) has succeeded, write {pid, metrics_url, "
-        "qosd} as JSON here; requests that finish after it are reported. The same moment "
-        "is logged at INFO as 'baseline read from URL'",
-    )  # fmt: skip
-    scrape.add_argument("--log-level", default="INFO")
-
     check = commands.add_parser("config", help="configuration tools").add_subparsers(
         dest="config_command", required=True
     )
@@ -190,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_cmd.add_argument("path")
     ctl.add_commands(commands)
     add_proxy(commands)
+    add_scrape(commands)
     missing = _add_plugin_commands(commands)
     if argv and argv[0] in missing:
         return int(missing[argv[0]]())
@@ -202,11 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         return ctl.check_config(args.path)
 
-    if args.command == "triton-scrape":
-        from qosd import logs
-
-        logs.configure(args.log_level)
-        return _triton_scrape(args)
     config = configured(args)
     if config is None:
         return 2
@@ -243,56 +205,6 @@ def _serve(args: argparse.Namespace, config: Config, argv: Sequence[str]) -> int
     except StartupError as exc:
         print(f"qosd: {exc}", file=sys.stderr)
         return 1
-    return 0
-
-
-def _triton_scrape(args: argparse.Namespace) -> int:
-    """Runs the scraper until SIGINT or SIGTERM."""
-    classes: dict[str, str] = {}
-    for item in args.classes:
-        model, sep, qos_class = item.partition("=")
-        if not sep or not model or not qos_class:
-            print(f"qosd triton-scrape: --class wants MODEL=CLASS (got {item!r})", file=sys.stderr)
-            return 2
-        classes[model] = qos_class
-    if not classes and args.default_class is None:
-        print("qosd triton-scrape: name classes with --class or --default-class", file=sys.stderr)
-        return 2
-    if args.interval <= 0 or args.max_samples < 1:
-        print("qosd triton-scrape: --interval > 0 and --max-samples >= 1", file=sys.stderr)
-        return 2
-
-    import uvloop
-
-    from qosd.server import write_ready_file
-    from qosd_client import QosdClient
-    from qosd_client.reporter import LatencyReporter
-    from qosd_client.triton_metrics import TritonMetricsScraper
-
-    def baseline_read() -> None:
-        """Tells a supervisor (or a test) that requests finishing from now on count."""
-        if args.ready_file:
-            write_ready_file(args.ready_file, {"metrics_url": args.metrics_url, "qosd": args.qosd})
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        qos_client = QosdClient(args.qosd, tls=ctl.client_tls(args), token_file=args.token_file)
-        async with qos_client as qos, LatencyReporter(qos) as reporter:
-
-            async def report_loads(loads: list[ServerLoad]) -> None:
-                await qos.report([], loads=loads)
-
-            scraper = TritonMetricsScraper(
-                args.metrics_url, reporter, classes, default_class=args.default_class,
-                interval_s=args.interval, max_samples=args.max_samples, server=args.server,
-                on_loads=None if args.no_load else report_loads,
-            )  # fmt: skip
-            await scraper.run(stop, on_baseline=baseline_read)
-
-    uvloop.run(main())
     return 0
 
 

@@ -42,8 +42,9 @@ CLIENT_SCRIPT = textwrap.dedent(
     from qosd_client import Outcome, SyncQosdClient
     from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 
-    # Every module but the two of the [metrics] extra (aiohttp, prometheus-client).
-    extra = {"qosd_client.server_load", "qosd_client.triton_metrics"}
+    # Every module but those of the [metrics] extra (aiohttp, prometheus-client).
+    extra = {"qosd_client.server_load", "qosd_client.triton_metrics",
+             "qosd_client.engine_metrics", "qosd_client.scraping"}
     for module in pkgutil.walk_packages(qosd_client.__path__, "qosd_client."):
         if module.name not in extra:
             importlib.import_module(module.name)

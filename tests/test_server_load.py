@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from qosd_client import InvalidRequest, QosdClient, Reason, ServerLoad
-from qosd_client.server_load import parse_server_load, server_loads
+from qosd_client.server_load import ModelLoad, parse_server_load, server_loads
 from tests.conftest import DaemonFactory
 
 MODEL = "llama-3-8b"
@@ -139,10 +139,13 @@ vllm:gpu_cache_usage_perc{model_name="older"} 0.5
 
 
 def test_gauges_are_read_from_triton_and_vllm_metrics() -> None:
-    assert parse_server_load(TRITON) == {"llm": (5, None), "embed": (0, None)}  # versions summed
+    assert parse_server_load(TRITON) == {  # versions summed
+        "llm": ModelLoad(waiting=5),
+        "embed": ModelLoad(waiting=0),
+    }
     assert parse_server_load(VLLM) == {
-        "meta-llama/Llama-3.1-8B": (7, 0.93),
-        "older": (None, 0.5),  # the older name; no waiting gauge: unknown, not 0
+        "meta-llama/Llama-3.1-8B": ModelLoad(waiting=7, kv_usage=0.93),
+        "older": ModelLoad(kv_usage=0.5),  # the older name; no waiting gauge: unknown, not 0
     }
     assert parse_server_load("# nothing here\n") == {}
     assert server_loads(TRITON, "triton-0") == [

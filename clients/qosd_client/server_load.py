@@ -3,12 +3,10 @@
 qosd counts what it admitted (leases in flight); the servers know what they hold:
 requests waiting in their own queue, and how full their KV cache is. A GPU-gated pool
 with ``max_server_waiting`` or ``max_kv_cache_usage`` stops admitting classes below
-the top one while its servers are past them (docs/design.md). Understood, per model:
-
-- Triton: ``nv_inference_pending_request_count`` (requests received, not yet
-  executing), summed over the model's versions;
-- vLLM: ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (0 to 1; its
-  older name ``vllm:gpu_cache_usage_perc``), by the ``model_name`` label.
+the top one while its servers are past them (docs/design.md). Each engine's gauges
+are in ``LOAD_GAUGES``, by their own names; a read takes whichever the text holds,
+so one table serves every engine. Requests running are read too, for ``qosd scrape
+--print``; qosd's own count of leases in flight is what admission uses.
 
 A gauge a server does not expose stays unknown (None), never 0.
 """
@@ -16,50 +14,138 @@ A gauge a server does not expose stays unknown (None), never 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from qosd_client.types import ServerLoad
 
-TRITON_PENDING = "nv_inference_pending_request_count"
-VLLM_WAITING = "vllm:num_requests_waiting"
-VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+class LoadKind(Enum):
+    WAITING = "waiting"  # requests queued at the server: summed over its series
+    RUNNING = "running"  # requests in its batches: summed
+    KV_USAGE = "kv_usage"  # share of the KV cache in use, 0 to 1: the largest
+    KV_BLOCKS_USED = "kv_blocks_used"  # KV cache blocks in use: over KV_BLOCKS_MAX
+    KV_BLOCKS_MAX = "kv_blocks_max"
 
 
-@dataclass
-class _Gauges:
-    waiting: float | None = None
+@dataclass(frozen=True, slots=True)
+class LoadGauge:
+    """One engine's gauge: its sample name, the label that names the model, and the
+    labels a sample must carry to count (e.g. a request type)."""
+
+    engine: str
+    name: str
+    kind: LoadKind
+    model_label: str = "model_name"
+    match: tuple[tuple[str, str], ...] = ()
+    scale: float = 1.0  # times the value: requests, or a share from 0 to 1
+
+
+LOAD_GAUGES: tuple[LoadGauge, ...] = (
+    LoadGauge("triton", "nv_inference_pending_request_count", LoadKind.WAITING, "model"),
+    # The TensorRT-LLM backend of Triton: its in-flight batcher's requests and KV blocks.
+    LoadGauge(
+        "triton",
+        "nv_trt_llm_request_metrics",
+        LoadKind.WAITING,
+        "model",
+        (("request_type", "waiting"),),
+    ),
+    LoadGauge(
+        "triton",
+        "nv_trt_llm_request_metrics",
+        LoadKind.RUNNING,
+        "model",
+        (("request_type", "active"),),
+    ),
+    LoadGauge(
+        "triton",
+        "nv_trt_llm_kv_cache_block_metrics",
+        LoadKind.KV_BLOCKS_USED,
+        "model",
+        (("kv_cache_block_type", "used"),),
+    ),
+    LoadGauge(
+        "triton",
+        "nv_trt_llm_kv_cache_block_metrics",
+        LoadKind.KV_BLOCKS_MAX,
+        "model",
+        (("kv_cache_block_type", "max"),),
+    ),
+    LoadGauge("vllm", "vllm:num_requests_waiting", LoadKind.WAITING),
+    LoadGauge("vllm", "vllm:num_requests_running", LoadKind.RUNNING),
+    LoadGauge("vllm", "vllm:kv_cache_usage_perc", LoadKind.KV_USAGE),
+    LoadGauge("vllm", "vllm:gpu_cache_usage_perc", LoadKind.KV_USAGE),  # older servers
+    LoadGauge("sglang", "sglang:num_queue_reqs", LoadKind.WAITING),
+    LoadGauge("sglang", "sglang:num_running_reqs", LoadKind.RUNNING),
+    LoadGauge("sglang", "sglang:token_usage", LoadKind.KV_USAGE),
+    LoadGauge("trtllm", "trtllm_num_requests_waiting", LoadKind.WAITING),
+    LoadGauge("trtllm", "trtllm_num_requests_running", LoadKind.RUNNING),
+    LoadGauge("trtllm", "trtllm_kv_cache_utilization", LoadKind.KV_USAGE),
+)
+
+_BY_NAME: dict[str, tuple[LoadGauge, ...]] = {}
+for _gauge in LOAD_GAUGES:
+    _BY_NAME[_gauge.name] = (*_BY_NAME.get(_gauge.name, ()), _gauge)
+
+
+def load_gauges(engine: str) -> tuple[LoadGauge, ...]:
+    """The gauges of one engine."""
+    return tuple(gauge for gauge in LOAD_GAUGES if gauge.engine == engine)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """One model's gauges at one read; None: the server does not say."""
+
+    waiting: int | None = None
+    running: int | None = None
     kv_usage: float | None = None
 
 
-def parse_server_load(text: str) -> dict[str, tuple[int | None, float | None]]:
-    """Per model, ``(waiting requests, KV cache usage)`` from exposition text; other
-    metrics are ignored. Raises ValueError on text that does not parse."""
-    found: dict[str, _Gauges] = {}
+def _model_load(sums: dict[LoadKind, float]) -> ModelLoad:
+    """The gauges from the sums of one model's samples: counts rounded, usage within
+    0 and 1 (from blocks used over blocks in all where no share is given)."""
+    usage = sums.get(LoadKind.KV_USAGE)
+    if usage is None and sums.get(LoadKind.KV_BLOCKS_MAX, 0.0) > 0:
+        usage = sums.get(LoadKind.KV_BLOCKS_USED, 0.0) / sums[LoadKind.KV_BLOCKS_MAX]
+
+    def count(kind: LoadKind) -> int | None:
+        return max(0, round(sums[kind])) if kind in sums else None
+
+    return ModelLoad(
+        waiting=count(LoadKind.WAITING),
+        running=count(LoadKind.RUNNING),
+        kv_usage=None if usage is None else min(1.0, max(0.0, usage)),
+    )
+
+
+def parse_server_load(text: str) -> dict[str, ModelLoad]:
+    """Per model, the gauges of ``LOAD_GAUGES`` found in exposition text (counts summed
+    over a model's series, KV usage the largest); other metrics are ignored. Raises
+    ValueError on text that does not parse."""
+    found: dict[str, dict[LoadKind, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == TRITON_PENDING:
-                gauges = found.setdefault(sample.labels.get("model", ""), _Gauges())
-                gauges.waiting = (gauges.waiting or 0.0) + sample.value
-            elif sample.name == VLLM_WAITING:
-                gauges = found.setdefault(sample.labels.get("model_name", ""), _Gauges())
-                gauges.waiting = (gauges.waiting or 0.0) + sample.value
-            elif sample.name in VLLM_KV_USAGE:
-                gauges = found.setdefault(sample.labels.get("model_name", ""), _Gauges())
-                gauges.kv_usage = max(gauges.kv_usage or 0.0, sample.value)
-    return {
-        model: (
-            None if g.waiting is None else max(0, round(g.waiting)),
-            None if g.kv_usage is None else min(1.0, max(0.0, g.kv_usage)),
-        )
-        for model, g in found.items()
-        if model
-    }
+            for gauge in _BY_NAME.get(sample.name, ()):
+                model = sample.labels.get(gauge.model_label, "")
+                if not model or any(sample.labels.get(k) != v for k, v in gauge.match):
+                    continue
+                sums = found.setdefault(model, {})
+                value = sample.value * gauge.scale
+                if gauge.kind is LoadKind.KV_USAGE:
+                    sums[gauge.kind] = max(sums.get(gauge.kind, 0.0), value)
+                else:
+                    sums[gauge.kind] = sums.get(gauge.kind, 0.0) + value
+    return {model: _model_load(sums) for model, sums in found.items()}
 
 
 def server_loads(text: str, server: str) -> list[ServerLoad]:
-    """The loads to report for one server (``server`` names it) from its metrics."""
+    """The loads to report for one server (``server`` names it) from its metrics:
+    models with neither a waiting count nor a KV usage are left out."""
     return [
-        ServerLoad(model, server, waiting_requests=waiting, kv_cache_usage=kv_usage)
-        for model, (waiting, kv_usage) in sorted(parse_server_load(text).items())
+        ServerLoad(model, server, waiting_requests=load.waiting, kv_cache_usage=load.kv_usage)
+        for model, load in sorted(parse_server_load(text).items())
+        if load.waiting is not None or load.kv_usage is not None
     ]
