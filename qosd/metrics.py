@@ -38,6 +38,7 @@ from prometheus_client import (
     values,
 )
 
+from qosd.model import PoolStatus
 from qosd.policy import PoolPolicy
 from qosd_client.types import ClassState, Status
 from qosd_client.v1 import qosd_pb2
@@ -273,6 +274,12 @@ class Metrics:
         self.leases = self._gauge(
             "qosd_active_leases", "Leases neither released nor expired, fleet-wide.", ["pool"]
         )
+        self.prefill_backlog = self._gauge(
+            "qosd_prefill_backlog_seconds",
+            "Predicted prefill admitted and not yet done, by the pool's prefill model on "
+            "the real clock (GPU-gated pools; 0 without a model).",
+            ["pool"],
+        )
         self.in_flight_tokens = self._gauge(
             "qosd_in_flight_tokens",
             "Prompt plus expected output tokens of the pool's leases in flight, fleet-wide.",
@@ -344,6 +351,10 @@ class Metrics:
         children[0].inc()
         if waited_ms:
             children[1].observe(waited_ms / 1000)
+
+    def pool_read(self, pool: str, status: PoolStatus) -> None:
+        """The store's figures of a pool that GetStatus does not carry, at each read."""
+        self.prefill_backlog.labels(pool).set(status.prefill_backlog_ms / 1000)
 
     def pools_known(self, pools: list[str]) -> None:
         """Shows the pools' reset counters at 0 from the start: a reset is rare, and

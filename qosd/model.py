@@ -158,6 +158,8 @@ class PoolStatus:
     admitted_tokens: float  # tokens admitted since the pool's state was created
     now_ms: int  # the store's clock
     long_prefill_tokens: float = 0.0  # longer prompts wait for a gap (0: no rule)
+    # Predicted prefill admitted and not yet done, ms (GPU-gated pools with a model).
+    prefill_backlog_ms: float = 0.0
     # The servers' load, as budget.servers_load judges it now (None: not known).
     server_waiting: int | None = None
     server_kv_usage: float | None = None

@@ -249,6 +249,7 @@ async def _start(
         config=lambda: admission.config,
         waiting_room=admission.waiting_room,
         controller=controller,
+        on_pool_read=metrics.pool_read,
     )
     admin = AdminService(status, controller)
     envoy_rls = (

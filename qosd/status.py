@@ -9,7 +9,9 @@ Three readers share it, so the figures they show cannot drift apart:
 - ``qosctl status`` and ``watch`` render what the client reads back, the same types.
 
 The status service is given what it reads (the store, the policies, the waiting room
-and the controller) rather than reaching through the admission layer for them.
+and the controller) rather than reaching through the admission layer for them. The
+few figures of the store's read that the client's types do not carry (the prefill
+backlog) go to ``on_pool_read``, which sets their gauges: one read feeds both.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from qosd.config import Config, SloConfig
 from qosd.control import windows as slo_stats
 from qosd.control.leader import Controller
 from qosd.control.windows import WindowStats, window_stats
-from qosd.model import Adjustment, TenantStatus
+from qosd.model import Adjustment, PoolStatus, TenantStatus
 from qosd.policy import ClassPolicy, PoolPolicy, tenant_digest
 from qosd.store.base import BucketStore
 from qosd.waiting import WaitingRoom
@@ -54,6 +56,7 @@ class StatusService:
         config: Callable[[], Config],
         waiting_room: WaitingRoom,
         controller: Controller,
+        on_pool_read: Callable[[str, PoolStatus], None] | None = None,
     ) -> None:
         # pools and config are read at each call: a reload replaces them.
         self._store = store
@@ -63,6 +66,7 @@ class StatusService:
         self._config = config
         self._waiting_room = waiting_room
         self._controller = controller
+        self._on_pool_read = on_pool_read
 
     def pool_names(self) -> list[str]:
         return list(self._pools())
@@ -95,6 +99,8 @@ class StatusService:
         pool = self.policy(name)
         store = self._store
         status = await store.status(pool)
+        if self._on_pool_read is not None:
+            self._on_pool_read(name, status)
         policies = {cls.name: cls for cls in pool.classes}
         by_class: dict[str, list[TenantState]] = {}
         for tenant in await store.tenants(pool, tenants) if tenants else ():

@@ -239,6 +239,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 ),
             ),
             Panel(
+                "Prefill backlog",
+                "The prefill admitted ahead and not yet done, predicted by the pool's "
+                "prefill model (GPU-gated pools; 0 without a model).",
+                "s",
+                (Query(_max("qosd_prefill_backlog_seconds", POOL, "pool"), "{{pool}}"),),
+            ),
+            Panel(
                 "Servers' backlog",
                 "What the model servers report of themselves (ReportRequest.loads): "
                 "requests they hold waiting, and their largest KV cache usage.",

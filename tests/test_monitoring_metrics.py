@@ -87,6 +87,24 @@ async def test_leases_in_flight_against_the_bound(daemon: Daemon) -> None:
     assert ("qosd_pool_max_in_flight_tokens", frozenset({"pool": "default"}.items())) not in samples
 
 
+async def test_the_prefill_backlog_is_what_the_store_holds_ahead() -> None:
+    """A gated pool with a prefill model of 1 ms per prompt token: a 1,000-token prompt
+    admitted puts 1 s of prefill ahead, which drains with the clock."""
+    tree = merge(CONFIG, {"control": {"enabled": False}})  # the test states the model
+    daemon = await start(Config.model_validate(tree))
+    try:
+        admission = daemon.admission
+        _, samples = await _scrape(daemon)
+        assert _value(samples, "qosd_prefill_backlog_seconds", pool="default") == 0
+        await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
+        async with QosdClient(daemon.addresses[0]) as qos:
+            assert (await qos.acquire("P1", 1_000, model="llama-3-8b")).admitted
+        _, samples = await _scrape(daemon)
+    finally:
+        await daemon.stop(0)
+    assert 0.5 < _value(samples, "qosd_prefill_backlog_seconds", pool="default") <= 1.0
+
+
 def _self_signed(directory: Path, name: str, not_after: datetime.datetime) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])

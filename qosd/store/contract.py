@@ -317,6 +317,9 @@ class StatusHead(NamedTuple):
     capacity: str  # the admitted rate R
     admitted: str  # tokens admitted so far
     long_prefill: str  # 0: none
+    # The prefill admitted ahead, by the pool's prefill model on the real clock: us of
+    # work not yet done (0: none, or no model; GPU-gated pools only)
+    prefill_backlog_us: str
 
 
 class StatusClass(NamedTuple):

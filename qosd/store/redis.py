@@ -582,6 +582,7 @@ class RedisStore:
             admitted_tokens=float(head.admitted),
             now_ms=now_us // 1000,
             long_prefill_tokens=float(head.long_prefill),
+            prefill_backlog_ms=float(head.prefill_backlog_us) / 1000,
             server_waiting=int(servers.waiting) if servers.waiting else None,
             server_kv_usage=float(servers.kv_usage) if servers.kv_usage else None,
         )

@@ -1,6 +1,7 @@
 -- A pool's budget and queues now, read-only: an admin query. From the pool prelude.
 -- Returns (qosd/store/contract.py) STATUS: Redis time (us), shared tokens, admitted
--- rate (R), tokens admitted so far, the long-prefill threshold (0: none); then a
+-- rate (R), tokens admitted so far, the long-prefill threshold (0: none), the prefill
+-- backlog (us of predicted prefill admitted and not yet done, on the real clock); then a
 -- STATUS_CLASS per class: tokens, waiters, the enqueue time (us) of the waiter at the
 -- head of its queue (the earliest due; in a class without objectives the oldest) or
 -- '' when none waits, rate and burst at R, leases in flight and their prompt plus
@@ -13,6 +14,8 @@ reply[REPLY_STATUS_SHARED] = num(state.shared)
 reply[REPLY_STATUS_CAPACITY] = num(state.capacity)
 reply[REPLY_STATUS_ADMITTED] = num(state.admitted)
 reply[REPLY_STATUS_LONG_PREFILL] = num(state.long_prefill)
+reply[REPLY_STATUS_PREFILL_BACKLOG_US] =
+  string.format('%.0f', math.max(0, state.prefill_real_until - now))
 local n = STATUS_FIELDS
 for i = 1, class_count do
   local head = redis.call('ZRANGE', classes[i].queue, 0, 0)[1]
