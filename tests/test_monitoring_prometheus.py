@@ -120,6 +120,12 @@ class Prometheus:
         result: list[Any] = body["data"]["result"]
         return result
 
+    async def rules(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        """Every rule Prometheus loaded, with its health after its last evaluation."""
+        async with session.get(f"{self.url}/api/v1/rules") as response:
+            body = await response.json()
+        return [rule for group in body["data"]["groups"] for rule in group["rules"]]
+
 
 def resets(daemon: Daemon) -> float:
     value = daemon.metrics.registry.get_sample_value("qosd_store_resets_total", {"pool": "default"})
@@ -225,9 +231,21 @@ async def test_every_dashboard_query_returns_series_from_prometheus(
                 ]
 
             missing = await eventually(empty, lambda left: not left, timeout_s=15, interval_s=0.5)
+            # The rules file evaluates on real series without an error (a vector
+            # match that finds duplicates would say so here, not in promtool's tests).
+            rules = await eventually(
+                lambda: prometheus.rules(session),
+                lambda found: all(rule["health"] == "ok" for rule in found),
+                timeout_s=5,
+                interval_s=0.5,
+            )
     finally:
         stop_process(prometheus.process)
         await daemon.stop(0)
     assert not missing, json.dumps(missing, indent=1) + prometheus.log.read_text()[-2000:]
+    assert len(rules) == 16
+    assert [
+        (r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"
+    ] == []
     assert len(queries) >= 30
     assert time.monotonic() - started < 60
