@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from qosd.scrape_command import ENGINES
-from qosd_client import QosdClient
+from qosd_client import LatencyState, QosdClient
 from qosd_client.engine_metrics import (
     PROFILES,
     EngineCounters,
@@ -199,10 +199,15 @@ async def _status(address: str) -> tuple[int, int | None]:
         return pool.cls("P1").latency.samples, pool.server_waiting_requests
 
 
+async def _latencies(address: str) -> LatencyState:
+    async with QosdClient(address) as qos:
+        return (await qos.status("llm")).pool("llm").cls("P1").latency
+
+
 def test_scrape_reports_sim_vllm_to_the_daemon(tmp_path: Path) -> None:
     """``qosd scrape --engine vllm`` between ``qosd sim-vllm`` and a daemon: after its
     baseline read, 5 completions become 5 P1 samples in the daemon's window, with
-    TTFT, TPOT and e2e, and the server's load is reported; ``--print`` shows the same
+    TTFT, TPOT and e2e, and the server's load is reported; ``--print`` shows a read
     without a daemon."""
     tree = {"pools": {"llm": {"capacity_tokens_s": 100_000}}, "default_pool": "llm"}
     with (
@@ -218,7 +223,11 @@ def test_scrape_reports_sim_vllm_to_the_daemon(tmp_path: Path) -> None:
             assert asyncio.run(_status(daemon.address)) == (0, 0)  # the baseline's load
             asyncio.run(_completions(url, 5))
             wait_until(lambda: asyncio.run(_status(daemon.address))[0] >= 5, timeout_s=30)
-            assert asyncio.run(_status(daemon.address))[0] == 5
+            window = asyncio.run(_latencies(daemon.address))
+            assert window.samples == 5
+            # TTFT, TPOT (vLLM's per-request histogram) and e2e, each from its histogram.
+            assert window.ttft and window.tpot and window.e2e
+            assert 0 < window.ttft.p50_ms <= window.e2e.p50_ms
         finally:
             stop_process(scraper)
         printed = subprocess.run(

@@ -3,7 +3,7 @@ TensorRT-LLM's ``trtllm-serve`` (``qosd scrape --engine NAME``; Triton, which ke
 sums and counters instead, is ``qosd_client.triton_metrics``).
 
 Each engine keeps, per model, histograms of time to first token, time per output
-token, end-to-end latency and queue time, in seconds. Between two reads the scraper
+token and end-to-end latency, in seconds. Between two reads the scraper
 takes each histogram's bucket deltas (``qosd_client.histograms``) and makes one
 sample per request that finished in the interval (the end-to-end histogram's count;
 scaled down to ``max_samples``, keeping the proportions):
@@ -18,10 +18,11 @@ scaled down to ``max_samples``, keeping the proportions):
 
 Where an engine keeps TPOT per token (vLLM's ``inter_token_latency_seconds``) rather
 than per request, the samples' TPOTs are spread over the tokens' distribution: the
-same mean, weighted by tokens, and a wider spread. The queue-time histogram is read
-for ``--print``; TTFT already holds it. A histogram whose count went down means the
-server restarted, and its new counts are the difference. No errors: the engines'
-histograms count finished requests only.
+same mean, weighted by tokens, and a wider spread. The engines' queue-time
+histograms are not read: TTFT already holds the time queued, and the server's
+waiting gauge (``qosd_client.server_load``) says how many wait. A histogram whose
+count went down means the server restarted, and its new counts are the difference.
+No errors: the engines' histograms count finished requests only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class Latency(Enum):
     TTFT = "ttft"
     TPOT = "tpot"
     E2E = "e2e"
-    QUEUE = "queue"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ PROFILES: dict[str, EngineProfile] = {
             "vLLM (V1 and older): vllm:time_to_first_token_seconds, "
             "vllm:request_time_per_output_token_seconds or vllm:inter_token_latency_seconds "
             "(vllm:time_per_output_token_seconds on older servers), "
-            "vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds",
+            "vllm:e2e_request_latency_seconds",
             {
                 Latency.TTFT: ("vllm:time_to_first_token_seconds",),
                 Latency.TPOT: (
@@ -74,14 +74,13 @@ PROFILES: dict[str, EngineProfile] = {
                     "vllm:time_per_output_token_seconds",
                 ),
                 Latency.E2E: ("vllm:e2e_request_latency_seconds",),
-                Latency.QUEUE: ("vllm:request_queue_time_seconds",),
             },
         ),
         EngineProfile(
             "sglang",
             "SGLang: sglang:time_to_first_token_seconds, sglang:inter_token_latency_seconds "
             "(sglang:time_per_output_token_seconds on older servers), "
-            "sglang:e2e_request_latency_seconds, sglang:queue_time_seconds",
+            "sglang:e2e_request_latency_seconds",
             {
                 Latency.TTFT: ("sglang:time_to_first_token_seconds",),
                 Latency.TPOT: (
@@ -89,19 +88,16 @@ PROFILES: dict[str, EngineProfile] = {
                     "sglang:time_per_output_token_seconds",
                 ),
                 Latency.E2E: ("sglang:e2e_request_latency_seconds",),
-                Latency.QUEUE: ("sglang:queue_time_seconds",),
             },
         ),
         EngineProfile(
             "trtllm",
             "TensorRT-LLM's trtllm-serve: trtllm_time_to_first_token_seconds, "
-            "trtllm_time_per_output_token_seconds, trtllm_e2e_request_latency_seconds, "
-            "trtllm_request_queue_time_seconds",
+            "trtllm_time_per_output_token_seconds, trtllm_e2e_request_latency_seconds",
             {
                 Latency.TTFT: ("trtllm_time_to_first_token_seconds",),
                 Latency.TPOT: ("trtllm_time_per_output_token_seconds",),
                 Latency.E2E: ("trtllm_e2e_request_latency_seconds",),
-                Latency.QUEUE: ("trtllm_request_queue_time_seconds",),
             },
         ),
     )

@@ -118,6 +118,11 @@ class VllmMetrics:
             "Histogram of inter-token latency in seconds.",
             ITL_BUCKETS,
         )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
@@ -185,6 +190,7 @@ class SimulatedVllm:
         received = time.monotonic()
         sequence = Sequence(request_id, input_tokens, output_tokens, received, priority=priority)
         last = received
+        first: float | None = None
         finished = False
         async with contextlib.aclosing(
             self.gpu.generate(sequence, self.settings.stream_every)
@@ -192,6 +198,7 @@ class SimulatedVllm:
             async for event in events:
                 now = time.monotonic()
                 if event.kind is TokenKind.FIRST:
+                    first = now
                     metrics.ttft.labels(*labels).observe(now - received)
                 elif event.generated > 1:
                     metrics.itl.labels(*labels).observe(
@@ -203,7 +210,10 @@ class SimulatedVllm:
         if finished:
             started = sequence.started_at if sequence.started_at is not None else received
             metrics.queue.labels(*labels).observe(started - received)
-            metrics.e2e.labels(*labels).observe(time.monotonic() - received)
+            ended = time.monotonic()
+            metrics.e2e.labels(*labels).observe(ended - received)
+            if first is not None and output_tokens > 1:
+                metrics.request_tpot.labels(*labels).observe((ended - first) / (output_tokens - 1))
             metrics.prompt_tokens.labels(*labels).inc(input_tokens)
             metrics.generation_tokens.labels(*labels).inc(output_tokens)
             metrics.success.labels(*labels, "length").inc()
