@@ -11,7 +11,8 @@ truth: each request that finished in the interval, with its TTFT, its TPOT (mean
 time per output token after the first) and e2e.
 
 Reported, per load, over all intervals pooled, for the scraper's way (linear within
-a bucket, latencies paired by rank) and the alternatives:
+a bucket; TTFT and e2e paired by rank, TPOT at random) and the alternatives (values
+at their bucket's upper bound; TPOT paired by rank too):
 - the p50, p90 and p99 of TTFT, TPOT and e2e: samples against truth (relative error);
 - compliance, the share of requests within TTFT 500 ms and TPOT 50 ms (the
   benchmarks' P0 objectives), and within the P1 objectives (2 s, 100 ms): samples
@@ -157,14 +158,14 @@ def reconstruct(
     intervals: list[Interval], profile: EngineProfile, *, way: str, rng: random.Random
 ) -> list[tuple[float | None, float | None, float | None]]:
     """The samples of every read: (ttft, tpot, e2e) ms. ``way``: ``scraper`` (the
-    scraper's own code), ``upper`` (each value at its bucket's upper bound, paired by
-    rank) or ``shuffled`` (the scraper's values, paired at random)."""
+    scraper's own code), ``upper`` (each value at its bucket's upper bound, all paired
+    by rank) or ``rank`` (the scraper's values, TPOT paired by rank too)."""
     out: list[tuple[float | None, float | None, float | None]] = []
     before = EngineCounters()
     for interval in intervals:
         after = parse_engine_metrics(interval.texts, profile).get(MODEL, EngineCounters())
         samples = samples_between(before, after, model=MODEL, qos_class="P0", profile=profile,
-                                  max_samples=10_000)  # fmt: skip
+                                  max_samples=10_000, rng=rng)  # fmt: skip
         rows = [(s.ttft_ms, s.tpot_ms, s.e2e_ms) for s in samples]
         if way == "upper" and rows:
             columns = []
@@ -176,9 +177,9 @@ def reconstruct(
                 column: list[float | None] = [v * 1000 for v in values]
                 columns.append(column or [None] * len(rows))
             rows = list(zip(*columns, strict=True))
-        elif way == "shuffled" and rows:
-            tpots = [r[1] for r in rows]
-            rng.shuffle(tpots)
+        elif way == "rank" and rows:
+            ranked: list[float | None] = [*sorted(t for r in rows if (t := r[1]) is not None)]
+            tpots = ranked or [None] * len(rows)
             rows = [(r[0], t, r[2]) for r, t in zip(rows, tpots, strict=True)]
         out += rows
         before = after
@@ -204,7 +205,7 @@ def summarize(intervals: list[Interval]) -> dict[str, Any]:
         "scraper": (PROFILES["vllm"], "scraper"),
         "scraper_per_token_tpot": (PER_TOKEN, "scraper"),
         "upper_bound": (PROFILES["vllm"], "upper"),
-        "shuffled_pairing": (PROFILES["vllm"], "shuffled"),
+        "tpot_paired_by_rank": (PROFILES["vllm"], "rank"),
     }
     for label, (profile, way) in ways.items():
         rows = reconstruct(intervals, profile, way=way, rng=rng)
