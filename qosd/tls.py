@@ -12,8 +12,6 @@ Connections already open keep the certificate they began with.
 
 from __future__ import annotations
 
-import base64
-import calendar
 import logging
 import ssl
 import threading
@@ -22,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from cryptography import x509
 
 from qosd.config import FileSignature, ServerTlsConfig, file_signature
 
@@ -175,45 +174,6 @@ def _grpc_configuration(pair: CertificatePair) -> grpc.ServerCertificateConfigur
 
 
 def certificate_expiry(pem: bytes) -> float:
-    """The notAfter of the first certificate in ``pem``, Unix seconds. Read from the
-    DER (RFC 5280: Certificate, TBSCertificate, then validity after the optional
-    version, the serial, the signature algorithm and the issuer), since the standard
-    library has no public reader and the daemon should not depend on one for a
-    gauge. Raises ValueError on anything else."""
-    begin, end = b"-----BEGIN CERTIFICATE-----", b"-----END CERTIFICATE-----"
-    start = pem.find(begin)
-    stop = pem.find(end, start)
-    if start < 0 or stop < 0:
-        raise ValueError("no PEM certificate")
-    der = base64.b64decode(b"".join(pem[start + len(begin) : stop].split()))
-    tbs = _der_items(_der_items(der)[0][1])[0][1]
-    fields = _der_items(tbs)
-    if fields and fields[0][0] == 0xA0:  # [0] version
-        fields = fields[1:]
-    validity = _der_items(fields[3][1])
-    tag, value = validity[1]
-    text = value.decode("ascii").rstrip("Z")
-    if tag == 0x17:  # UTCTime, YYMMDDHHMMSS: 50 and above are 19xx (RFC 5280 4.1.2.5.1)
-        year = int(text[:2])
-        text = f"{1900 + year if year >= 50 else 2000 + year}{text[2:]}"
-    elif tag != 0x18:  # GeneralizedTime, YYYYMMDDHHMMSS
-        raise ValueError(f"notAfter has tag {tag:#x}, not a time")
-    return float(calendar.timegm(time.strptime(text[:14], "%Y%m%d%H%M%S")))
-
-
-def _der_items(data: bytes) -> list[tuple[int, bytes]]:
-    """The (tag, contents) of each DER element in ``data``, in order."""
-    items: list[tuple[int, bytes]] = []
-    at = 0
-    while at < len(data):
-        tag, length = data[at], data[at + 1]
-        at += 2
-        if length & 0x80:
-            size = length & 0x7F
-            length = int.from_bytes(data[at : at + size], "big")
-            at += size
-        if at + length > len(data):
-            raise ValueError("truncated DER")
-        items.append((tag, data[at : at + length]))
-        at += length
-    return items
+    """The notAfter of the first certificate in ``pem``, Unix seconds (the standard
+    library has no public reader of it). Raises ValueError on anything else."""
+    return x509.load_pem_x509_certificate(pem).not_valid_after_utc.timestamp()
