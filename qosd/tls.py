@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from cryptography import x509
 
 from qosd.config import FileSignature, ServerTlsConfig, file_signature
 
@@ -176,4 +175,6 @@ def _grpc_configuration(pair: CertificatePair) -> grpc.ServerCertificateConfigur
 def certificate_expiry(pem: bytes) -> float:
     """The notAfter of the first certificate in ``pem``, Unix seconds (the standard
     library has no public reader of it). Raises ValueError on anything else."""
+    from cryptography import x509  # noqa: PLC0415 - only daemons that serve TLS pay for it
+
     return x509.load_pem_x509_certificate(pem).not_valid_after_utc.timestamp()
