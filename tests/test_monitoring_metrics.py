@@ -10,10 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
 from qosd.config import Config, ServerTlsConfig
@@ -22,6 +18,7 @@ from qosd.tls import ServerCertificates, certificate_expiry
 from qosd_client import LatencySample, Outcome, QosdClient
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_metrics import _scrape, _value
+from tests.tls import authority
 
 CONFIG = merge(
     BASE_CONFIG,
@@ -105,29 +102,13 @@ async def test_the_prefill_backlog_is_what_the_store_holds_ahead() -> None:
     assert 0.5 < _value(samples, "qosd_prefill_backlog_seconds", pool="default") <= 1.0
 
 
-def _self_signed(directory: Path, name: str, not_after: datetime.datetime) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC))
-        .not_valid_after(not_after)
-        .sign(key, hashes.SHA256())
-    )
-    cert, key_file = directory / f"{name}.crt", directory / f"{name}.key"
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert, key_file
+def _server_certificate(
+    directory: Path, name: str, not_after: datetime.datetime
+) -> tuple[Path, Path]:
+    """A server certificate valid until ``not_after``, and its key."""
+    issuer = authority(directory, f"{name}-ca")
+    pem = issuer.issue(directory, name, server=True, not_after=not_after)
+    return pem.cert, pem.key
 
 
 @pytest.mark.parametrize(
@@ -139,7 +120,7 @@ def _self_signed(directory: Path, name: str, not_after: datetime.datetime) -> tu
     ids=["utctime", "generalizedtime"],
 )
 def test_certificate_expiry_reads_not_after(tmp_path: Path, not_after: datetime.datetime) -> None:
-    cert, _ = _self_signed(tmp_path, "qosd", not_after)
+    cert, _ = _server_certificate(tmp_path, "qosd", not_after)
     assert certificate_expiry(cert.read_bytes()) == not_after.timestamp()
     with pytest.raises(ValueError):
         certificate_expiry(b"not a certificate")
@@ -147,14 +128,14 @@ def test_certificate_expiry_reads_not_after(tmp_path: Path, not_after: datetime.
 
 def test_the_expiry_is_told_at_start_and_at_each_rotation(tmp_path: Path) -> None:
     first = datetime.datetime(2030, 1, 1, tzinfo=datetime.UTC)
-    cert, key = _self_signed(tmp_path, "first", first)
+    cert, key = _server_certificate(tmp_path, "first", first)
     told: list[float] = []
     certificates = ServerCertificates(
         ServerTlsConfig(cert_file=str(cert), key_file=str(key)), on_expiry=told.append
     )
     assert told == [first.timestamp()]
     second = datetime.datetime(2030, 4, 1, tzinfo=datetime.UTC)
-    new_cert, new_key = _self_signed(tmp_path, "second", second)
+    new_cert, new_key = _server_certificate(tmp_path, "second", second)
     os.replace(new_cert, cert)
     os.replace(new_key, key)
     assert certificates.refresh(force=True)
@@ -163,7 +144,7 @@ def test_the_expiry_is_told_at_start_and_at_each_rotation(tmp_path: Path) -> Non
 
 async def test_a_daemon_with_tls_shows_its_certificate_expiry(tmp_path: Path) -> None:
     not_after = datetime.datetime(2032, 5, 6, 7, 8, 9, tzinfo=datetime.UTC)
-    cert, key = _self_signed(tmp_path, "qosd", not_after)
+    cert, key = _server_certificate(tmp_path, "qosd", not_after)
     tree = merge(CONFIG, {"server": {"tls": {"cert_file": str(cert), "key_file": str(key)}}})
     daemon = await start(Config.model_validate(tree))
     try:

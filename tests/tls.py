@@ -30,13 +30,22 @@ class Authority:
     key: ec.EllipticCurvePrivateKey
     certificate: x509.Certificate
 
-    def issue(self, directory: Path, name: str, *, server: bool, uri: str | None = None) -> Pem:
+    def issue(
+        self,
+        directory: Path,
+        name: str,
+        *,
+        server: bool,
+        uri: str | None = None,
+        not_after: datetime.datetime | None = None,
+    ) -> Pem:
         """A certificate for ``name`` (a server's valid for 127.0.0.1 and localhost; a
-        client's with ``uri`` as its URI subject alternative name, as SPIFFE issues)."""
+        client's with ``uri`` as its URI subject alternative name, as SPIFFE issues),
+        valid for a day unless ``not_after`` says otherwise."""
         key = ec.generate_private_key(ec.SECP256R1())
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (
-            _builder(name, key)
+            _builder(name, key, not_after)
             .issuer_name(self.certificate.subject)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -53,7 +62,9 @@ class Authority:
         return _write(directory, name, builder.sign(self.key, hashes.SHA256()), key)
 
 
-def _builder(name: str, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+def _builder(
+    name: str, key: ec.EllipticCurvePrivateKey, not_after: datetime.datetime | None = None
+) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.UTC)
     return (
         x509.CertificateBuilder()
@@ -61,7 +72,7 @@ def _builder(name: str, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuil
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_after(not_after or now + datetime.timedelta(days=1))
     )
 
 
