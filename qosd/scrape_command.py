@@ -10,6 +10,7 @@ import asyncio
 import json
 import signal
 import sys
+import textwrap
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,9 @@ def engines_help() -> str:
     )
     for engine in ENGINES:
         gauges = sorted({gauge.name for gauge in load_gauges(engine)})
-        lines.append(f"  {engine}: latencies from {latencies[engine]}")
-        lines.append(f"    load from {', '.join(gauges)}")
+        lines.append(f"  {engine}:")
+        for text in (f"latencies from {latencies[engine]}", f"load from {', '.join(gauges)}"):
+            lines += textwrap.wrap(text, 78, initial_indent="    ", subsequent_indent="      ")
     return "\n".join(lines) + "\n"
 
 

@@ -180,7 +180,7 @@ def test_the_command_lists_every_profile_and_refuses_bad_options() -> None:
     shown = run("scrape", "--help")
     assert shown.returncode == 0
     for engine in ENGINES:
-        assert f"  {engine}: latencies from" in shown.stdout
+        assert f"  {engine}:\n    latencies from" in shown.stdout
     for name in ("vllm:time_to_first_token_seconds", "sglang:num_queue_reqs",
                  "trtllm_kv_cache_utilization", "nv_trt_llm_request_metrics"):  # fmt: skip
         assert name in shown.stdout
