@@ -112,8 +112,9 @@ class ClassConfig(_Strict):
     min_share: Annotated[float, Field(ge=0, le=1)] | None = None
     # How the class's waiters take turns: "fifo", by due time (arrival plus the TTFT
     # objective, docs/design.md "Admission by deadline"); "vtc", fair shares by tokens
-    # among its tenants, fleet-wide: the backlogged tenant served least per unit of
-    # weight goes first (the Virtual Token Counter; top-level `fairness`).
+    # among its tenants, fleet-wide: the request that would leave its tenant served
+    # least per unit of weight goes first (the Virtual Token Counter, by finish tags;
+    # top-level `fairness`).
     fairness: Literal["fifo", "vtc"] = "fifo"
     slo: SloConfig = SloConfig()
 
