@@ -161,22 +161,20 @@ def _make_scraper(
 
 
 class _Printed:
-    """``--print``: a read's samples and loads, as one JSON line."""
+    """``--print``: a read's samples, and the server's gauges per model (running
+    requests included), as one JSON line."""
 
     def __init__(self) -> None:
         self.samples: list[dict[str, Any]] = []
-        self.loads: list[dict[str, Any]] = []
 
     def record(self, sample: LatencySample) -> None:
         self.samples.append({k: v for k, v in asdict(sample).items() if v not in (None, "")})
 
-    async def take_loads(self, loads: list[ServerLoad]) -> None:
-        self.loads = [asdict(load) for load in loads]
-
-    def flush(self, read: int) -> None:
-        line = {"read": read, "samples": self.samples, "loads": self.loads}
+    def flush(self, scraper: MetricsScraper[Any]) -> None:
+        loads = {model: asdict(load) for model, load in sorted(scraper.last_loads.items())}
+        line = {"read": scraper.stats.reads, "samples": self.samples, "loads": loads}
         print(json.dumps(line, default=str), flush=True)
-        self.samples, self.loads = [], []
+        self.samples = []
 
 
 async def _scrape(args: argparse.Namespace, engine: str, classes: dict[str, str]) -> None:
@@ -202,11 +200,11 @@ async def _scrape(args: argparse.Namespace, engine: str, classes: dict[str, str]
 
     if args.print_only:
         printed = _Printed()
-        scraper = _make_scraper(engine, args, printed, classes, printed.take_loads)
+        scraper = _make_scraper(engine, args, printed, classes, None)
 
         def print_read(scraper: MetricsScraper[Any]) -> None:
             if scraper.stats.reads > reads:
-                printed.flush(scraper.stats.reads)
+                printed.flush(scraper)
             after_read(scraper)
 
         await scraper.run(stop, after_read=print_read)

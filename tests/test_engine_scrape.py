@@ -209,8 +209,8 @@ async def _latencies(address: str) -> LatencyState:
 def test_scrape_reports_sim_vllm_to_the_daemon(tmp_path: Path) -> None:
     """``qosd scrape --engine vllm`` between ``qosd sim-vllm`` and a daemon: after its
     baseline read, 5 completions become 5 P1 samples in the daemon's window, with
-    TTFT, TPOT and e2e, and the server's load is reported; ``--print`` shows a read
-    without a daemon."""
+    TTFT, TPOT and e2e, and the server's load is reported; ``--print`` shows a read,
+    running requests included, without a daemon."""
     tree = {"pools": {"llm": {"capacity_tokens_s": 100_000}}, "default_pool": "llm"}
     with (
         daemon_processes(tree) as (daemon,),
@@ -241,5 +241,4 @@ def test_scrape_reports_sim_vllm_to_the_daemon(tmp_path: Path) -> None:
     (line,) = printed.stdout.splitlines()
     read = json.loads(line)
     assert read["read"] == 1 and read["samples"] == []  # the baseline reports nothing
-    assert read["loads"] == [{"model": MODEL, "server": f"{url}/metrics",
-                              "waiting_requests": 0, "kv_cache_usage": 0.0}]  # fmt: skip
+    assert read["loads"] == {MODEL: {"waiting": 0, "running": 0, "kv_usage": 0.0}}

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 import aiohttp
 
-from qosd_client.server_load import server_loads
+from qosd_client.server_load import ModelLoad, parse_server_load, to_report
 from qosd_client.types import LatencySample, SampleSink, ServerLoad
 
 log = logging.getLogger("qosd_client.scraping")
@@ -74,6 +74,8 @@ class MetricsScraper(ABC, Generic[Counters]):
         self._server = server or url
         self._on_loads = on_loads
         self.stats = ScraperStats()
+        #: The server's gauges per model at the last successful read.
+        self.last_loads: dict[str, ModelLoad] = {}
 
     @abstractmethod
     def parse(self, text: str) -> dict[str, Counters]:
@@ -96,12 +98,13 @@ class MetricsScraper(ABC, Generic[Counters]):
                 response.raise_for_status()
                 text = await response.text()
             current = self.parse(text)
+            self.last_loads = parse_server_load(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             self.stats.failed_reads += 1
             log.warning("reading %s failed: %r", self._url, error)
             return []
         self.stats.reads += 1
-        await self._hand_over_loads(text)
+        await self._hand_over_loads()
         baseline = self._last is None
         samples = self.samples_since_last(current)
         if baseline:
@@ -112,10 +115,10 @@ class MetricsScraper(ABC, Generic[Counters]):
         self.stats.samples += len(samples)
         return samples
 
-    async def _hand_over_loads(self, text: str) -> None:
+    async def _hand_over_loads(self) -> None:
         if self._on_loads is None:
             return
-        loads = server_loads(text, self._server)
+        loads = to_report(self.last_loads, self._server)
         if not loads:
             return
         try:

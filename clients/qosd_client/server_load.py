@@ -6,13 +6,15 @@ with ``max_server_waiting`` or ``max_kv_cache_usage`` stops admitting classes be
 the top one while its servers are past them (docs/design.md). Each engine's gauges
 are in ``LOAD_GAUGES``, by their own names; a read takes whichever the text holds,
 so one table serves every engine. Requests running are read too, for ``qosd scrape
---print``; qosd's own count of leases in flight is what admission uses.
+--print``, and not reported: qosd's own count of leases in flight is what admission
+uses.
 
 A gauge a server does not expose stays unknown (None), never 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -39,7 +41,6 @@ class LoadGauge:
     kind: LoadKind
     model_label: str = "model_name"
     match: tuple[tuple[str, str], ...] = ()
-    scale: float = 1.0  # times the value: requests, or a share from 0 to 1
 
 
 LOAD_GAUGES: tuple[LoadGauge, ...] = (
@@ -133,7 +134,7 @@ def parse_server_load(text: str) -> dict[str, ModelLoad]:
                 if not model or any(sample.labels.get(k) != v for k, v in gauge.match):
                     continue
                 sums = found.setdefault(model, {})
-                value = sample.value * gauge.scale
+                value = sample.value
                 if gauge.kind is LoadKind.KV_USAGE:
                     sums[gauge.kind] = max(sums.get(gauge.kind, 0.0), value)
                 else:
@@ -141,11 +142,16 @@ def parse_server_load(text: str) -> dict[str, ModelLoad]:
     return {model: _model_load(sums) for model, sums in found.items()}
 
 
-def server_loads(text: str, server: str) -> list[ServerLoad]:
-    """The loads to report for one server (``server`` names it) from its metrics:
-    models with neither a waiting count nor a KV usage are left out."""
+def to_report(loads: Mapping[str, ModelLoad], server: str) -> list[ServerLoad]:
+    """The loads to report for one server (``server`` names it): models with neither a
+    waiting count nor a KV usage are left out (running requests are not reported)."""
     return [
         ServerLoad(model, server, waiting_requests=load.waiting, kv_cache_usage=load.kv_usage)
-        for model, load in sorted(parse_server_load(text).items())
+        for model, load in sorted(loads.items())
         if load.waiting is not None or load.kv_usage is not None
     ]
+
+
+def server_loads(text: str, server: str) -> list[ServerLoad]:
+    """The loads to report for one server from its metrics' text."""
+    return to_report(parse_server_load(text), server)
