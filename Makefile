@@ -40,6 +40,7 @@ lint: $(BIN)/.installed
 	$(BIN)/hadolint Dockerfile
 	PATH=$(CURDIR)/$(BIN):$$PATH scripts/gen_proto.sh --check
 	$(BIN)/python scripts/gen_lua_contract.py --check
+	$(BIN)/python scripts/gen_openapi.py --check
 
 # With branch coverage of qosd/, the daemons and command lines the tests start as
 # processes included ([tool.coverage.*] in pyproject.toml): a summary at the end, and

@@ -41,7 +41,7 @@ import uvloop
 import yaml
 
 from qosd.config import Config
-from qosd.model import LeaseSpec, new_daemon_id, new_lease_token
+from qosd.model import LeaseSpec, new_lease_token
 from qosd.policy import resolve_pools
 from qosd.store.batching import ScriptBatcher
 from qosd.store.redis import RedisStore
@@ -69,7 +69,12 @@ REQUEST = qosd_pb2.AcquireRequest(
     tenant="bench", model="default", qos_class="P1", input_tokens=100,
     expected_output_tokens=50, max_wait_ms=0,
 )  # fmt: skip
-POOL: dict[str, Any] = {"pools": {"default": {"capacity_tokens_s": 1e9}}}
+# An Acquire of REQUEST costs 150 on every rung: 100 prompt + 50 output tokens at
+# output weight 1 (the scripts price it; the rungs without a store answer the same).
+POOL: dict[str, Any] = {
+    "pools": {"default": {"capacity_tokens_s": 1e9}},
+    "cost": {"output_weight": 1.0},
+}
 
 
 def serve(rung: str, port: int, redis_url: str) -> None:
@@ -81,7 +86,6 @@ def serve(rung: str, port: int, redis_url: str) -> None:
         await store.start()
         pool = resolve_pools(config)["default"]
         cls = next(c for c in pool.classes if c.name == "P1")
-        daemon = new_daemon_id()
         transport = redis_transport(config.redis)
         sha = hashlib.sha1(ANSWER_ONLY.encode()).hexdigest()
         await transport.execute_on_primaries("SCRIPT", "LOAD", ANSWER_ONLY)
@@ -105,8 +109,9 @@ def serve(rung: str, port: int, redis_url: str) -> None:
                     lease_id, request.request_id, request.tenant, request.input_tokens,
                     request.expected_output_tokens, 1.0, 300_000,
                 )  # fmt: skip
-                decision = await store.acquire(pool, cls, charged, lease, 0, daemon)
-                lease_id, remaining = decision.lease_id, decision.remaining
+                decision = await store.acquire(pool, cls, lease, 0)
+                lease_id, charged = decision.lease_id, decision.charged
+                remaining = decision.remaining
             return qosd_pb2.AcquireResponse(
                 decision=qosd_pb2.DECISION_ADMITTED, lease_id=lease_id, tokens_charged=charged,
                 remaining_tokens=remaining, lease_ttl_ms=300_000, pool="default",

@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 
 from qosd.config import Config
-from qosd.model import LeaseSpec, new_daemon_id, new_lease_token
+from qosd.model import LeaseSpec, new_lease_token
 from qosd.policy import resolve_pools
 from qosd.server import make_store
 from qosd.store import contract
@@ -195,12 +195,10 @@ async def capture_batches(url: str, pools: list[str], batch: int) -> dict[str, l
     # No deadline, as a daemon sends before it knows Redis's clock: a replay of the
     # same call later must still be run, not refused as late.
     setattr(store, "_acquire_deadline", lambda: "0")  # noqa: B010
-    daemon_id = new_daemon_id()
     try:
         for name in pools:
             pool = policies[name]
             cls = next(c for c in pool.classes if c.name == "P1")
-            cost = (100 + config.cost.output_weight * 50) * cls.weight
 
             def lease(pool_name: str = name, weight: float = cls.weight) -> LeaseSpec:
                 return LeaseSpec(
@@ -213,9 +211,9 @@ async def capture_batches(url: str, pools: list[str], batch: int) -> dict[str, l
                     ttl_ms=int(config.lease.ttl_s * 1000),
                 )
 
-            await store.acquire(pool, cls, cost, lease(), 0, daemon_id)  # the pool's state
+            await store.acquire(pool, cls, lease(), 0)  # the pool's state
             decisions = await asyncio.gather(
-                *(store.acquire(pool, cls, cost, lease(), 0, daemon_id) for _ in range(batch))
+                *(store.acquire(pool, cls, lease(), 0) for _ in range(batch))
             )
             if not all(d.admitted for d in decisions):
                 raise RuntimeError(f"pool {name}: the captured batch was not all admitted")

@@ -43,7 +43,7 @@ async def one_round(seconds: float) -> dict[str, Any]:
     await store.start()
     pool = resolve_pools(config)["default"]
     cls = class_in(pool, "P1")
-    usage = UsageReport(100, 10, Outcome.OK, 0.0)
+    usage = UsageReport(100, 10, Outcome.OK)
     pairs = 0
     began = time.perf_counter()
     cpu = time.process_time()
@@ -51,7 +51,7 @@ async def one_round(seconds: float) -> dict[str, Any]:
     while time.perf_counter() < deadline:
         for _ in range(100):
             lease = LeaseSpec(f"default:P1:{new_lease_token()}", "", "", 100, 10, 1.0, 60_000)
-            decision = await store.acquire(pool, cls, 100.0, lease, 0, "bench")
+            decision = await store.acquire(pool, cls, lease, 0)
             assert decision.admitted, decision
             await store.release(pool, cls, lease.lease_id, usage)
             pairs += 1

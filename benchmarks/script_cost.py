@@ -30,7 +30,7 @@ from typing import Any
 import uvloop
 
 from qosd.config import Config
-from qosd.model import LeaseSpec, new_daemon_id, new_lease_token
+from qosd.model import LeaseSpec, new_lease_token
 from qosd.policy import resolve_pools
 from qosd.store.redis import RedisStore
 from qosd_harness import redis_command, redis_server
@@ -38,6 +38,7 @@ from qosd_harness import redis_command, redis_server
 CONFIG: dict[str, Any] = {
     "pools": {"default": {"capacity_tokens_s": 1e9}},  # everything admitted
     "lease": {"ttl_s": 300},
+    "cost": {"output_weight": 1.0},  # an Acquire of 100 + 50 tokens costs 150
 }
 
 
@@ -56,7 +57,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 async def one_round(
-    store: RedisStore, port: int, pid: int, batch: int, acquires: int, daemon: str
+    store: RedisStore, port: int, pid: int, batch: int, acquires: int
 ) -> dict[str, float]:
     pool = resolve_pools(Config.model_validate(CONFIG))["default"]
     cls = pool.classes[1]
@@ -66,7 +67,7 @@ async def one_round(
         return LeaseSpec(f"default:{cls.name}:{token}", "", "tenant", 100, 50, 1.0, 300_000)
 
     # Warm: the scripts are loaded and the state exists.
-    await store.acquire(pool, cls, 150.0, lease(), 0, daemon)
+    await store.acquire(pool, cls, lease(), 0)
     redis_command(port, "CONFIG", "RESETSTAT")
     cpu_before = process_cpu_s(pid)
     started = time.perf_counter()
@@ -75,7 +76,7 @@ async def one_round(
         # Calls submitted in one turn of the loop, with nothing in flight, go as one
         # script call (qosd/store/batching.py).
         decisions = await asyncio.gather(
-            *(store.acquire(pool, cls, 150.0, lease(), 0, daemon) for _ in range(batch))
+            *(store.acquire(pool, cls, lease(), 0) for _ in range(batch))
         )
         assert all(decision.admitted for decision in decisions), decisions[0]
         done += len(decisions)
@@ -103,12 +104,11 @@ async def measure(batches: list[int], acquires: int, rounds: int) -> dict[str, A
         config = Config.model_validate(merged)
         store = RedisStore(config.redis, tombstone_ms=1_000, lease_ttl_ms=300_000)
         await store.start()
-        daemon = new_daemon_id()
         try:
             for round_index in range(rounds):
                 for batch in batches:
                     figures = await one_round(
-                        store, server.port, server.process.pid, batch, acquires, daemon
+                        store, server.port, server.process.pid, batch, acquires
                     )
                     results[batch].append(figures)
                     print(

@@ -106,8 +106,8 @@ async def run(scenario: Scenario, seed: int = 1) -> Trajectory:
     config = Config.model_validate(SIM_CONFIG)
     pool: PoolPolicy = resolve_pools(config)["default"]
     classes = {cls.name: cls for cls in pool.classes}
-    store = EmbeddedStore(tombstone_ms=1_000, clock=clock)
-    controller = Controller(config, store, {pool.name: pool}, "sim")
+    store = EmbeddedStore(tombstone_ms=1_000, clock=clock, daemon_id="sim")
+    controller = Controller(config, store, {pool.name: pool})
     trajectory = Trajectory(scenario.name)
     backlog = 0.0  # tokens the server still has to get through
     admitted_recently: deque[float] = deque(maxlen=round(BUSY_WINDOW_S / TICK_S))
@@ -130,7 +130,7 @@ async def run(scenario: Scenario, seed: int = 1) -> Trajectory:
             lease = LeaseSpec(
                 f"default:{qos_class}:{new_lease_token()}", "", "", COST, 0, 1.0, 60_000
             )
-            decision = await store.acquire(pool, classes[qos_class], COST, lease, 0, "sim")
+            decision = await store.acquire(pool, classes[qos_class], lease, 0)
             if not decision.admitted:
                 continue
             ttft_ms = (

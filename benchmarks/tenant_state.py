@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qosd.config import Config
-from qosd.model import LeaseSpec, new_daemon_id
+from qosd.model import LeaseSpec
 from qosd.policy import lease_token, resolve_pools
 from qosd.store.redis import RedisStore
 from qosd_harness import redis_command, redis_server, source_commit
@@ -78,7 +78,6 @@ async def measure(tenants: int, idle_s: float, scrapes: int, batch: int) -> dict
         p1 = next(c for c in pool.classes if c.name == "P1")
         store = RedisStore(config.redis, tombstone_ms=1_000, lease_ttl_ms=1_000)
         await store.start()
-        daemon = new_daemon_id()
         try:
             await store.status(pool)
             before = key_count(server.port)
@@ -90,7 +89,7 @@ async def measure(tenants: int, idle_s: float, scrapes: int, batch: int) -> dict
                     for name in (f"t{n}" for n in range(first, min(tenants, first + batch)))
                 ]
                 decisions = await asyncio.gather(
-                    *(store.acquire(pool, p1, 10.0, spec, 0, daemon) for spec in specs)
+                    *(store.acquire(pool, p1, spec, 0) for spec in specs)
                 )
                 assert all(d.admitted for d in decisions)
             last_charge = time.perf_counter()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from qosd import ctl
-from qosd.proxy.command import add_proxy
+from qosd.doors.proxy.command import add_proxy
 from qosd.scrape_command import add_scrape
 
 if TYPE_CHECKING:

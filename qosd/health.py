@@ -134,7 +134,7 @@ class DaemonHttp:
         self._reuse_port = reuse_port
         self._ssl_context = ssl_context
         self._metrics_page = metrics_page
-        self._routes = routes  # more of the daemon on this listener (qosd.json_api)
+        self._routes = routes  # more of the daemon on this listener (qosd.doors.json_api)
         host, _, port = parse_listen_address(address).target.rpartition(":")
         self._host, self._port = host, int(port)
         self._runner: web.AppRunner | None = None

@@ -1,7 +1,8 @@
 """Domain types shared by the admission logic and both bucket stores.
 
-The enums mirror the wire enums value for value (a test holds them equal), so the
-gRPC layer passes them through as plain integers with no translation table.
+``Reason`` and ``Outcome`` are the client's (``qosd_client.types``), defined once for
+both sides; they mirror the wire enums value for value (a test holds them equal), so
+the gRPC layer passes them through as plain integers with no translation table.
 """
 
 from __future__ import annotations
@@ -11,26 +12,14 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from qosd_client.types import Outcome, Reason
 
-class Reason(enum.IntEnum):
-    NONE = 0
-    RATE_LIMITED = 1
-    COST_EXCEEDS_BURST = 2
-    QUEUE_TIMEOUT = 3
-    BACKEND_UNAVAILABLE = 4
-    QUEUE_FULL = 5
-    FAIL_OPEN = 6
-    SHUTTING_DOWN = 7
-    LONG_PREFILL = 8
-    DEADLINE = 9
+if TYPE_CHECKING:
+    from qosd.policy import ClassPolicy
 
-
-class Outcome(enum.IntEnum):
-    UNSPECIFIED = 0
-    OK = 1
-    ERROR = 2
-    CANCELLED = 3
+__all__ = ["Outcome", "Reason"]  # defined once, in the client; the daemon imports them here
 
 
 def new_daemon_id() -> str:
@@ -54,6 +43,62 @@ def new_lease_token() -> str:
     return f"{int(time.time()) & 0xFFFFFFFF:08x}{_TOKEN_PROCESS}{next(_token_counter):x}"
 
 
+def lease_issued_s(lease_id: str) -> int | None:
+    """The epoch second a lease was admitted in, from its token (``new_lease_token``);
+    None for an id that carries none."""
+    token = lease_id.rpartition(":")[2]
+    try:
+        return int(token[:8], 16)
+    except ValueError:
+        return None
+
+
+#: Prefix of a lease admitted while the store was down (fail_mode: open): nothing to settle.
+FAIL_OPEN_MARK = "open-"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    """One request for admission, as every door builds it, valid by construction
+    (``qosd.doors.request.RequestRules.acquire``).
+
+    ``max_wait_ms`` is the caller's own cap on its wait (None: its class's);
+    ``deadline_s`` how long the caller waits for an answer (None: no deadline);
+    ``lease_ttl_ms`` overrides ``lease.ttl_s`` for callers that never release (Envoy's
+    protocol has no Release); ``slo_*`` are the request's own objectives. With
+    ``estimated`` the token counts are the door's estimates, not the caller's word:
+    such a request is never refused as too large for its class on them alone (it is
+    charged at most what its class can hold, and Release settles the real usage).
+    """
+
+    pool: str
+    qos_class: str
+    tenant: str
+    model: str
+    request_id: str
+    input_tokens: int
+    expected_output_tokens: int
+    ttft_ms: float  # the TTFT objective its queue entry is due by (0: none)
+    max_wait_ms: int | None = None
+    deadline_s: float | None = None
+    lease_ttl_ms: int | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    estimated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest:
+    """One Release, valid by construction (``qosd.doors.request.RequestRules.release``)."""
+
+    lease_id: str
+    policy: ClassPolicy
+    fail_open: bool  # admitted while the store was down: nothing was charged
+    input_tokens: int | None  # None keeps the estimate
+    output_tokens: int | None
+    outcome: Outcome
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseSpec:
     """What a store needs to create a lease for one admission."""
@@ -65,6 +110,9 @@ class LeaseSpec:
     output_tokens: int
     weight: float
     ttl_ms: int
+    # The token counts are the door's estimates: charged at most what the class can
+    # hold (acquire.lua), so an estimate alone never refuses a request as too large.
+    estimated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +120,8 @@ class BucketDecision:
     """A store's answer to one take attempt.
 
     ``queued`` means neither admitted nor rejected: the request now waits in its
-    class's queue (see ``qosd.waiting``), under the id ``lease_field``.
+    class's queue (see ``qosd.waiting``), under the id ``lease_field``. ``charged`` is
+    the request's cost, as the scripts price it.
     """
 
     admitted: bool
@@ -82,8 +131,9 @@ class BucketDecision:
     remaining: float
     retry_after_ms: int
     lease_ttl_ms: int
-    replayed: bool = False
     queued: bool = False
+    # The request id names another request's lease or place in a queue (no decision).
+    duplicate: bool = False
 
 
 def lease_field(lease_id: str) -> str:
@@ -163,6 +213,7 @@ class PoolStatus:
     # The servers' load, as budget.servers_load judges it now (None: not known).
     server_waiting: int | None = None
     server_kv_usage: float | None = None
+    shared_burst: float = 0.0  # the most the shared tokens hold at the admitted rate
 
     @property
     def active_leases(self) -> int:
@@ -194,6 +245,17 @@ class ControlRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillLearned:
+    """What the SLO loop learned of a pool's prefill (qosd.control.prefill), for the
+    store, which derives the long-prefill threshold from it (prefill.lua)."""
+
+    model: tuple[float, float, float] | None  # (c, a, b): c + a n + b n^2 ms; None: none
+    tolerance_ms: float | None  # the stall the top class absorbs; None: not known
+    usual_tokens: float  # the pool's usual prompt length: the threshold's floor
+    fallback_tokens: float = 0.0  # the threshold without model or tolerance; 0: none
+
+
+@dataclass(frozen=True, slots=True)
 class Adjustment:
     """One change of a pool's admitted rate, as the history keeps it."""
 
@@ -221,7 +283,6 @@ class UsageReport:
     input_tokens: int | None
     output_tokens: int | None
     outcome: Outcome
-    output_weight: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,10 +103,8 @@ class PoolPolicy:
 
     name: str
     capacity: float  # tokens per second
-    free_rate: float  # capacity no class is assured: it refills the shared tokens
-    shared_burst: float  # most unused tokens the shared pool holds
     classes: tuple[ClassPolicy, ...]
-    burst_s: float  # shared tokens hold this many seconds of capacity
+    burst_s: float  # shared tokens hold this many seconds of the admitted rate
     min_capacity: float  # bounds of the admitted rate, tokens per second
     max_capacity: float
     # The in-flight bound at the admitted rate (configured, scaled by the SLO loop's
@@ -127,6 +125,9 @@ class PoolPolicy:
     server_load_max_age_us: int = 5_000_000
     # The servers serve the top class's prompts first (PoolConfig).
     servers_by_priority: bool = False
+    # A request's cost per expected output token, before its class weight
+    # (CostConfig; the rule itself is the scripts': formulas.lua formula.cost).
+    output_weight: float = 0.0
 
     @property
     def gated(self) -> bool:
@@ -190,14 +191,11 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
                     fair=fair if cls.fairness == "vtc" else None,
                 )
             )
-        assured = sum(c.share for c in config.classes.values())
         floors = sum(c.floor_rate for c in classes)
         control = config.control
         pools[pool_name] = PoolPolicy(
             name=pool_name,
             capacity=pool.capacity_tokens_s,
-            free_rate=max(0.0, 1.0 - assured) * pool.capacity_tokens_s,
-            shared_burst=pool.burst_s * pool.capacity_tokens_s,
             classes=tuple(classes),
             burst_s=pool.burst_s,
             min_capacity=max(control.min_capacity * pool.capacity_tokens_s, floors),
@@ -212,6 +210,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_kv_cache_usage=pool.max_kv_cache_usage or 0.0,
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,
             servers_by_priority=pool.servers_schedule_by_priority,
+            output_weight=config.cost.output_weight,
         )
     return pools
 

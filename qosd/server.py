@@ -24,16 +24,17 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from qosd.admission import Admission
-from qosd.auth import Authorizer
 from qosd.config import Config, FailMode, parse_listen_address
 from qosd.control.leader import Controller
-from qosd.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
+from qosd.doors.auth import Authorizer
+from qosd.doors.decisions import Decisions
+from qosd.doors.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
+from qosd.doors.grpc_api import AdminService, QoSService, add_to_server
+from qosd.doors.json_api import JsonApi
 from qosd.health import DaemonHttp, HealthMonitor
-from qosd.json_api import JsonApi
 from qosd.metrics import Metrics
-from qosd.model import StoreUnavailable, new_daemon_id
+from qosd.model import StoreUnavailable
 from qosd.reload import ConfigReloader, ReloadPlan
-from qosd.service import AdminService, QoSService, add_to_server
 from qosd.status import StatusService
 from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
@@ -56,19 +57,25 @@ class StartupError(RuntimeError):
     """The daemon cannot start as configured (for example, a port is taken)."""
 
 
-def make_store(config: Config) -> BucketStore:
+def make_store(config: Config, daemon_id: str | None = None) -> BucketStore:
+    """The store ``config`` names, for the daemon ``daemon_id`` (None: a new id)."""
     tombstone_ms = int(config.lease.tombstone_s * 1000)
     stale_after_ms = config.waiting.stale_after_ms
     lease_ttl_ms = int(config.lease.ttl_s * 1000)
     if config.redis.url is None:
         return EmbeddedStore(
-            tombstone_ms, stale_after_ms, lease_ttl_ms, key_prefix=config.redis.key_prefix
+            tombstone_ms,
+            stale_after_ms,
+            lease_ttl_ms,
+            key_prefix=config.redis.key_prefix,
+            daemon_id=daemon_id,
         )
     return RedisStore(
         config.redis,
         tombstone_ms=tombstone_ms,
         stale_after_ms=stale_after_ms,
         lease_ttl_ms=lease_ttl_ms,
+        daemon_id=daemon_id,
     )
 
 
@@ -79,6 +86,7 @@ class Daemon:
     config: Config
     server: grpc.aio.Server
     admission: Admission
+    decisions: Decisions  # what every door admits and releases through
     controller: Controller
     health: health.aio.HealthServicer
     monitor: HealthMonitor
@@ -116,7 +124,7 @@ class Daemon:
         if self.admin_server is not None:
             stopping.append(self.admin_server.stop(grace))
         await asyncio.gather(*stopping)
-        await self.admission.waiting_room.close()
+        await self.admission.close(grace)
         if self.http is not None:
             await self.http.stop()
         await self.admission.store.close()
@@ -206,21 +214,23 @@ async def _start(
     reuse_port: bool,
 ) -> Daemon:
     metrics = Metrics()
-    daemon_id = new_daemon_id()
+    own_store = given_store or make_store(config)
+    daemon_id = own_store.daemon_id
     tracing = start_tracing(config.tracing, daemon_id)
     if tracing is not None:
         undo.push_async_callback(tracing.shutdown)
     tracer = tracing.tracer if tracing else None
     store = InstrumentedStore(
-        given_store or make_store(config),
+        own_store,
         metrics,
         tracer if config.tracing.store_spans else None,
         "redis" if config.redis.url else "",
     )
     await store.start()
     undo.push_async_callback(store.close)
-    admission = Admission(config, store, tracer, daemon_id=daemon_id)
+    admission = Admission(config, store, tracer)
     metrics.pools_known(admission.pool_names())
+    decisions = Decisions(admission, metrics, traced=tracer is not None)
     try:
         certificates = (
             ServerCertificates(
@@ -238,7 +248,6 @@ async def _start(
         config,
         store,
         admission.pools,
-        admission.daemon_id,
         on_change=lambda pool, kind: metrics.adjustments.labels(pool, kind).inc(),
     )
     status = StatusService(
@@ -252,15 +261,13 @@ async def _start(
         on_pool_read=metrics.pool_read,
     )
     admin = AdminService(status, controller)
-    envoy_rls = (
-        EnvoyRateLimitService(admission, metrics, tracer) if config.envoy_rls.enabled else None
-    )
+    envoy_rls = EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled else None
     authorizer = Authorizer(
         config.auth,
         on_refusal=lambda method, code: metrics.auth_refusals.labels(method, code.name).inc(),
     )
     chains = add_to_server(
-        QoSService(admission, metrics, tracer), admin, server, envoy_rls, tracer, authorizer
+        QoSService(decisions, tracer), admin, server, envoy_rls, tracer, authorizer
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -273,6 +280,7 @@ async def _start(
         config=config,
         server=server,
         admission=admission,
+        decisions=decisions,
         controller=controller,
         health=health_servicer,
         monitor=monitor,

@@ -300,7 +300,6 @@ def annotate_acquire(span: Span, outcome: AcquireOutcome) -> None:
             "qosd.lease_id": decision.lease_id,
             "qosd.retry_after_ms": decision.retry_after_ms,
             "qosd.remaining_tokens": decision.remaining,
-            "qosd.replayed": decision.replayed,
         }
     )
 

@@ -32,11 +32,9 @@ from typing import Any
 
 from qosd.model import (
     BucketDecision,
-    Outcome,
     PumpResult,
     Reason,
     StoreUnavailable,
-    UsageReport,
     Waiter,
     WaiterState,
 )
@@ -67,13 +65,11 @@ class WaitingRoom:
     def __init__(
         self,
         store: BucketStore,
-        daemon_id: str,
         poll_s: float,
         store_down: Callable[[PoolPolicy, Waiter], BucketDecision],
         store_patience_s: float = 0.0,
     ) -> None:
         self._store = store
-        self._daemon_id = daemon_id
         self._poll_s = poll_s
         self._store_down = store_down
         self._store_patience_s = store_patience_s
@@ -191,9 +187,7 @@ class WaitingRoom:
             room.wake.clear()  # a nudge during this pump asks for the next one at once
             began = loop.time()
             try:
-                results = await self._store.pump(
-                    room.policy, self._daemon_id, [local.waiter for local in asked]
-                )
+                results = await self._store.pump(room.policy, [local.waiter for local in asked])
             except StoreUnavailable as error:
                 if room.failing_since is None:
                     room.failing_since = began  # the store was away from this pump on
@@ -256,14 +250,10 @@ class WaitingRoom:
                 await asyncio.sleep(min(5.0, 0.1 * 2**attempt))
 
     def _undo(self, pool: PoolPolicy, waiter: Waiter, decision: BucketDecision) -> None:
-        """Refunds a grant nobody will use. Not one with a request id: its caller will
-        retry, and the retry must find the admission it is charged for (unused, that
-        lease expires with its estimate), as the stores do for Acquires."""
-        if waiter.lease.request_id:
-            return
+        """Refunds a grant nobody will use, and frees its request id for a retry, as the
+        stores do for Acquires whose caller left."""
         cls = next(c for c in pool.classes if c.name == waiter.qos_class)
-        usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)
-        self._in_background(self._store.release(pool, cls, decision.lease_id, usage, exact=True))
+        self._in_background(self._store.undo(pool, cls, waiter.lease))
 
     def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from qosd_client import (
+    DuplicateRequestId,
     InvalidRequest,
     LatencySample,
     LeaseExpired,
@@ -191,16 +192,20 @@ async def test_unknown_and_malformed_leases(make_daemon: DaemonFactory) -> None:
             await qos.release(malformed)
 
 
-async def test_acquire_with_request_id_is_idempotent(make_daemon: DaemonFactory) -> None:
+async def test_acquire_with_a_repeated_request_id_is_refused_and_charged_once(
+    make_daemon: DaemonFactory,
+) -> None:
+    """Idempotence by refusal: a second Acquire under a request id that names a lease
+    gets ALREADY_EXISTS, never a second lease or a second charge."""
     qos = (await make_daemon()).client
     first = await qos.acquire("P1", 800, request_id="req-42", max_wait_ms=0)
-    again = await qos.acquire("P1", 800, request_id="req-42", max_wait_ms=0)
-    assert first.admitted and again.admitted
-    assert again.replayed and not first.replayed
-    assert again.lease_id == first.lease_id
-    assert again.tokens_charged == first.tokens_charged
-    # Charged once: 1500 - 800 = 700 left, not -100.
-    assert again.remaining_tokens == pytest.approx(700, abs=slack(3000, 0.2))
+    assert first.admitted
+    with pytest.raises(DuplicateRequestId):
+        await qos.acquire("P1", 800, request_id="req-42", max_wait_ms=0)
+    # Charged once: 1500 - 800 = 700 left, not -100; one lease in flight.
+    status = (await qos.status("default")).pool("default")
+    assert status.cls("P1").tokens == pytest.approx(700, abs=slack(3000, 0.2))
+    assert status.active_leases == 1
     other = await qos.acquire("P1", 800, request_id="req-43", max_wait_ms=0)
     assert not other.admitted
 

@@ -26,6 +26,7 @@ from qosd.config import Config, RedisConfig
 from qosd.model import (
     LeaseSpec,
     Outcome,
+    PrefillLearned,
     Reason,
     Sample,
     ServerLoad,
@@ -212,7 +213,7 @@ async def recording_store(
     redis_standalone: RedisServer,
 ) -> AsyncIterator[tuple[RedisStore, list[tuple[str, list[Any]]]]]:
     config = RedisConfig(url=redis_standalone.url, key_prefix=f"c{uuid.uuid4().hex[:12]}")
-    store = RedisStore(config, tombstone_ms=60_000)
+    store = RedisStore(config, tombstone_ms=60_000, daemon_id="d1")
     by_sha = {script.sha: name for name, script in store._scripts.items()}
     calls: list[tuple[str, list[Any]]] = []
     run = store._run
@@ -239,17 +240,21 @@ async def test_every_argv_redis_py_sends_is_the_declared_one(
     def spec() -> LeaseSpec:
         return LeaseSpec(f"default:{cls.name}:{new_lease_token()}", "", "", 100, 20, 1.0, 60_000)
 
-    first = await store.acquire(pool, cls, 10, spec(), 0, "d1")
+    first = await store.acquire(pool, cls, spec(), 0)
     # A batch: three at once, while the first of them is in flight.
-    await asyncio.gather(*(store.acquire(pool, cls, 10, spec(), 0, "d1") for _ in range(3)))
-    await store.release(pool, cls, first.lease_id, UsageReport(100, 20, Outcome.OK, 1.0))
-    stranger = Waiter(cls.name, 10.0, spec())
-    await store.pump(pool, "d1", [stranger])
+    await asyncio.gather(*(store.acquire(pool, cls, spec(), 0) for _ in range(3)))
+    await store.release(pool, cls, first.lease_id, UsageReport(100, 20, Outcome.OK))
+    undone = spec()
+    assert (await store.acquire(pool, cls, undone, 0)).admitted
+    await store.undo(pool, cls, undone)
+    stranger = Waiter(cls.name, 100.0, spec())
+    await store.pump(pool, [stranger])
     await store.cancel(pool, [stranger])
     await store.status(pool)
     record = await store.control(pool)
     await store.adjust(pool, record, cooldown_ms=0, force=True)
-    await store.lead("d1", 1_000)
+    await store.lead(1_000)
+    await store.set_prefill(pool, PrefillLearned((5.0, 0.01, 1e-6), 300.0, 1_000.0))
     await store.report_load(pool, [ServerLoad("s1", 3, 0.5), ServerLoad("s2", None, None)])
     sample = Sample("default", cls.name, "", 10.0, 2.0, 50.0, 100, 20, Outcome.OK)
     await store.report([sample, sample], window_size=10)

@@ -336,8 +336,10 @@ def store_config(backend: Backend, extra: dict[str, Any] | None = None) -> Confi
     return Config.model_validate(tree)
 
 
-async def started_store(config: Config) -> BucketStore:
-    store = make_store(config)
+async def started_store(config: Config, daemon_id: str | None = None) -> BucketStore:
+    """The store ``config`` names, started, for the daemon ``daemon_id`` (None: a new
+    id): the daemon it leads for and queues waiters of."""
+    store = make_store(config, daemon_id)
     await store.start()
     return store
 
@@ -395,7 +397,7 @@ async def test_the_admitted_rate_sets_class_rates_for_acquire(backend: Backend) 
 
         async def take(cost: int) -> bool:
             lease = LeaseSpec(f"default:P1:{new_lease_token()}", "", "", cost, 0, 1.0, 60_000)
-            return (await store.acquire(pool, p1, cost, lease, 0, "test")).admitted
+            return (await store.acquire(pool, p1, lease, 0)).admitted
 
         assert await take(300)
         assert not await take(300)  # 75 left, refilling at 750/s
@@ -431,7 +433,7 @@ async def test_a_reconfigured_capacity_keeps_the_loops_proportion(backend: Backe
         # record keeps its own scale.
         p0 = next(cls for cls in pool.classes if cls.name == "P0")
         lease = LeaseSpec(f"default:P0:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
-        assert (await store.acquire(pool, p0, 10, lease, 0, "test")).admitted
+        assert (await store.acquire(pool, p0, lease, 0)).admitted
         assert (await store.status(pool)).capacity == pytest.approx(16_000)
         record = await store.control(pool)
         assert (record.capacity, record.ceiling, record.last_good) == pytest.approx(
@@ -445,7 +447,7 @@ async def test_a_reconfigured_capacity_keeps_the_loops_proportion(backend: Backe
         fresh = resolve_pools(other)["other"]
         p1 = next(cls for cls in fresh.classes if cls.name == "P1")
         lease = LeaseSpec(f"other:P1:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
-        assert (await store.acquire(fresh, p1, 10, lease, 0, "test")).admitted
+        assert (await store.acquire(fresh, p1, lease, 0)).admitted
     finally:
         await store.close()
     grown = store_config(backend, {"pools": {"other": {"capacity_tokens_s": 30_000}}})
@@ -488,30 +490,33 @@ async def test_the_embedded_store_leases_the_lead_as_redis_does() -> None:
     """The same script: one leader at a time, another takes over once the lease has
     lapsed, and a leader hands it back with a lease of 0."""
     now = [1_000_000_000_000]
-    store = EmbeddedStore(tombstone_ms=1_000, clock=lambda: now[0])
-    await store.start()
-    assert await store.lead("a", 300) == "a"
-    assert await store.lead("b", 300) == "a"
+    a = EmbeddedStore(tombstone_ms=1_000, clock=lambda: now[0], daemon_id="a")
+    b = EmbeddedStore(tombstone_ms=1_000, daemon_id="b", shared_with=a)
+    await a.start()
+    await b.start()
+    assert await a.lead(300) == "a"
+    assert await b.lead(300) == "a"
     now[0] += 301_000
-    assert await store.lead("b", 300) == "b"
-    assert await store.lead("b", 0) == ""
-    await store.close()
+    assert await b.lead(300) == "b"
+    assert await b.lead(0) == ""
+    await a.close()
+    await b.close()
 
 
 @pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
 async def test_one_leader_at_a_time_and_takeover_after_the_lease(backend: Backend) -> None:
     config = store_config(backend)
-    first, second = await started_store(config), await started_store(config)
+    first, second = await started_store(config, "a"), await started_store(config, "b")
     try:
-        assert await first.lead("a", 300) == "a"
-        assert await second.lead("b", 300) == "a"
-        assert await first.lead("a", 300) == "a"  # renewed
+        assert await first.lead(300) == "a"
+        assert await second.lead(300) == "a"
+        assert await first.lead(300) == "a"  # renewed
         await asyncio.sleep(0.4)  # "a" stops renewing
-        assert await second.lead("b", 300) == "b"
-        assert await first.lead("a", 300) == "b"
-        assert await first.lead("a", 0) == "b"  # only the holder can hand it back
-        assert await second.lead("b", 0) == ""  # handed back: free at once
-        assert await first.lead("a", 10_000) == "a"
+        assert await second.lead(300) == "b"
+        assert await first.lead(300) == "b"
+        assert await first.lead(0) == "b"  # only the holder can hand it back
+        assert await second.lead(0) == ""  # handed back: free at once
+        assert await first.lead(10_000) == "a"
     finally:
         await first.close()
         await second.close()
@@ -529,9 +534,9 @@ async def test_controller_cuts_on_bad_reports_and_leaves_pins_alone(backend: Bac
         },
     )
     pool = resolve_pools(config)["default"]
-    store = await started_store(config)
+    store = await started_store(config, "leader-1")
     try:
-        controller = Controller(config, store, {"default": pool}, "leader-1")
+        controller = Controller(config, store, {"default": pool})
         bad = Sample("default", "P0", "", 2_000.0, None, None, 10, 10, Outcome.OK)
         await store.report([bad] * 30, config.report.window_size)
         change = await controller.evaluate(pool)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from qosd.model import PrefillLearned
 from qosd_client import QosdClient, Reason
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.waiting import eventually
@@ -39,7 +40,10 @@ def gated(max_in_flight: int, backlog_ms: float = 10_000) -> dict[str, Any]:
 
 async def with_prefill_model(running: RunningDaemon) -> None:
     admission = running.daemon.admission
-    await admission.store.set_prefill(admission.pool("default"), 0, ONE_MS_PER_TOKEN)
+    await admission.store.set_prefill(
+        admission.pool("default"),
+        PrefillLearned(model=ONE_MS_PER_TOKEN, tolerance_ms=None, usual_tokens=0),
+    )
 
 
 async def waiting(qos: QosdClient, qos_class: str, count: int) -> None:

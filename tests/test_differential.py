@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import os
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -122,12 +122,16 @@ class Stores:
         self.pool: PoolPolicy = resolve_pools(config)["default"]
         self.classes = {cls.name: cls for cls in self.pool.classes}
         embedded = EmbeddedStore(tombstone_ms=600_000, stale_after_ms=600_000,
-                                 clock=lambda: FROZEN_US)  # fmt: skip
+                                 clock=lambda: FROZEN_US, daemon_id=DAEMON)  # fmt: skip
         self.all: list[BucketStore] = [embedded]
         if redis is not None:
             self.all.append(
                 RedisStore(
-                    config.redis, tombstone_ms=600_000, stale_after_ms=600_000, lease_ttl_ms=600_000
+                    config.redis,
+                    tombstone_ms=600_000,
+                    stale_after_ms=600_000,
+                    lease_ttl_ms=600_000,
+                    daemon_id=DAEMON,
                 )
             )
         for store in self.all:
@@ -136,7 +140,7 @@ class Stores:
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(work)
 
-    def each(self, call: Any) -> list[Any]:
+    def each(self, call: Callable[[BucketStore], Coroutine[Any, Any, T]]) -> list[T]:
         """``call(store)`` on every store, in turn; their answers, embedded first."""
         return [self.run(call(store)) for store in self.all]
 
@@ -149,8 +153,8 @@ class Stores:
 def same_decision(answers: list[BucketDecision]) -> None:
     first = answers[0]
     for other in answers[1:]:
-        assert (other.admitted, other.queued, other.reason, other.replayed) == (
-            first.admitted, first.queued, first.reason, first.replayed,
+        assert (other.admitted, other.queued, other.reason, other.duplicate) == (
+            first.admitted, first.queued, first.reason, first.duplicate,
         ), answers  # fmt: skip
         assert other.charged == pytest.approx(first.charged, abs=1e-6), answers
         assert other.remaining == pytest.approx(first.remaining, abs=1.0), answers
@@ -213,12 +217,12 @@ class Budgets(RuleBasedStateMachine):
         """Admitted at once or refused (no wait): the answer is the same everywhere."""
         spec = self.lease(qos_class, cost, request_id)
         cls = self.stores.classes[qos_class]
-        answers = self.stores.each(
-            lambda store: store.acquire(self.stores.pool, cls, cost, spec, 0, DAEMON)
-        )
+        answers = self.stores.each(lambda store: store.acquire(self.stores.pool, cls, spec, 0))
         same_decision(answers)
         first = answers[0]
-        if first.admitted and not first.replayed:
+        # A request id already recorded is a duplicate: not admitted, nothing charged.
+        assert not (first.duplicate and first.admitted), first
+        if first.admitted:
             self.in_flight[qos_class] += 1
             return (qos_class, first.lease_id, cost)
         return multiple()
@@ -229,7 +233,7 @@ class Budgets(RuleBasedStateMachine):
         spec = self.lease(qos_class, cost)
         cls = self.stores.classes[qos_class]
         answers = self.stores.each(
-            lambda store: store.acquire(self.stores.pool, cls, cost, spec, MAX_WAIT_MS, DAEMON)
+            lambda store: store.acquire(self.stores.pool, cls, spec, MAX_WAIT_MS)
         )
         same_decision(answers)
         first = answers[0]
@@ -257,7 +261,7 @@ class Budgets(RuleBasedStateMachine):
         pumped, in arrival order."""
         qos_class, lease_id, cost = lease
         cls = self.stores.classes[qos_class]
-        usage = UsageReport(int(cost * used_per_cost), 0, outcome, 0.0)
+        usage = UsageReport(int(cost * used_per_cost), 0, outcome)
         for attempt in range(2 if twice else 1):
             settled = self.stores.each(
                 lambda store: store.release(self.stores.pool, cls, lease_id, usage)
@@ -282,7 +286,7 @@ class Budgets(RuleBasedStateMachine):
         budget comes back: that is when waiters get in at these rates."""
         if not asked:
             return multiple()
-        results = self.stores.each(lambda store: store.pump(self.stores.pool, DAEMON, asked))
+        results = self.stores.each(lambda store: store.pump(self.stores.pool, asked))
         for other in results[1:]:
             assert [r.state for r in other] == [r.state for r in results[0]], results
             for mine, theirs in zip(results[0], other, strict=True):

@@ -63,7 +63,7 @@ async def redis_store(backend: Backend) -> AsyncIterator[BucketStore | None]:
         yield None
         return
     config = Config.model_validate(merge(BASE_CONFIG, {"redis": backend.redis}))
-    store = RedisStore(config.redis, tombstone_ms=1_000, stale_after_ms=600_000)
+    store = RedisStore(config.redis, tombstone_ms=1_000, stale_after_ms=600_000, daemon_id=DAEMON)
     await store.start()
     yield store
     await store.close()
@@ -78,7 +78,7 @@ class Room:
         self.clock = Clock()
         self.config = Config.model_validate(merge(BASE_CONFIG, extra))
         self.store: BucketStore = store or EmbeddedStore(
-            clock=self.clock, tombstone_ms=1_000, stale_after_ms=600_000
+            clock=self.clock, tombstone_ms=1_000, stale_after_ms=600_000, daemon_id=DAEMON
         )
         self.pool: PoolPolicy = resolve_pools(self.config)["default"]
         self.waiters: list[Waiter] = []
@@ -91,9 +91,7 @@ class Room:
     async def hold(self) -> LeaseSpec:
         """Takes the one slot with a P2 request."""
         spec = LeaseSpec(f"default:P2:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
-        decision = await self.store.acquire(
-            self.pool, class_in(self.pool, "P2"), 10, spec, 0, DAEMON
-        )
+        decision = await self.store.acquire(self.pool, class_in(self.pool, "P2"), spec, 0)
         assert decision.admitted
         return spec
 
@@ -101,9 +99,7 @@ class Room:
         """A P1 request, 1 ms after the last; True if admitted at once, else it waits."""
         self.clock.advance(1)
         spec = self.spec(tenant, tokens)
-        decision = await self.store.acquire(
-            self.pool, class_in(self.pool, "P1"), tokens, spec, 600_000, DAEMON
-        )
+        decision = await self.store.acquire(self.pool, class_in(self.pool, "P1"), spec, 600_000)
         if decision.queued:
             self.waiters.append(Waiter("P1", float(tokens), spec))
             self.tenant_of[spec.lease_id] = tenant
@@ -113,7 +109,7 @@ class Room:
         """A P1 request admitted at once (the slot is free); its lease."""
         spec = self.spec(tenant, tokens)
         p1 = class_in(self.pool, "P1")
-        assert (await self.store.acquire(self.pool, p1, tokens, spec, 0, DAEMON)).admitted
+        assert (await self.store.acquire(self.pool, p1, spec, 0)).admitted
         return spec
 
     async def release(self, spec: LeaseSpec, output_tokens: int = 0, *, undo: bool = False) -> None:
@@ -121,10 +117,10 @@ class Room:
         is undone, its caller gone."""
         cls = class_in(self.pool, spec.lease_id.split(":")[1])
         if undo:
-            usage = UsageReport(None, None, Outcome.CANCELLED, 0.0)
+            await self.store.undo(self.pool, cls, spec)
         else:
-            usage = UsageReport(spec.input_tokens, output_tokens, Outcome.OK, 0.0)
-        await self.store.release(self.pool, cls, spec.lease_id, usage, exact=undo)
+            usage = UsageReport(spec.input_tokens, output_tokens, Outcome.OK)
+            await self.store.release(self.pool, cls, spec.lease_id, usage)
 
     async def serve_in_turn(self, holder: LeaseSpec) -> list[LeaseSpec]:
         """Frees the slot, lets the next waiter in, and so on until none waits: the
@@ -132,7 +128,7 @@ class Room:
         served = []
         while self.waiters:
             await self.release(holder)
-            results = await self.store.pump(self.pool, DAEMON, self.waiters)
+            results = await self.store.pump(self.pool, self.waiters)
             admitted = [w for w, r in zip(self.waiters, results, strict=True)
                         if r.state is WaiterState.ADMITTED]  # fmt: skip
             assert len(admitted) == 1
@@ -329,7 +325,7 @@ async def test_status_shows_a_tenants_counter_tokens_served_and_waiters(
     assert await room.tenant("b") == TenantStatus("P1", "b", 30.0, 0.0, 1)
     assert await room.tenant("nobody") == TenantStatus("P1", "nobody", None, 0.0, 0)
     await room.release(first, output_tokens=25)  # w_q 2: the counter moves by 50
-    results = await room.store.pump(room.pool, DAEMON, room.waiters)
+    results = await room.store.pump(room.pool, room.waiters)
     assert [r.state for r in results].count(WaiterState.ADMITTED) == 1
     assert await room.tenant("b") == TenantStatus("P1", "b", 30.0, 30.0, 0)
     assert await room.tenant("a") == TenantStatus("P1", "a", 230.0, 125.0, 2)

@@ -54,6 +54,7 @@ ALLOWED = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,  # a request id that names another request
 }
 # Valid requests, for the half of the calls that mutate one to three of their fields.
 TEMPLATES: dict[str, Any] = {

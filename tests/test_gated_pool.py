@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from qosd.model import PrefillLearned
 from qosd_client import QosdClient, Reason
 from tests.conftest import DaemonFactory
 
@@ -276,7 +277,10 @@ async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) 
     }
     running = await make_daemon(extra)
     qos, admission = running.client, running.daemon.admission
-    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
+    await admission.store.set_prefill(
+        admission.pool("default"),
+        PrefillLearned(model=(0.0, 1.0, 0.0), tolerance_ms=None, usual_tokens=0),
+    )
     first = await qos.acquire("P1", 80, max_wait_ms=0)  # 80 ms of prefill
     second = await qos.acquire("P1", 80, max_wait_ms=0)  # 80 ms ahead: within 100
     assert first.admitted and second.admitted
@@ -299,7 +303,10 @@ async def test_the_prefill_share_bounds_the_lower_classes_prompts(
     pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 1_000, "max_prefill_share": 0.5}
     running = await make_daemon({"pools": {"default": pool}, "control": {"enabled": False}})
     qos, admission = running.client, running.daemon.admission
-    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
+    await admission.store.set_prefill(
+        admission.pool("default"),
+        PrefillLearned(model=(0.0, 1.0, 0.0), tolerance_ms=None, usual_tokens=0),
+    )
     assert (await qos.acquire("P1", 450, max_wait_ms=0)).admitted  # alone: 900 ms ahead
     assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # within 1 s: 1.1 s
     held = await qos.acquire("P1", 1, max_wait_ms=0)
@@ -329,7 +336,10 @@ async def test_the_top_class_waits_for_the_real_prefill_not_the_share_clock(
         }
     )
     qos, admission = running.client, running.daemon.admission
-    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 20.0, 0.0))
+    await admission.store.set_prefill(
+        admission.pool("default"),
+        PrefillLearned(model=(0.0, 20.0, 0.0), tolerance_ms=None, usual_tokens=0),
+    )
     assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # alone: 2 s of prefill
     lower = asyncio.create_task(qos.acquire("P2", 1, max_wait_ms=10_000))
     await _until_waiting(qos, "P2", 1)
@@ -354,5 +364,8 @@ async def test_no_work_conservation_before_the_backlog_can_be_predicted(
     qos, admission = running.client, running.daemon.admission
     assert (await qos.acquire("P2", 500, max_wait_ms=0)).admitted  # P2's whole burst
     assert not (await qos.acquire("P2", 400, max_wait_ms=0)).admitted  # no model yet
-    await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 0.001, 0.0))
+    await admission.store.set_prefill(
+        admission.pool("default"),
+        PrefillLearned(model=(0.0, 0.001, 0.0), tolerance_ms=None, usual_tokens=0),
+    )
     assert (await qos.acquire("P2", 400, max_wait_ms=0)).admitted  # room is known now

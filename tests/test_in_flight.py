@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from qosd_client import QosdClient
+from qosd_client import DuplicateRequestId, QosdClient
 from qosd_harness import RedisCluster, RedisServer, daemon_processes
 from tests.conftest import TEST_REDIS_TIMEOUT_MS, DaemonFactory, merge
 
@@ -40,10 +40,10 @@ async def test_admissions_count_until_released(make_daemon: DaemonFactory) -> No
     assert again.already_released
     assert (await _flight(qos))["P0"] == (2, 400.0)  # no second decrement
 
-    # A replayed Acquire is the same lease: it is not counted twice.
+    # A repeated request id is refused as a duplicate: no second lease in flight.
     first = await qos.acquire("P1", 300, max_wait_ms=0, request_id="r-1")
-    replay = await qos.acquire("P1", 300, max_wait_ms=0, request_id="r-1")
-    assert replay.replayed and replay.lease_id == first.lease_id
+    with pytest.raises(DuplicateRequestId):
+        await qos.acquire("P1", 300, max_wait_ms=0, request_id="r-1")
     assert (await _flight(qos))["P1"] == (1, 300.0)
 
     for lease in (p0[0], p0[2], p2, first):

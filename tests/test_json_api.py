@@ -1,5 +1,5 @@
 """The JSON API on the daemon's HTTP listener, called with curl: the same answers,
-validation and authorization as gRPC (qosd/json_api.py)."""
+validation and authorization as gRPC (qosd/doors/json_api.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from qosd_harness import free_port
-from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_app
+from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_runner
 from tests.conftest import DaemonFactory
 from tests.waiting import eventually, until
 
@@ -117,7 +117,7 @@ async def test_nginx_with_lua_admits_through_the_json_api(
     assert running.daemon.http is not None
     qosd = running.daemon.http.address
     server = SimulatedVllm(VllmSettings(port=0, model_name="llama-3-8b"))
-    runner = web.AppRunner(vllm_app(server), access_log=None)
+    runner = vllm_runner(server)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     server.gpu.start()

@@ -18,17 +18,14 @@ from typing import Any
 
 import pytest
 
-from qosd.config import SloConfig
-from qosd.control.prefill import (
-    PrefillModel,
-    learn_prefill,
-    long_prefill_threshold,
-    stall_tolerance_ms,
-)
-from qosd.model import Outcome, StoredSample
+from qosd.config import Config, SloConfig
+from qosd.control.prefill import PrefillModel, learn, learn_prefill, stall_tolerance_ms
+from qosd.model import Outcome, PrefillLearned, StoredSample
+from qosd.policy import PoolPolicy, resolve_pools
+from qosd.store.embedded import EmbeddedStore
 from qosd_client import LatencySample, QosdClient, Reason
 from qosd_sim.gpu import GpuModel
-from tests.conftest import DaemonFactory, RunningDaemon
+from tests.conftest import BASE_CONFIG, DaemonFactory, RunningDaemon
 
 THRESHOLD = 10_000
 # Long prompts must be admissible at all: debt from a full bucket up to 40,000. The
@@ -43,7 +40,8 @@ LONG_OK: dict[str, Any] = {
 async def _with_threshold(make_daemon: DaemonFactory, extra: dict[str, Any]) -> RunningDaemon:
     running = await make_daemon(extra)
     admission = running.daemon.admission
-    await admission.store.set_prefill(admission.pool("default"), THRESHOLD, None)
+    fixed = PrefillLearned(model=None, tolerance_ms=None, usual_tokens=0, fallback_tokens=THRESHOLD)
+    assert await admission.store.set_prefill(admission.pool("default"), fixed) == THRESHOLD
     status = (await running.client.status("default")).pool("default")
     assert status.long_prefill_tokens == THRESHOLD
     return running
@@ -190,6 +188,17 @@ async def _report_gpu_like(qos: QosdClient, count: int) -> None:
     await qos.report(samples)
 
 
+def _prefill_ms(model: PrefillModel, tokens: float) -> float:
+    """The model's prefill of a ``tokens`` prompt: c + a n + b n^2 ms, as the scripts
+    apply it (formulas.lua, formula.prefill_ms)."""
+    c, a, b = model.coefficients()
+    return c + tokens * (a + b * tokens)
+
+
+def _default_pool() -> PoolPolicy:
+    return resolve_pools(Config.model_validate(BASE_CONFIG))["default"]
+
+
 def _sample(prompt: int, ttft: float, tpot: float = 30.0, output: int = 100) -> StoredSample:
     return StoredSample(0, ttft, tpot, ttft + tpot * output, prompt, output, Outcome.OK, "")
 
@@ -206,7 +215,7 @@ def test_prefill_is_learned_from_the_fastest_ttfts() -> None:
     assert model is not None
     for prompt in (2_000, 32_768, 100_000):
         truth = gpu.prefill_s([prompt]) * 1000
-        assert model.stall_ms(prompt) == pytest.approx(truth, rel=0.35)
+        assert _prefill_ms(model, prompt) == pytest.approx(truth, rel=0.35)
     assert learn_prefill(samples[:10]) is None  # too little evidence
 
 
@@ -224,18 +233,34 @@ def test_the_tolerance_is_the_slack_p0_leaves() -> None:
     assert stall_tolerance_ms(samples, SloConfig()) is None  # no objectives
 
 
-def test_the_threshold_never_holds_the_pools_usual_prompts() -> None:
+async def test_the_store_derives_the_threshold_from_the_model_and_tolerance() -> None:
+    """The store's threshold is the prompt length whose predicted prefill equals the
+    tolerance, none (0) when even an empty prompt takes longer, and the fallback when
+    there is no model or no tolerance."""
+    store, pool = EmbeddedStore(tombstone_ms=60_000), _default_pool()
     model = PrefillModel(5.0, 0.025, 1.1e-6)
-    assert model.stall_ms(model.tokens_for(2_000)) == pytest.approx(2_000)
-    assert model.tokens_for(4.0) == 0  # even an empty prompt takes longer
+    threshold = await store.set_prefill(pool, PrefillLearned(model.coefficients(), 2_000.0, 0))
+    assert _prefill_ms(model, threshold) == pytest.approx(2_000)
+    assert (await store.status(pool)).long_prefill_tokens == pytest.approx(threshold)
+    # Even an empty prompt takes longer than 4 ms: no rule.
+    assert await store.set_prefill(pool, PrefillLearned(model.coefficients(), 4.0, 0)) == 0
+    assert (await store.status(pool)).long_prefill_tokens == 0
+    for model_or_none, tolerance in ((None, 2_000.0), (model.coefficients(), None)):
+        learned = PrefillLearned(model_or_none, tolerance, 0, fallback_tokens=7_000)
+        assert await store.set_prefill(pool, learned) == 7_000
+
+
+async def test_the_threshold_never_holds_the_pools_usual_prompts() -> None:
     slo = SloConfig(ttft_ms=500, tpot_ms=50)
     rng = random.Random(2)
     p0 = [_sample(300, 480.0) for _ in range(50)]  # P0 at its limit: 20 ms of slack
     others = [_sample(p, GpuModel().prefill_s([p]) * 1000) for p in
               (int(2 ** rng.uniform(9, 14)) for _ in range(200))]  # fmt: skip
-    threshold = long_prefill_threshold({"P0": p0, "P1": others}, "P0", slo)
+    store, pool = EmbeddedStore(tombstone_ms=60_000), _default_pool()
+    threshold = await store.set_prefill(pool, learn({"P0": p0, "P1": others}, "P0", slo))
     prompts = sorted(s.input_tokens for s in [*p0, *others])
     assert threshold == pytest.approx(prompts[int(0.99 * len(prompts))])
+    assert (await store.status(pool)).long_prefill_tokens == pytest.approx(threshold)
 
 
 async def test_a_configured_threshold_holds_until_one_is_learned(

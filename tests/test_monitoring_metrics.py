@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qosd.config import Config, ServerTlsConfig
+from qosd.model import PrefillLearned
 from qosd.server import Daemon, start
 from qosd.tls import ServerCertificates, certificate_expiry
 from qosd_client import LatencySample, Outcome, QosdClient
@@ -93,7 +94,10 @@ async def test_the_prefill_backlog_is_what_the_store_holds_ahead() -> None:
         admission = daemon.admission
         _, samples = await _scrape(daemon)
         assert _value(samples, "qosd_prefill_backlog_seconds", pool="default") == 0
-        await admission.store.set_prefill(admission.pool("default"), 0, (0.0, 1.0, 0.0))
+        await admission.store.set_prefill(
+            admission.pool("default"),
+            PrefillLearned(model=(0.0, 1.0, 0.0), tolerance_ms=None, usual_tokens=0),
+        )
         async with QosdClient(daemon.addresses[0]) as qos:
             assert (await qos.acquire("P1", 1_000, model="llama-3-8b")).admitted
         _, samples = await _scrape(daemon)

@@ -21,11 +21,16 @@ pytestmark = pytest.mark.fast
 A, B = "daemon-a", "daemon-b"
 
 
-def setup(extra: dict[str, Any] | None = None) -> tuple[EmbeddedStore, Clock, PoolPolicy]:
+def setup(
+    extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, EmbeddedStore], Clock, PoolPolicy]:
+    """Daemons A and B, each with its own store on one keyspace (as two daemons share
+    one Redis), the clock both read, and the pool."""
     clock = Clock()
     config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
-    store = EmbeddedStore(tombstone_ms=60_000, stale_after_ms=500, clock=clock)
-    return store, clock, resolve_pools(config)["default"]
+    a = EmbeddedStore(tombstone_ms=60_000, stale_after_ms=500, clock=clock, daemon_id=A)
+    b = EmbeddedStore(tombstone_ms=60_000, stale_after_ms=500, daemon_id=B, shared_with=a)
+    return {A: a, B: b}, clock, resolve_pools(config)["default"]
 
 
 def of(pool: PoolPolicy, name: str) -> ClassPolicy:
@@ -36,34 +41,32 @@ def lease(qos_class: str, cost: int) -> LeaseSpec:
     return LeaseSpec(f"default:{qos_class}:{new_lease_token()}", "", "", cost, 0, 1.0, 60_000)
 
 
-async def queue(
-    store: EmbeddedStore, pool: PoolPolicy, qos_class: str, cost: int, daemon: str
-) -> Waiter:
+async def queue(store: EmbeddedStore, pool: PoolPolicy, qos_class: str, cost: int) -> Waiter:
+    """Queues a request of ``cost`` for the daemon whose store this is."""
     spec = lease(qos_class, cost)
-    decision = await store.acquire(pool, of(pool, qos_class), cost, spec, 30_000, daemon)
+    decision = await store.acquire(pool, of(pool, qos_class), spec, 30_000)
     assert decision.queued, decision
     return Waiter(qos_class, float(cost), spec)
 
 
-async def states(
-    store: EmbeddedStore, pool: PoolPolicy, daemon: str, *waiters: Waiter
-) -> list[str]:
-    return [r.state.name for r in await store.pump(pool, daemon, list(waiters))]
+async def states(store: EmbeddedStore, pool: PoolPolicy, *waiters: Waiter) -> list[str]:
+    """Pumps as the daemon whose store this is, holding ``waiters``."""
+    return [r.state.name for r in await store.pump(pool, list(waiters))]
 
 
 async def test_within_a_class_the_first_to_queue_goes_first_whichever_daemon_asks() -> None:
-    store, clock, pool = setup()
+    stores, clock, pool = setup()
     p1 = of(pool, "P1")
-    assert (await store.acquire(pool, p1, 1_500, lease("P1", 1_500), 0, A)).admitted  # drained
-    first = await queue(store, pool, "P1", 600, A)
-    second = await queue(store, pool, "P1", 300, B)
+    assert (await stores[A].acquire(pool, p1, lease("P1", 1_500), 0)).admitted  # drained
+    first = await queue(stores[A], pool, "P1", 600)
+    second = await queue(stores[B], pool, "P1", 300)
     clock.advance(150)  # 450 tokens: enough for B's 300, not for A's 600 ahead of it
-    assert await states(store, pool, B, second) == ["WAITING"]  # held behind A's head
+    assert await states(stores[B], pool, second) == ["WAITING"]  # held behind A's head
     clock.advance(50)  # 600
-    assert await states(store, pool, B, second) == ["WAITING"]  # A's, for A to take
-    assert await states(store, pool, A, first) == ["ADMITTED"]
+    assert await states(stores[B], pool, second) == ["WAITING"]  # A's, for A to take
+    assert await states(stores[A], pool, first) == ["ADMITTED"]
     clock.advance(100)  # 300 more
-    assert await states(store, pool, B, second) == ["ADMITTED"]
+    assert await states(stores[B], pool, second) == ["ADMITTED"]
 
 
 async def test_a_higher_class_goes_before_an_earlier_lower_one_for_shared_tokens() -> None:
@@ -75,36 +78,38 @@ async def test_a_higher_class_goes_before_an_earlier_lower_one_for_shared_tokens
         name: {"share": 0.05, "can_borrow": True, "max_cost_tokens": 1_000}
         for name in ("P0", "P1", "P2")
     }
-    store, clock, pool = setup({"classes": shares})
+    stores, clock, pool = setup({"classes": shares})
     p0, p2 = of(pool, "P0"), of(pool, "P2")
-    assert [c.rate for c in pool.classes] == [500, 500, 500] and pool.free_rate == 8_500
+    assert [c.rate for c in pool.classes] == [500, 500, 500]
+    assert pool.capacity - sum(c.rate for c in pool.classes) == 8_500  # free (allocation.lua)
+    shared_burst = (await stores[A].status(pool)).shared_burst
     # Drain P0's and P2's own tokens (250 each), then the shared ones, borrowed by P0.
-    for cls, cost in ((p0, 250), (p2, 250), *[(p0, 250)] * int(pool.shared_burst // 250)):
-        assert (await store.acquire(pool, cls, cost, lease(cls.name, cost), 0, A)).admitted
-    assert (await store.status(pool)).shared_tokens == 0
-    low = await queue(store, pool, "P2", 400, A)
-    high = await queue(store, pool, "P0", 400, B)
+    for cls, cost in ((p0, 250), (p2, 250), *[(p0, 250)] * int(shared_burst // 250)):
+        assert (await stores[A].acquire(pool, cls, lease(cls.name, cost), 0)).admitted
+    assert (await stores[A].status(pool)).shared_tokens == 0
+    low = await queue(stores[A], pool, "P2", 400)
+    high = await queue(stores[B], pool, "P0", 400)
     clock.advance(50)  # own 25 each; shared 425 (free) + 25 (P1 overflows): P0 is covered
-    assert await states(store, pool, A, low) == ["WAITING"]  # asks first, but P0 goes first
-    assert await states(store, pool, B, high) == ["ADMITTED"]
-    assert await states(store, pool, A, low) == ["WAITING"]  # 25 own + 75 shared left
+    assert await states(stores[A], pool, low) == ["WAITING"]  # asks first, but P0 goes first
+    assert await states(stores[B], pool, high) == ["ADMITTED"]
+    assert await states(stores[A], pool, low) == ["WAITING"]  # 25 own + 75 shared left
     clock.advance(40)  # own 45; shared 75 + 340 + 20
-    assert await states(store, pool, A, low) == ["ADMITTED"]
+    assert await states(stores[A], pool, low) == ["ADMITTED"]
 
 
 async def test_a_silent_daemons_entries_stop_holding_the_queue_after_stale_after() -> None:
-    store, clock, pool = setup()
+    stores, clock, pool = setup()
     p1 = of(pool, "P1")
-    assert (await store.acquire(pool, p1, 1_500, lease("P1", 1_500), 0, A)).admitted
-    await queue(store, pool, "P1", 1_200, A)  # A's head, then A goes silent (killed)
-    mine = await queue(store, pool, "P1", 100, B)
+    assert (await stores[A].acquire(pool, p1, lease("P1", 1_500), 0)).admitted
+    await queue(stores[A], pool, "P1", 1_200)  # A's head, then A goes silent (killed)
+    mine = await queue(stores[B], pool, "P1", 100)
     clock.advance(100)  # 300 tokens: B's would fit, A's head holds it
-    assert await states(store, pool, B, mine) == ["WAITING"]
+    assert await states(stores[B], pool, mine) == ["WAITING"]
     clock.advance(300)  # A silent for 400 ms: still alive by the rule
-    assert await states(store, pool, B, mine) == ["WAITING"]
+    assert await states(stores[B], pool, mine) == ["WAITING"]
     clock.advance(150)  # 550 ms: A's entry is dropped, B's goes
-    assert await states(store, pool, B, mine) == ["ADMITTED"]
-    assert (await store.status(pool)).classes["P1"].waiting == 0
+    assert await states(stores[B], pool, mine) == ["ADMITTED"]
+    assert (await stores[A].status(pool)).classes["P1"].waiting == 0
 
 
 async def test_a_waiter_past_its_deadline_is_never_admitted() -> None:
@@ -112,17 +117,17 @@ async def test_a_waiter_past_its_deadline_is_never_admitted() -> None:
     it, though the tokens are there and its entry stays until its daemon cancels it
     (or the store drops it ``stale_after_ms`` later); a new request is not held
     behind it."""
-    store, clock, pool = setup()
+    stores, clock, pool = setup()
     p1 = of(pool, "P1")
-    assert (await store.acquire(pool, p1, 1_500, lease("P1", 1_500), 0, A)).admitted  # drained
+    assert (await stores[A].acquire(pool, p1, lease("P1", 1_500), 0)).admitted  # drained
     spec = lease("P1", 200)
-    assert (await store.acquire(pool, p1, 200, spec, 100, A)).queued  # may wait 100 ms
+    assert (await stores[A].acquire(pool, p1, spec, 100)).queued  # may wait 100 ms
     late = Waiter("P1", 200.0, spec)
     clock.advance(150)  # 450 tokens refilled, but its 100 ms ended 50 ms ago
-    assert await states(store, pool, A, late) == ["WAITING"]
-    assert (await store.acquire(pool, p1, 200, lease("P1", 200), 0, B)).admitted
+    assert await states(stores[A], pool, late) == ["WAITING"]
+    assert (await stores[B].acquire(pool, p1, lease("P1", 200), 0)).admitted
     # A wait pumped within its deadline is admitted.
     on_time = lease("P1", 400)
-    assert (await store.acquire(pool, p1, 400, on_time, 100, A)).queued  # 250 tokens left
+    assert (await stores[A].acquire(pool, p1, on_time, 100)).queued  # 250 tokens left
     clock.advance(90)  # 520
-    assert await states(store, pool, A, Waiter("P1", 400.0, on_time)) == ["ADMITTED"]
+    assert await states(stores[A], pool, Waiter("P1", 400.0, on_time)) == ["ADMITTED"]

@@ -11,93 +11,17 @@ import asyncio
 import json
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 
-from qosd.config import Config
-from qosd.proxy.handler import ProxySettings
-from qosd.proxy.server import RunningProxy, start_proxy
-from qosd.proxy.upstreams import Upstreams
-from qosd_harness import RedisServer, free_port
-from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_app
-from tests.conftest import BASE_CONFIG, merge
+from qosd_harness import RedisServer, closed_port
+from tests.proxy_stack import MODEL, Stack, StackFactory, chat, make_stack
 from tests.waiting import eventually, until
 
-MODEL = "llama-3-8b"  # the base config's pool serves it
-
-
-@dataclass
-class Stack:
-    """A simulated vLLM server and the proxies in front of it."""
-
-    vllm: SimulatedVllm
-    vllm_url: str
-    proxies: list[RunningProxy]
-
-    def url(self, replica: int = 0) -> str:
-        return f"http://{self.proxies[replica].address}/v1"
-
-    def client(self, replica: int = 0, **options: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url(replica), api_key="unused", **options)
-
-    async def status(self, replica: int = 0, tenants: tuple[str, ...] = ()) -> Any:
-        daemon = self.proxies[replica].daemon
-        return (await daemon.status.status(["default"], 0, tenants)).pool("default")
-
-
-StackFactory = Callable[..., Awaitable[Stack]]
-
-
-@pytest.fixture
-async def make_stack() -> AsyncIterator[StackFactory]:
-    async with AsyncExitStack() as stack:
-
-        async def make(
-            extra: dict[str, Any] | None = None,
-            *,
-            replicas: int = 1,
-            vllm: dict[str, Any] | None = None,
-            **proxy: Any,
-        ) -> Stack:
-            settings = VllmSettings(port=0, model_name=MODEL, **(vllm or {}))
-            server = SimulatedVllm(settings)
-            runner = web.AppRunner(vllm_app(server), access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            server.gpu.start()
-            stack.push_async_callback(server.gpu.stop)
-            stack.push_async_callback(runner.cleanup)
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
-            proxy_settings = ProxySettings(
-                upstreams=Upstreams.parse([f"{MODEL}={proxy.pop('upstream', url)}"]),
-                default_class=proxy.pop("default_class", "P1"),
-                **proxy,
-            )
-            running = []
-            for _ in range(replicas):
-                started = await start_proxy(config, "127.0.0.1:0", proxy_settings)
-                stack.push_async_callback(started.stop)
-                running.append(started)
-            return Stack(server, url, running)
-
-        yield make
-
-
-def chat(words: int = 8, **body: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
-        **body,
-    }
+__all__ = ["make_stack"]  # the fixture, used by name
 
 
 async def test_a_stream_settles_with_the_usage_vllm_reported(make_stack: StackFactory) -> None:
@@ -178,12 +102,17 @@ async def test_an_upstream_that_refuses_or_is_gone_ends_the_lease(
 ) -> None:
     """vLLM at its queue cap answers 503, which the client gets as it came; a server
     that is not there is a 502. Either way the lease ends, with nothing used."""
-    if upstream == "refusing":
-        stack = await make_stack({"classes": {"P1": {"fairness": "vtc"}}},
-                                 vllm={"max_waiting": 0})  # fmt: skip
-    else:
-        stack = await make_stack({"classes": {"P1": {"fairness": "vtc"}}},
-                                 upstream=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    with closed_port() as port:  # held closed: no other worker's server can take it
+        if upstream == "refusing":
+            stack = await make_stack({"classes": {"P1": {"fairness": "vtc"}}},
+                                     vllm={"max_waiting": 0})  # fmt: skip
+        else:
+            stack = await make_stack({"classes": {"P1": {"fairness": "vtc"}}},
+                                     upstream=f"http://127.0.0.1:{port}")  # fmt: skip
+        await _ask_once(stack, status)
+
+
+async def _ask_once(stack: Stack, status: int) -> None:
     async with (
         aiohttp.ClientSession() as session,
         session.post(f"{stack.url()}/chat/completions", json=chat(8, max_tokens=4),

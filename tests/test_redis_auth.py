@@ -15,15 +15,16 @@ from typing import Any
 import pytest
 
 from qosd.config import Config, load_config
-from qosd.model import Outcome, Sample, ServerLoad, UsageReport, Waiter
+from qosd.model import Outcome, PrefillLearned, Sample, ServerLoad, UsageReport, Waiter
 from qosd.server import start
 from qosd.store.redis import RedisStore
 from qosd_client import QosdClient, Reason
 from qosd_harness import RedisServer, redis_command, redis_server
 from tests.conftest import BASE_CONFIG, merge
-from tests.test_redis_store import DAEMON, lease_spec, policies
+from tests.test_redis_store import lease_spec, policies
 
 SECRET = "s3cret-for-tests"
+DAEMON = "test-daemon"
 
 
 @pytest.fixture(scope="module")
@@ -128,30 +129,35 @@ async def test_every_store_call_runs_under_the_minimal_acl(acl_redis: RedisServe
     refused command inside a script fails the call, and ACL LOG would show it)."""
     url = acl_redis.url.replace("redis://", f"redis://{ACL_USER}:{ACL_PASSWORD}@")
     config = Config.model_validate(merge(BASE_CONFIG, {"redis": {"url": url}}))
-    store = RedisStore(config.redis, tombstone_ms=60_000)
+    store = RedisStore(config.redis, tombstone_ms=60_000, daemon_id=DAEMON)
     await store.start()
     try:
         pool, p1 = policies(config, "P1")
         await store.ping()
-        first = await store.acquire(pool, p1, 1_400, lease_spec("default", "P1"), 0, DAEMON)
+        first = await store.acquire(pool, p1, lease_spec("default", "P1", 1_400), 0)
         assert first.admitted
-        queued_spec = lease_spec("default", "P1")
-        queued = await store.acquire(pool, p1, 1_400, queued_spec, 5_000, DAEMON)
+        queued_spec = lease_spec("default", "P1", 1_400)
+        queued = await store.acquire(pool, p1, queued_spec, 5_000)
         assert queued.queued, queued
         waiter = Waiter("P1", 1_400, queued_spec)
-        await store.pump(pool, DAEMON, [waiter])
+        await store.pump(pool, [waiter])
         await store.cancel(pool, [waiter])
-        usage = UsageReport(1_400, 10, Outcome.OK, 0.0)
+        usage = UsageReport(1_400, 10, Outcome.OK)
         await store.release(pool, p1, first.lease_id, usage)
+        # A request id (its key checked and written) and an undo (which frees it).
+        named = dataclasses.replace(lease_spec("default", "P1", 10), request_id="acl-req")
+        assert (await store.acquire(pool, p1, named, 0)).admitted
+        assert (await store.acquire(pool, p1, named, 0)).duplicate
+        await store.undo(pool, p1, named)
         await store.status(pool)
         record = await store.control(pool)
         await store.adjust(pool, dataclasses.replace(record, capacity=9_000.0), 0, force=True)
         assert (await store.history(pool))[0].changed_to == 9_000.0
-        await store.set_prefill(pool, 120.0, (1.0, 2.0, 3.0))
-        await store.set_prefill(pool, 0.0, None)
+        await store.set_prefill(pool, PrefillLearned((1.0, 2.0, 3.0), 500.0, 120.0))
+        await store.set_prefill(pool, PrefillLearned(None, None, 0.0))
         await store.report_load(pool, [ServerLoad("server-1", 3, 0.5)])
-        assert await store.lead(DAEMON, 5_000) == DAEMON
-        await store.lead(DAEMON, 0)  # resigns
+        assert await store.lead(5_000) == DAEMON
+        await store.lead(0)  # resigns
         sample = Sample("default", "P1", "", 100.0, 10.0, 1_000.0, 100, 10, Outcome.OK)
         await store.report([sample], 100)
         assert len(await store.window("default", "P1")) == 1

@@ -188,9 +188,6 @@ async def cluster_store(redis_cluster3: RedisCluster) -> AsyncIterator[RedisStor
     await store.close()
 
 
-DAEMON = "test-daemon"
-
-
 def policies(config: Config, qos_class: str) -> tuple[PoolPolicy, ClassPolicy]:
     pool = resolve_pools(config)["default"]
     return pool, next(cls for cls in pool.classes if cls.name == qos_class)
@@ -200,12 +197,14 @@ async def class_tokens(store: RedisStore, pool: PoolPolicy, qos_class: str) -> f
     return (await store.status(pool)).classes[qos_class].tokens
 
 
-def lease_spec(pool: str, qos_class: str) -> LeaseSpec:
+def lease_spec(pool: str, qos_class: str, cost: int) -> LeaseSpec:
+    """A lease the scripts price at ``cost``: its prompt tokens, at weight 1 (the
+    pool's output weight is 0)."""
     return LeaseSpec(
         lease_id=f"{pool}:{qos_class}:{new_lease_token()}",
         request_id="",
         tenant="",
-        input_tokens=100,
+        input_tokens=cost,
         output_tokens=0,
         weight=1.0,
         ttl_ms=60_000,
@@ -245,14 +244,12 @@ async def test_cluster_follows_a_slot_that_moved(
 ) -> None:
     pool, policy = policies(Config.model_validate(BASE_CONFIG), "P1")
     started = time.monotonic()
-    first = await cluster_store.acquire(pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON)
+    first = await cluster_store.acquire(pool, policy, lease_spec("default", "P1", 100), 0)
     assert first.admitted
     state_key = cluster_store._args_for(pool).keys[0]
     source, target = move_slot(redis_cluster3, key_slot(state_key.encode()))
     # The store's next call goes to the old owner, which answers MOVED.
-    decision = await cluster_store.acquire(
-        pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON
-    )
+    decision = await cluster_store.acquire(pool, policy, lease_spec("default", "P1", 100), 0)
     took = time.monotonic() - started
     assert decision.admitted
     # The same bucket: both charges taken from it, refilled by at most the time the
@@ -323,11 +320,11 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(
     await store.start()
     try:
         pool, policy = policies(config, "P1")
-        warm = await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
-        await store.release(pool, policy, warm.lease_id, UsageReport(10, 0, Outcome.OK, 0.0))
+        warm = await store.acquire(pool, policy, lease_spec("default", "P1", 10), 0)
+        await store.release(pool, policy, warm.lease_id, UsageReport(10, 0, Outcome.OK))
         blocker = await busy(redis_standalone, 300)  # Redis is busy now
-        spec = lease_spec("default", "P1")
-        call = asyncio.create_task(store.acquire(pool, policy, 2_500, spec, 0, DAEMON))
+        spec = lease_spec("default", "P1", 2_500)
+        call = asyncio.create_task(store.acquire(pool, policy, spec, 0))
         await waits_unread(redis_standalone, 0.3)  # sent: waiting behind the busy script
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -347,10 +344,12 @@ async def test_admission_of_a_departed_caller_is_refunded_exactly(
 
 
 @pytest.mark.parametrize("backend", ["redis"], indirect=True)
-async def test_departed_caller_with_request_id_keeps_its_admission(
+async def test_departed_caller_with_request_id_is_undone_and_its_retry_admitted(
     backend: Any, redis_standalone: RedisServer
 ) -> None:
-    """With a request id the caller will retry: the retry must find what it paid for."""
+    """With a request id too, an admission nobody was told of is undone, and its id
+    freed: the caller's retry is a new request, admitted and charged once (the first
+    admission was refunded), not turned away as a duplicate of a grant it never got."""
     settings = {**backend.redis, "timeout_ms": 2_000}
     config = Config.model_validate(merge(BASE_CONFIG, {"redis": settings}))
     store = RedisStore(config.redis, tombstone_ms=60_000)
@@ -358,26 +357,25 @@ async def test_departed_caller_with_request_id_keeps_its_admission(
     try:
         pool, policy = policies(config, "P1")
         blocker = await busy(redis_standalone, 300)
-        spec = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
-        call = asyncio.create_task(store.acquire(pool, policy, 600, spec, 0, DAEMON))
+        spec = dataclasses.replace(lease_spec("default", "P1", 600), request_id="retry-me")
+        call = asyncio.create_task(store.acquire(pool, policy, spec, 0))
         await waits_unread(redis_standalone, 0.3)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
         await blocker
-        # Redis has run the call, and given its answer to nobody ...
-        assert await until(lambda: unread_bytes(redis_standalone.port) == 0)
-        # A ping is a fence: its reply comes after the call's, so once it is back the
-        # call's reply has been handled, and any undo of it has been started.
-        await store.ping()
-        assert not store._orphans  # no refund behind the caller's back
-        retry = dataclasses.replace(lease_spec("default", "P1"), request_id="retry-me")
-        replay = await store.acquire(pool, policy, 600, retry, 0, DAEMON)
-        assert replay.replayed and replay.lease_id == spec.lease_id
-        usage = UsageReport(600, 0, Outcome.OK, 0)
-        settled = await store.release(pool, policy, replay.lease_id, usage)
-        # Not refunded behind its back: the retry's release is the first, at full charge.
-        assert not settled.already_released and settled.charged == 600
+
+        def lease() -> str | None:
+            return read_lease(settings["url"], False, settings["key_prefix"], spec.lease_id)
+
+        await until(lambda: (lease() or "").startswith("R|"))  # settled (R: released)
+        # It really was admitted, then settled as cancelled with the whole charge back.
+        assert lease() == "R|0|-600|3"
+        assert await class_tokens(store, pool, "P1") == pytest.approx(1500)
+        retry = dataclasses.replace(lease_spec("default", "P1", 600), request_id="retry-me")
+        again = await store.acquire(pool, policy, retry, 0)
+        assert again.admitted and not again.duplicate and again.lease_id == retry.lease_id
+        assert again.charged == 600 and again.remaining == pytest.approx(900, abs=1)
     finally:
         await store.close()
 
@@ -393,13 +391,12 @@ async def test_a_batch_redis_runs_after_its_timeout_charges_nothing(own_redis: R
     assert own_redis.process is not None
     try:
         pool, policy = policies(config, "P1")
-        await store.acquire(pool, policy, 1, lease_spec("default", "P1"), 0, DAEMON)  # clock
+        await store.acquire(pool, policy, lease_spec("default", "P1", 1), 0)  # clock
         await asyncio.sleep(0.4)  # refill to full
         os.kill(own_redis.process.pid, signal.SIGSTOP)
         try:
             calls = [
-                store.acquire(pool, policy, 100, lease_spec("default", "P1"), 0, DAEMON)
-                for _ in range(5)
+                store.acquire(pool, policy, lease_spec("default", "P1", 100), 0) for _ in range(5)
             ]
             results = await asyncio.gather(*calls, return_exceptions=True)
             sent = unread_bytes(own_redis.port)
@@ -419,15 +416,13 @@ async def test_close_answers_queued_calls_and_refuses_new_ones(own_redis: RedisS
     store = RedisStore(config.redis, tombstone_ms=60_000)
     await store.start()
     pool, policy = policies(config, "P1")
-    queued = asyncio.create_task(
-        store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
-    )
+    queued = asyncio.create_task(store.acquire(pool, policy, lease_spec("default", "P1", 10), 0))
     await asyncio.sleep(0)  # queued in the batcher, not sent yet
     await store.close()
     assert queued.done()
     assert queued.result().admitted  # answered before the connections closed
     with pytest.raises(StoreUnavailable, match="closed"):
-        await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
+        await store.acquire(pool, policy, lease_spec("default", "P1", 10), 0)
 
 
 async def test_a_bucket_stamped_in_the_future_is_not_refilled_twice(
@@ -450,7 +445,7 @@ async def test_a_bucket_stamped_in_the_future_is_not_refilled_twice(
             mapping={"u": future_us, "s": 0, "t:P0": 3000, "t:P1": 100, "t:P2": 500},
         )
         pool, policy = policies(config, "P1")
-        decision = await store.acquire(pool, policy, 10, lease_spec("default", "P1"), 0, DAEMON)
+        decision = await store.acquire(pool, policy, lease_spec("default", "P1", 10), 0)
         assert decision.admitted and decision.remaining == pytest.approx(90)
         assert client.hget("skew:{default}:state", "u") == str(future_us).encode()
     finally:

@@ -448,7 +448,10 @@ async def test_a_replica_without_a_new_class_keeps_its_leases_in_flight_counted(
     def lease(qos_class: str, ttl_ms: int = 1_000) -> LeaseSpec:
         return LeaseSpec(f"default:{qos_class}:{new_lease_token()}", "", "", 10, 0, 1.0, ttl_ms)
 
-    stores = [RedisStore(old.redis, tombstone_ms=1_000), RedisStore(new.redis, tombstone_ms=1_000)]
+    stores = [
+        RedisStore(old.redis, tombstone_ms=1_000, daemon_id="old"),
+        RedisStore(new.redis, tombstone_ms=1_000, daemon_id="new"),
+    ]
     for store in stores:
         await store.start()
     old_store, new_store = stores
@@ -456,11 +459,11 @@ async def test_a_replica_without_a_new_class_keeps_its_leases_in_flight_counted(
         p1, p2 = class_of(old_pool, "P1"), class_of(old_pool, "P2")
         # A long lease keeps the pool's leases in flight past the others' expiry, so
         # the sweep ends them second by second (not all at once).
-        assert (await old_store.acquire(old_pool, p2, 10, lease("P2", 60_000), 0, "old")).admitted
-        p3 = await new_store.acquire(new_pool, class_of(new_pool, "P3"), 10, lease("P3"), 0, "new")
+        assert (await old_store.acquire(old_pool, p2, lease("P2", 60_000), 0)).admitted
+        p3 = await new_store.acquire(new_pool, class_of(new_pool, "P3"), lease("P3"), 0)
         assert p3.admitted
         for _ in range(3):  # the old replica's leases, in the same expiry seconds
-            assert (await old_store.acquire(old_pool, p1, 10, lease("P1"), 0, "old")).admitted
+            assert (await old_store.acquire(old_pool, p1, lease("P1"), 0)).admitted
         assert (await new_store.status(new_pool)).classes["P3"].in_flight == 1  # kept
         # Past the TTL, the old replica's own calls end the expired leases, P3's too.
         ended = await eventually(

@@ -32,17 +32,19 @@ def setup(
     1,500), P2 1,000 (burst 500); no borrowing unless ``extra`` says so."""
     clock = Clock()
     config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
-    settings = {"tombstone_ms": 60_000, "stale_after_ms": 500, **store}
+    settings = {"tombstone_ms": 60_000, "stale_after_ms": 500, "daemon_id": DAEMON, **store}
     return EmbeddedStore(clock=clock, **settings), clock, resolve_pools(config)["default"]
 
 
-def lease(qos_class: str, cost: float, ttl_ms: int = 60_000, **kw: Any) -> LeaseSpec:
+def lease(qos_class: str, cost: int, ttl_ms: int = 60_000, **kw: Any) -> LeaseSpec:
+    """A lease of ``cost`` prompt tokens: what the scripts price it at, unless ``kw``
+    gives it output tokens (the pool's output weight is 0) or another weight."""
     fields = {"request_id": "", "tenant": "", "output_tokens": 0, "weight": 1.0, **kw}
     return LeaseSpec(
         f"default:{qos_class}:{new_lease_token()}",
         fields["request_id"],
         fields["tenant"],
-        int(cost),
+        cost,
         fields["output_tokens"],
         fields["weight"],
         ttl_ms,
@@ -50,10 +52,10 @@ def lease(qos_class: str, cost: float, ttl_ms: int = 60_000, **kw: Any) -> Lease
 
 
 async def take(
-    store: EmbeddedStore, pool: PoolPolicy, name: str, cost: float, wait_ms: int = 0, **kw: Any
+    store: EmbeddedStore, pool: PoolPolicy, name: str, cost: int, wait_ms: int = 0, **kw: Any
 ) -> Any:
     spec = lease(name, cost, **kw)
-    decision = await store.acquire(pool, class_in(pool, name), cost, spec, wait_ms, DAEMON)
+    decision = await store.acquire(pool, class_in(pool, name), spec, wait_ms)
     return decision, spec
 
 
@@ -156,17 +158,17 @@ async def test_settle_refunds_to_the_burst_and_overflows_to_shared() -> None:
         assert (await take(store, pool, "P0", cost))[0].admitted
     decision, charged = await take(store, pool, "P1", 1_000)
     assert decision.admitted and (await tokens(store, pool))["P1"] == 500
-    usage = UsageReport(200, 0, Outcome.OK, 0.0)  # used 200 of the 1,000 charged
+    usage = UsageReport(200, 0, Outcome.OK)  # used 200 of the 1,000 charged
     assert (await store.release(pool, p1, charged.lease_id, usage)).adjustment == -800
     assert (await tokens(store, pool))["P1"] == pytest.approx(1_300)
     _, charged = await take(store, pool, "P1", 1_000)  # 300 left
     clock.advance(300)  # P1 refills 900 (1,200); P2's 300 overflow into shared (3,300)
-    usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)  # all 1,000 back: 2,200
+    usage = UsageReport(0, 0, Outcome.CANCELLED)  # all 1,000 back: 2,200
     await store.release(pool, p1, charged.lease_id, usage)
     after = await tokens(store, pool)
     assert after == pytest.approx({"P0": 1_800, "P1": 1_500, "P2": 500, "shared": 4_000})
     _, charged = await take(store, pool, "P1", 100)
-    usage = UsageReport(900, 0, Outcome.OK, 0.0)  # used 800 more: charged after the fact
+    usage = UsageReport(900, 0, Outcome.OK)  # used 800 more: charged after the fact
     assert (await store.release(pool, p1, charged.lease_id, usage)).adjustment == 800
     assert (await tokens(store, pool))["P1"] == pytest.approx(600)
 
@@ -204,9 +206,7 @@ async def test_aging_moves_a_waiter_up_one_rank_per_aging_interval(aging_ms: int
     high, high_spec = await take(store, pool, "P1", 600, wait_ms=30_000)
     assert low.queued and high.queued
     clock.advance(60)  # own 40 each, shared 680: one of them is covered
-    states = await store.pump(
-        pool, DAEMON, [Waiter("P2", 600.0, low_spec), Waiter("P1", 600.0, high_spec)]
-    )
+    states = await store.pump(pool, [Waiter("P2", 600.0, low_spec), Waiter("P1", 600.0, high_spec)])
     expected = ["WAITING", "ADMITTED"] if aging_ms == 0 else ["ADMITTED", "WAITING"]
     assert [s.state.name for s in states] == expected
 
@@ -220,9 +220,7 @@ async def test_leases_in_flight_end_by_release_or_by_their_expiry_second() -> No
     _, long = await take(store, pool, "P1", 50, ttl_ms=60_000)
     flight = (await store.status(pool)).classes["P1"]
     assert (flight.in_flight, flight.in_flight_tokens) == (2, 150)
-    await store.release(
-        pool, class_in(pool, "P1"), long.lease_id, UsageReport(50, 0, Outcome.OK, 0.0)
-    )
+    await store.release(pool, class_in(pool, "P1"), long.lease_id, UsageReport(50, 0, Outcome.OK))
     assert (await store.status(pool)).classes["P1"].in_flight == 1
     clock.advance(2_000)  # its expiry second has not passed yet
     assert (await store.status(pool)).classes["P1"].in_flight == 1

@@ -191,14 +191,14 @@ async def test_the_epoch_is_set_once_when_the_state_is_made(backend: Backend) ->
     config = Config.model_validate(tree)
     pool = resolve_pools(config)["default"]
     cls = pool.classes[1]
-    store = make_store(config)
+    store = make_store(config, "d")
     seen: list[tuple[str, str, str]] = []
     store.add_reset_listener(lambda *reset: seen.append(reset))
     await store.start()
     try:
         assert (await store.control(pool)).epoch == ""  # no state yet
         lease = LeaseSpec(f"default:{cls.name}:{new_lease_token()}", "", "", 10, 0, 1.0, 60_000)
-        assert (await store.acquire(pool, cls, 10.0, lease, 0, "d")).admitted
+        assert (await store.acquire(pool, cls, lease, 0)).admitted
         record = await store.control(pool)
         assert record.epoch and record.record_epoch == ""  # the record was never written
         cut = dataclasses.replace(record, capacity=8_000, reason="cut", changed_by="d")

@@ -35,8 +35,6 @@ from qosd_harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 
-DAEMON = "race-daemon"
-
 
 def pool_policy(extra: dict[str, Any] | None = None) -> PoolPolicy:
     return resolve_pools(Config.model_validate(merge(BASE_CONFIG, extra or {})))["default"]
@@ -46,9 +44,11 @@ def class_of(pool: PoolPolicy, name: str) -> ClassPolicy:
     return next(cls for cls in pool.classes if cls.name == name)
 
 
-def lease(qos_class: str, request_id: str = "", tenant: str = "") -> LeaseSpec:
+def lease(qos_class: str, cost: int, request_id: str = "", tenant: str = "") -> LeaseSpec:
+    """A lease the scripts price at ``cost``: its prompt tokens, at weight 1 (the
+    pool's output weight is 0)."""
     return LeaseSpec(
-        f"default:{qos_class}:{new_lease_token()}", request_id, tenant, 1, 0, 1.0, 60_000
+        f"default:{qos_class}:{new_lease_token()}", request_id, tenant, cost, 0, 1.0, 60_000
     )
 
 
@@ -81,10 +81,8 @@ class SlowPumps:
         self.delay_s = delay_s
         self.answered = asyncio.Event()  # a pump's answer has reached the room
 
-    async def pump(
-        self, pool: PoolPolicy, daemon: str, waiters: Sequence[Waiter]
-    ) -> list[PumpResult]:
-        results = await self.inner.pump(pool, daemon, waiters)
+    async def pump(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> list[PumpResult]:
+        results = await self.inner.pump(pool, waiters)
         await asyncio.sleep(self.delay_s)  # the busy network
         self.answered.set()
         return results
@@ -97,28 +95,34 @@ def no_store(pool: PoolPolicy, waiter: Waiter) -> BucketDecision:
     return BucketDecision(False, Reason.BACKEND_UNAVAILABLE, "", waiter.cost, 0.0, 500, 0)
 
 
-async def test_grant_losing_to_a_timeout_keeps_a_request_ids_charge(store: BucketStore) -> None:
-    """The caller timed out, but its grant landed: with a request id, the retry replays
-    that admission, so the admission must stay charged (not refunded behind it)."""
+async def test_grant_losing_to_a_timeout_is_undone_and_frees_its_request_id(
+    store: BucketStore,
+) -> None:
+    """The caller timed out, but its grant landed: nobody will use it, so the room undoes
+    it (settled as cancelled, nothing used) and frees its request id, so that the
+    caller's retry is a new request and is not turned away as a duplicate of a grant it
+    never got."""
     pool = pool_policy()
     p1 = class_of(pool, "P1")
-    assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted  # drained
+    assert (await store.acquire(pool, p1, lease("P1", 1_500), 0)).admitted  # drained
     slow = SlowPumps(store, 0.08)
-    room = WaitingRoom(slow, DAEMON, 0.005, no_store)
-    first = lease("P1", request_id="req-7")
-    queued = await store.acquire(pool, p1, 150, first, 400, DAEMON)  # fits after ~50 ms
+    room = WaitingRoom(slow, 0.005, no_store)
+    first = lease("P1", 150, request_id="req-7")
+    queued = await store.acquire(pool, p1, first, 400)  # fits after ~50 ms
     assert queued.queued
     await asyncio.sleep(0.06)  # it fits now: the first pump grants it, but answers late
     answer = await room.wait(pool, Waiter("P1", 150, first), 0.04)
     assert answer.reason is Reason.QUEUE_TIMEOUT
     await asyncio.wait_for(slow.answered.wait(), 5)  # the late grant has landed ...
-    await room.close()  # ... and whatever the room did about it is done: left it alone
-    retry = await store.acquire(pool, p1, 150, lease("P1", request_id="req-7"), 0, DAEMON)
-    assert retry.admitted and retry.replayed and retry.lease_id == first.lease_id
-    # ... and it is still charged: its release is the first one, at the full estimate.
-    usage = UsageReport(150, 0, Outcome.OK, 0.0)
+    await room.close()  # ... and the room's undo of it is done
+    # The grant was settled already, as a cancelled request that used nothing ...
+    usage = UsageReport(150, 0, Outcome.OK)
     settled = await store.release(pool, p1, first.lease_id, usage)
-    assert not settled.already_released and settled.charged == 150
+    assert settled.already_released and settled.charged == 0
+    # ... and its request id is free: the retry is admitted as a request of its own.
+    retry = await store.acquire(pool, p1, lease("P1", 150, request_id="req-7"), 0)
+    assert retry.admitted and not retry.duplicate and retry.lease_id != first.lease_id
+    assert retry.charged == 150
 
 
 async def test_waiters_joining_a_failed_pump_are_answered_too() -> None:
@@ -135,10 +139,10 @@ async def test_waiters_joining_a_failed_pump_are_answered_too() -> None:
 
     store = FailingStore(tombstone_ms=60_000)
     pool = pool_policy()
-    room = WaitingRoom(store, DAEMON, 0.005, no_store)
-    first = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 5.0))
+    room = WaitingRoom(store, 0.005, no_store)
+    first = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1", 10)), 5.0))
     await asyncio.wait_for(pumping.wait(), 5)  # the pump is in flight
-    second = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 5.0))
+    second = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1", 10)), 5.0))
     answers = await asyncio.wait_for(asyncio.gather(first, second), 1.0)
     assert [answer.reason for answer in answers] == [Reason.BACKEND_UNAVAILABLE] * 2
     await room.close()
@@ -160,11 +164,11 @@ async def test_a_pump_that_fails_once_loses_no_waiter() -> None:
     store = FailsOnce(tombstone_ms=60_000)
     pool = pool_policy()
     p1 = class_of(pool, "P1")
-    assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted  # drained
-    waiters = [Waiter("P1", 10, lease("P1")) for _ in range(3)]
+    assert (await store.acquire(pool, p1, lease("P1", 1_500), 0)).admitted  # drained
+    waiters = [Waiter("P1", 10, lease("P1", 10)) for _ in range(3)]
     for waiter in waiters:
-        assert (await store.acquire(pool, p1, 10, waiter.lease, 5_000, DAEMON)).queued
-    room = WaitingRoom(store, DAEMON, 0.005, no_store, store_patience_s=5.0)
+        assert (await store.acquire(pool, p1, waiter.lease, 5_000)).queued
+    room = WaitingRoom(store, 0.005, no_store, store_patience_s=5.0)
     answers = await asyncio.wait_for(
         asyncio.gather(*(room.wait(pool, waiter, 5.0) for waiter in waiters)), 4.0
     )
@@ -187,11 +191,11 @@ async def test_waiters_get_the_fail_mode_answer_once_the_store_stays_away() -> N
 
     store = AlwaysFails(tombstone_ms=60_000)
     pool = pool_policy()
-    room = WaitingRoom(store, DAEMON, 0.005, no_store, store_patience_s=0.3)
+    room = WaitingRoom(store, 0.005, no_store, store_patience_s=0.3)
     loop = asyncio.get_running_loop()
     began = loop.time()
-    short = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 0.1))
-    patient = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1")), 30.0))
+    short = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1", 10)), 0.1))
+    patient = asyncio.create_task(room.wait(pool, Waiter("P1", 10, lease("P1", 10)), 30.0))
     assert (await asyncio.wait_for(short, 5.0)).reason is Reason.BACKEND_UNAVAILABLE
     assert (await asyncio.wait_for(patient, 5.0)).reason is Reason.BACKEND_UNAVAILABLE
     assert loop.time() - began >= 0.3  # it sat through the patience first ...
@@ -207,16 +211,16 @@ async def test_waiter_behind_many_tenant_blocked_ones_still_gets_in(store: Bucke
     blocked: list[Waiter] = []
     for index in range(12):  # 12 tenants, each over its ceiling after one request
         tenant = f"busy-{index}"
-        assert (await store.acquire(pool, p1, 50, lease("P1", tenant=tenant), 0, DAEMON)).admitted
-        spec = lease("P1", tenant=tenant)
-        assert (await store.acquire(pool, p1, 50, spec, 5_000, DAEMON)).queued
+        assert (await store.acquire(pool, p1, lease("P1", 50, tenant=tenant), 0)).admitted
+        spec = lease("P1", 50, tenant=tenant)
+        assert (await store.acquire(pool, p1, spec, 5_000)).queued
         blocked.append(Waiter("P1", 50, spec))
-    patient = lease("P1", tenant="patient")
-    decision = await store.acquire(pool, p1, 50, patient, 5_000, DAEMON)
+    patient = lease("P1", 50, tenant="patient")
+    decision = await store.acquire(pool, p1, patient, 5_000)
     # It may not overtake live waiters, but blocked ones hold nobody up: admitted now.
     assert decision.admitted or decision.queued
     if decision.queued:
-        results = await store.pump(pool, DAEMON, [*blocked, Waiter("P1", 50, patient)])
+        results = await store.pump(pool, [*blocked, Waiter("P1", 50, patient)])
         assert results[-1].decision is not None and results[-1].decision.admitted
     await store.cancel(pool, blocked)
 
@@ -231,14 +235,14 @@ async def test_a_pump_redis_runs_too_late_charges_nothing(own_redis: RedisServer
     p1 = class_of(pool, "P1")
     assert own_redis.process is not None
     try:
-        assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted
-        spec = lease("P1")
-        assert (await store.acquire(pool, p1, 100, spec, 5_000, DAEMON)).queued
+        assert (await store.acquire(pool, p1, lease("P1", 1_500), 0)).admitted
+        spec = lease("P1", 100)
+        assert (await store.acquire(pool, p1, spec, 5_000)).queued
         await asyncio.sleep(0.1)  # enough tokens for it now
         os.kill(own_redis.process.pid, signal.SIGSTOP)
         try:
             with pytest.raises(StoreUnavailable):
-                await store.pump(pool, DAEMON, [Waiter("P1", 100, spec)])
+                await store.pump(pool, [Waiter("P1", 100, spec)])
             sent = unread_bytes(own_redis.port)
         finally:
             os.kill(own_redis.process.pid, signal.SIGCONT)
@@ -263,13 +267,13 @@ async def test_a_queue_entry_without_its_record_is_dropped_not_fatal(
     p1 = class_of(pool, "P1")
     client = redis.Redis.from_url(own_redis.url)
     try:
-        assert (await store.acquire(pool, p1, 1_500, lease("P1"), 0, DAEMON)).admitted
-        specs = [lease("P1") for _ in range(3)]
+        assert (await store.acquire(pool, p1, lease("P1", 1_500), 0)).admitted
+        specs = [lease("P1", 500) for _ in range(3)]
         for spec in specs:
-            assert (await store.acquire(pool, p1, 500, spec, 5_000, DAEMON)).queued
+            assert (await store.acquire(pool, p1, spec, 5_000)).queued
         lost = Waiter("P1", 500, specs[0])
         client.hdel("nil:{default}:waiters", lost.id)  # e.g. evicted under memory pressure
-        results = await store.pump(pool, DAEMON, [Waiter("P1", 500, s) for s in specs[1:]])
+        results = await store.pump(pool, [Waiter("P1", 500, s) for s in specs[1:]])
         assert [r.state.name for r in results] == ["WAITING", "WAITING"]  # no script error
         assert (await store.status(pool)).classes["P1"].waiting == 2  # count repaired
         await store.cancel(pool, [Waiter("P1", 500, s) for s in specs[1:]])

@@ -8,6 +8,7 @@ from qosd_client.types import (
     AcquireResult,
     ClassState,
     DeadlineExceeded,
+    DuplicateRequestId,
     InvalidRequest,
     LatencySample,
     LatencyState,
@@ -39,6 +40,7 @@ _ERRORS: dict[grpc.StatusCode, type[QosdError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestId,
 }
 
 # How much longer than the requested max wait a client waits for the answer.

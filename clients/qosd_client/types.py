@@ -256,6 +256,12 @@ class LeaseExpired(QosdError):
     """The lease expired before Release; its estimate stood (gRPC FAILED_PRECONDITION)."""
 
 
+class DuplicateRequestId(QosdError):
+    """The request id names another request, admitted or waiting, or a lease that
+    ended (gRPC ALREADY_EXISTS): a request id names one lease while it lives, and a
+    released one admits nothing until the lease's TTL. Give each request its own."""
+
+
 class Unavailable(QosdError):
     """qosd or its store could not be reached (gRPC UNAVAILABLE); safe to retry."""
 

@@ -39,6 +39,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that stays closed while the block runs: bound and never
+    listened on, so a connection to it is refused and no other process (another
+    test worker's server) can take it, as one could a port ``free_port`` found free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])
+
+
 RawHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
 
 

@@ -30,15 +30,12 @@ from qosd.control.law import (
     near_ceiling,
     step,
 )
-from qosd.control.prefill import PrefillModel, learn
+from qosd.control.prefill import learn
 from qosd.model import ControlRecord, StoredSample, StoreUnavailable
 from qosd.policy import PoolPolicy
 from qosd.store.base import BucketStore
 
 log = logging.getLogger(__name__)
-
-
-REFERENCE_PROMPT = 8_192  # prefill models are compared at this prompt length
 
 
 def _near(a: float, b: float) -> bool:
@@ -53,8 +50,7 @@ class _PoolMemory:
 
     admitted: float | None = None
     at_ms: int = 0
-    long_prefill: float | None = None  # the threshold last told to the store
-    prefill_model: PrefillModel | None = None  # and the prefill model
+    long_prefill: float | None = None  # the threshold the store last derived
     # The last control record read while the pool's state existed, in every daemon:
     # what the leader writes back when the store comes back empty. Every daemon keeps
     # it because the loss takes the controller lease too, and whichever daemon takes
@@ -87,17 +83,17 @@ class Controller:
         config: Config,
         store: BucketStore,
         pools: dict[str, PoolPolicy],
-        daemon_id: str,
         on_change: Callable[[str, str], None] | None = None,
     ) -> None:
         """``on_change(pool, kind)`` is told of every change this daemon makes: grow,
-        cut, undo, pin or unpin (the metrics count them)."""
+        cut, undo, pin or unpin (the metrics count them). The daemon is the store's:
+        it leads, and signs its changes, as ``store.daemon_id``."""
         self._on_change = on_change or (lambda pool, kind: None)
         self._config = config
         self._control = config.control
         self._store = store
         self._pools = pools
-        self._daemon_id = daemon_id
+        self._daemon_id = store.daemon_id
         self._memory: dict[str, _PoolMemory] = {name: _PoolMemory() for name in pools}
         self.leader = ""
         self.last_verdicts: dict[str, Verdict] = {}
@@ -141,7 +137,7 @@ class Controller:
         if self.leader == self._daemon_id:
             self.leader = ""
             with contextlib.suppress(Exception):
-                await self._store.lead(self._daemon_id, 0)
+                await self._store.lead(0)
 
     async def _run(self) -> None:
         store_down = False
@@ -164,7 +160,7 @@ class Controller:
 
     async def tick(self, lease_ms: int) -> None:
         """One turn: hold (or take) the lease, and if ours, judge every pool."""
-        leader = await self._store.lead(self._daemon_id, lease_ms)
+        leader = await self._store.lead(lease_ms)
         if leader != self.leader:
             log.info("SLO loop leader is now %s%s", leader,
                      " (this daemon)" if leader == self._daemon_id else "")  # fmt: skip
@@ -224,7 +220,7 @@ class Controller:
         at the configured rate either way."""
         memory = self._memory[pool.name]
         memory.admitted = None  # the lost state's admitted-tokens count restarts at 0
-        memory.long_prefill = memory.prefill_model = None  # told to the store again
+        memory.long_prefill = None  # logged again once the store has it anew
         new = record.epoch or "none yet"
         if lost.changed_ms == 0 and not lost.pinned:
             memory.record = None  # the next record read is the one to keep
@@ -334,36 +330,26 @@ class Controller:
     async def _tune_long_prefill(
         self, pool: PoolPolicy, windows: dict[str, list[StoredSample]], memory: _PoolMemory
     ) -> None:
-        """Learns which prompts would stall the top class too long (qosd.control.prefill) and
-        tells the store when the threshold moves by a tenth or more. Where the servers
-        serve the top class first, no prompt stalls it: no threshold, the model alone."""
+        """Learns the pool's prefill and the stall its top class absorbs
+        (qosd.control.prefill), and tells the store, which derives from them which
+        prompts wait for a gap in the top class's traffic (prefill.lua). Where the
+        servers serve the top class first, no prompt stalls it: no threshold, the model
+        alone. Logged when the threshold moves by a tenth or more."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
         learned = await asyncio.to_thread(
             learn, windows, top, self._config.classes[top].slo, chunked=configured.chunked_prefill
         )
-        threshold = learned.threshold or configured.long_prefill_tokens or 0.0  # learned first
+        fallback = configured.long_prefill_tokens or 0.0
         if configured.servers_schedule_by_priority:
-            threshold = 0.0
-        model = learned.model
-        known, known_model = memory.long_prefill, memory.prefill_model
-        if (
-            known is not None
-            and _near(threshold, known)
-            and (model is None) == (known_model is None)
-            and (
-                model is None
-                or known_model is None
-                or _near(model.stall_ms(REFERENCE_PROMPT), known_model.stall_ms(REFERENCE_PROMPT))
-            )
-        ):
-            return
-        encoded = (
-            None if model is None else (model.base_ms, model.per_token_ms, model.per_token2_ms)
+            learned = dataclasses.replace(learned, tolerance_ms=None)
+            fallback = 0.0
+        threshold = await self._store.set_prefill(
+            pool, dataclasses.replace(learned, fallback_tokens=fallback)
         )
-        await self._store.set_prefill(pool, threshold, encoded)
-        memory.long_prefill, memory.prefill_model = threshold, model
-        if threshold:
+        known = memory.long_prefill
+        memory.long_prefill = threshold
+        if threshold and (known is None or not _near(threshold, known)):
             log.info("pool %s: prompts over %.0f tokens wait for a gap in %s traffic",
                      pool.name, threshold, top)  # fmt: skip
 

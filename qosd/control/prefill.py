@@ -17,8 +17,9 @@ Every turn, the SLO loop's leader learns from the pool's latency windows:
   smaller of the two per sample. The tenth percentile over its recent samples is the
   stall the class can take (TOLERANCE_QUANTILE).
 
-The threshold is the prompt length whose predicted stall equals the tolerance, but
-never below the 99th percentile of recent prompt lengths: the rule is for prompts
+The store derives the threshold from these (``prefill.lua``): the prompt length whose
+predicted stall equals the tolerance, but never below the 99th percentile of recent
+prompt lengths: the rule is for prompts
 unusual in their pool, and must not hold back the pool's ordinary traffic while the
 top class runs at its limit (no slack). The top class's own prompts are never held:
 that would only trade one of its requests for others. The stores (``budget.held_for_gap``) hold a
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 from qosd.config import SloConfig
 from qosd.control.windows import sample_objectives
-from qosd.model import Outcome, StoredSample
+from qosd.model import Outcome, PrefillLearned, StoredSample
 
 MIN_SAMPLES = 20  # evidence needed for either estimate
 MIN_PROMPT_TOKENS = 256  # shorter prompts' TTFT is mostly fixed overhead
@@ -57,24 +58,15 @@ USUAL_QUANTILE = 0.99  # prompts up to this quantile of the pool's are never hel
 
 @dataclass(frozen=True, slots=True)
 class PrefillModel:
-    """Prefill time of a prompt of n tokens: ``base + a·n + b·n²`` ms."""
+    """Prefill time of a prompt of n tokens: ``base + a·n + b·n²`` ms. Only learned
+    here: the stores apply it (lua/formulas.lua, the one statement of the rule)."""
 
     base_ms: float
     per_token_ms: float  # a
     per_token2_ms: float  # b
 
-    def stall_ms(self, tokens: float) -> float:
-        return self.base_ms + tokens * (self.per_token_ms + self.per_token2_ms * tokens)
-
-    def tokens_for(self, stall_ms: float) -> float:
-        """The prompt length whose prefill takes ``stall_ms`` (0 if even the shortest
-        takes longer)."""
-        a, b, c = self.per_token2_ms, self.per_token_ms, self.base_ms - stall_ms
-        if c >= 0:
-            return 0.0
-        if a <= 0:
-            return -c / b if b > 0 else math.inf
-        return (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    def coefficients(self) -> tuple[float, float, float]:
+        return self.base_ms, self.per_token_ms, self.per_token2_ms
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -174,14 +166,6 @@ def stall_tolerance_ms(
     return max(0.0, _quantile(slack, TOLERANCE_QUANTILE))
 
 
-@dataclass(frozen=True, slots=True)
-class Learned:
-    """What the SLO loop learns of a pool's prefill each turn."""
-
-    threshold: float  # prompt tokens above which a prompt waits for a gap; 0: none
-    model: PrefillModel | None  # None: too little evidence
-
-
 def learn(
     windows: dict[str, list[StoredSample]],
     top: str,
@@ -189,21 +173,17 @@ def learn(
     *,
     newest: int = 200,
     chunked: bool = False,
-) -> Learned:
-    """The prefill model of the pool's windows (newest first), and the prompt length
-    above which a prefill would stall the top class ``top`` beyond what it can absorb
-    (the tolerance reads the newest ``newest`` of the top's samples)."""
+) -> PrefillLearned:
+    """The prefill model of the pool's windows (newest first), the stall the top class
+    ``top`` absorbs (from the newest ``newest`` of its samples), and the pool's usual
+    prompt length: what the store derives the long-prefill threshold from
+    (prefill.lua). Either part is None with too little evidence."""
     everything = [s for window in windows.values() for s in window]
     model = learn_prefill(everything)
     tolerance = stall_tolerance_ms(windows.get(top, [])[:newest], slo, chunked=chunked)
-    if model is None or tolerance is None:
-        return Learned(0.0, model)
-    usual = _quantile([s.input_tokens for s in everything], USUAL_QUANTILE)
-    return Learned(max(float(usual), model.tokens_for(tolerance)), model)
-
-
-def long_prefill_threshold(
-    windows: dict[str, list[StoredSample]], top: str, slo: SloConfig, *, newest: int = 200
-) -> float:
-    """``learn``'s threshold: 0 when it cannot be told (no rule then)."""
-    return learn(windows, top, slo, newest=newest).threshold
+    usual = _quantile([s.input_tokens for s in everything], USUAL_QUANTILE) if everything else 0
+    return PrefillLearned(
+        model=None if model is None else model.coefficients(),
+        tolerance_ms=tolerance,
+        usual_tokens=float(usual),
+    )

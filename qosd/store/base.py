@@ -17,6 +17,7 @@ from qosd.model import (
     ControlRecord,
     LeaseSpec,
     PoolStatus,
+    PrefillLearned,
     PumpResult,
     Sample,
     ServerLoad,
@@ -31,6 +32,12 @@ from qosd.store.epochs import ResetListener
 
 
 class BucketStore(Protocol):
+    @property
+    def daemon_id(self) -> str:
+        """The daemon this store works for, named when the store is made: its waiters
+        in the shared queues, its pumps (which prove it alive) and its leadership."""
+        ...
+
     async def start(self) -> None:
         """Connects and loads what the store needs; a store that is down is not fatal."""
 
@@ -40,31 +47,29 @@ class BucketStore(Protocol):
         self,
         pool: PoolPolicy,
         cls: ClassPolicy,
-        cost: float,
         lease: LeaseSpec,
         wait_ms: int,
-        daemon_id: str,
         *,
         ttft_ms: float = 0.0,
         wait_cap_ms: int | None = None,
     ) -> BucketDecision:
-        """Admits (creating the lease), queues, or rejects one request, atomically.
+        """Prices the request (its ``lease``'s tokens and weight: formula.cost in
+        lua/formulas.lua) and admits it (creating the lease), queues it, or rejects
+        it, atomically. One round trip.
 
-        One round trip. With ``wait_ms`` > 0 a request that cannot be admitted now,
-        and could be within ``wait_ms``, is queued among its class's waiters for
-        ``daemon_id`` to collect with ``pump``; the decision's ``retry_after_ms``
-        then says how long it may wait. ``ttft_ms``, the request's TTFT objective (0:
-        none), orders the queue (earliest due first) and, once the pool has a prefill
-        model, sets the wait from the request's slack, up to ``wait_cap_ms`` (None:
-        ``wait_ms``), or refuses it with REASON_DEADLINE (qosd/store/lua/pool/deadline.lua).
-        Replays the first admission when ``lease.request_id`` was already admitted
-        and its lease still lives.
+        With ``wait_ms`` > 0 a request that cannot be admitted now, and could be within
+        ``wait_ms``, is queued among its class's waiters for this daemon to collect
+        with ``pump``; the decision's ``retry_after_ms`` then says how long it may
+        wait. ``ttft_ms``, the request's TTFT objective (0: none), orders the queue
+        (earliest due first) and, once the pool has a prefill model, sets the wait from
+        the request's slack, up to ``wait_cap_ms`` (None: ``wait_ms``), or refuses it
+        with REASON_DEADLINE (qosd/store/lua/pool/deadline.lua). A ``lease.request_id``
+        that names another request's lease or place in a queue gets a ``duplicate``
+        answer and changes nothing.
         """
         ...
 
-    async def pump(
-        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
-    ) -> list[PumpResult]:
+    async def pump(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> list[PumpResult]:
         """Admits what it can of the pool's waiters in fleet-wide order, and reports on
         ``waiters`` (this daemon's). Also proves the daemon alive."""
         ...
@@ -79,11 +84,15 @@ class BucketStore(Protocol):
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
-        *,
-        exact: bool = False,
     ) -> Settlement:
-        """Settles a lease; raises LeaseNotFound or LeaseExpired. ``exact`` undoes an
-        admission whose caller is gone: the whole charge back, not bounded by burst."""
+        """Settles a lease, idempotently (a repeat gets the first answer); raises
+        LeaseNotFound or LeaseExpired."""
+        ...
+
+    async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:
+        """Undoes an admission whose caller is gone: settles the lease as cancelled with
+        nothing used, the whole charge back (not bounded by the burst, as a release
+        is), and frees its request id if it still names the lease."""
         ...
 
     async def status(self, pool: PoolPolicy) -> PoolStatus:
@@ -110,13 +119,12 @@ class BucketStore(Protocol):
         change a pool within one cooldown. Logged in the pool's history."""
         ...
 
-    async def set_prefill(
-        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
-    ) -> None:
-        """Sets what the SLO loop learned of the pool's prefill (``qosd.control.prefill``): the
-        prompt length above which a request waits for a gap in the top class's traffic
-        (0: no such rule), and the prefill model ``(c, a, b)`` (c + a n + b n^2 ms),
-        with which a GPU-gated pool bounds its prefill backlog (None: no bound)."""
+    async def set_prefill(self, pool: PoolPolicy, learned: PrefillLearned) -> float:
+        """Sets what the SLO loop learned of the pool's prefill (``qosd.control.prefill``):
+        the prefill model, with which a GPU-gated pool bounds its prefill backlog, and
+        from which the store derives the prompt length above which a request waits for
+        a gap in the top class's traffic (prefill.lua). Returns that length (0: no
+        such rule)."""
         ...
 
     async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
@@ -128,8 +136,9 @@ class BucketStore(Protocol):
         """The pool's latest adjustments, newest first."""
         ...
 
-    async def lead(self, daemon_id: str, lease_ms: int) -> str:
-        """Takes or renews the controller lease if free or ours; returns the leader.
+    async def lead(self, lease_ms: int) -> str:
+        """Takes or renews the controller lease for this daemon if free or ours;
+        returns the leader.
         ``lease_ms`` 0 hands it back if ours (returns the leader after: '' or another)."""
         ...
 

@@ -67,7 +67,7 @@ class ScriptBatcher:
         batch_args: Callable[[str], Sequence[Any]] | None = None,
         header: int = 0,
         on_header: Callable[[str, list[Any]], None] | None = None,
-        on_orphan: Callable[[Sequence[Any], list[Any]], None] | None = None,
+        on_orphan: Callable[[Sequence[str], Sequence[Any], list[Any]], None] | None = None,
     ) -> None:
         self._run = run
         self._fields = fields
@@ -181,7 +181,7 @@ class ScriptBatcher:
                 elif self._on_orphan is not None:
                     # The caller went away while its call was in flight; the store
                     # still acted on it. The owner undoes what must not stay.
-                    self._on_orphan(call.args, values)
+                    self._on_orphan(call.keys, call.args, values)
         except StoreUnavailable as exc:
             _fail(batch, exc)
             # Calls queued behind this one would go to the same broken store and wait

@@ -46,6 +46,9 @@ class Status(enum.IntEnum):
     GONE = WaiterState.GONE
     HELD = WaiterState.HELD
     LATE = WaiterState.LATE
+    # The request id names another request's lease, or its place in a queue: a second
+    # request under one id is refused, never run on the first one's lease.
+    DUPLICATE = 7
 
 
 class Settled(enum.StrEnum):
@@ -105,6 +108,9 @@ class PoolArgs(NamedTuple):
     # scheduling, and chunked, a cap on one prompt's tokens per pass), so the top class
     # waits behind its own prefill alone; 0: behind every prompt admitted before it.
     servers_by_priority: int
+    # What a request costs: (prompt + output_weight x output tokens) x class weight
+    # (formulas.lua: formula.cost, the one statement of the rule).
+    output_weight: str
 
 
 class ClassArgs(NamedTuple):
@@ -147,7 +153,6 @@ class RequestArgs(NamedTuple):
     """One request of an acquire batch."""
 
     qos_class: str
-    cost: str
     lease_id: str
     field: str  # "<class>:<token>": the lease's field, and its waiter id
     ttl_ms: int
@@ -165,6 +170,9 @@ class RequestArgs(NamedTuple):
     # What the request charges its tenant's counter, in a class whose tenants share
     # it by tokens (then the counter's key follows); '0': the class does not.
     fair_charge: str
+    # 1: the token counts are the door's estimates; the cost is then at most the
+    # class's max_cost, so that an estimate alone never refuses a request as too large
+    estimated: int
 
 
 class PumpArgs(NamedTuple):
@@ -179,7 +187,6 @@ class WaiterArgs(NamedTuple):
 
     field: str  # the waiter id
     qos_class: str
-    cost: str
     lease_id: str
     ttl_ms: int
     keep_ms: int
@@ -210,9 +217,11 @@ class ReleaseArgs(NamedTuple):
     field: str
     input_tokens: int | str  # '' keeps the estimate
     output_tokens: int | str  # '' keeps the estimate
-    output_weight: str
     outcome: int
-    exact: int  # 1: undo an admission, refunding the whole charge
+    # 1: undo an admission whose caller left, refunding the whole charge; with
+    # has_request, its request-id key (after the lease hash) is freed for a retry
+    exact: int
+    has_request: int
     # A class that shares by tokens: "<per prompt token>|<per output token>" its
     # tenant's counter is charged (its key follows the lease hash); '': none.
     fair_charges: str
@@ -260,6 +269,15 @@ class ServerLoadArgs(NamedTuple):
     kv_usage: str  # '' unknown
 
 
+class PrefillArgs(NamedTuple):
+    """prefill.lua's arguments: what the SLO loop learned of a pool's prefill."""
+
+    usual_tokens: str  # the pool's usual prompt length: the threshold's floor
+    tolerance_ms: str  # the stall the top class absorbs; '': not known
+    fallback_tokens: str  # the threshold without a model or tolerance; 0: none
+    model: str  # "c|a|b" (formulas.lua); '': none
+
+
 class ReportArgs(NamedTuple):
     """report.lua's arguments, before one SampleArgs per sample."""
 
@@ -283,8 +301,8 @@ class AcquireHeader(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """One request's answer (acquire), or one waiter's (pump: reason, retry_after_ms
-    and replayed are 0)."""
+    """One request's answer (acquire), or one waiter's (pump: reason and
+    retry_after_ms are 0)."""
 
     status: int  # Status
     reason: int  # Reason
@@ -293,7 +311,6 @@ class Decision(NamedTuple):
     remaining: str
     retry_after_ms: int  # when queued: the wait granted, ms (its max wait from now)
     lease_ttl_ms: int
-    replayed: int
 
 
 class Cancelled(NamedTuple):
@@ -320,6 +337,7 @@ class StatusHead(NamedTuple):
     # The prefill admitted ahead, by the pool's prefill model on the real clock: us of
     # work not yet done (0: none, or no model; GPU-gated pools only)
     prefill_backlog_us: str
+    shared_burst: str  # the most the shared tokens hold at R (allocation.lua)
 
 
 class StatusClass(NamedTuple):
@@ -417,6 +435,7 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("LEAD", "ARG", LeadArgs, "lead.lua: ARGV"),
     Layout("LOAD", "ARG", LoadArgs, "load.lua: ARGV"),
     Layout("SERVER", "ARG", ServerLoadArgs, "load.lua: one per server, after LOAD"),
+    Layout("PREFILL", "ARG", PrefillArgs, "prefill.lua: ARGV"),
     Layout("REPORT", "ARG", ReportArgs, "report.lua: ARGV"),
     Layout("SAMPLE", "ARG", SampleArgs, "report.lua: one per sample, after REPORT"),
     Layout("TENANT", "ARG", TenantArgs, "tenants.lua: one per tenant asked about"),
@@ -447,6 +466,7 @@ SCRIPT_ARGS: dict[str, tuple[str, ...]] = {
     "load": ("LOAD", "SERVER*"),
     "report": ("REPORT", "SAMPLE*"),
     "tenants": ("TENANT*",),
+    "prefill": ("PREFILL",),
 }
 
 #: Codes the scripts return, by Lua prefix. The domain enums are the source.
@@ -468,7 +488,7 @@ class HashField:
 
 
 #: The pool state hash, ``qosd:{pool}:state``: fields read and written by the pool
-#: prelude, lua/pool/ (P and M by redis.py: set_prefill; Sw, Sk, St by load.lua).
+#: prelude, lua/pool/ (P and M by prefill.lua; Sw, Sk, St by load.lua).
 STATE_HASH: tuple[HashField, ...] = (
     HashField("u", "last update, us of Redis TIME"),
     HashField("s", "shared tokens"),

@@ -28,8 +28,15 @@ class EmbeddedStore(RedisStore):
         lease_ttl_ms: int = 300_000,
         clock: Callable[[], int] = monotonic_us,
         key_prefix: str = "qosd",
+        *,
+        daemon_id: str | None = None,
+        shared_with: EmbeddedStore | None = None,
     ) -> None:
-        self.transport = InProcessTransport(clock)
+        """``shared_with``: another embedded store whose keyspace this one shares (two
+        daemons of one process, as tests run them; its clock then rules)."""
+        self.transport: InProcessTransport = (
+            shared_with.transport if shared_with else InProcessTransport(clock)
+        )
         super().__init__(
             RedisConfig(key_prefix=key_prefix),
             tombstone_ms=tombstone_ms,
@@ -37,4 +44,5 @@ class EmbeddedStore(RedisStore):
             lease_ttl_ms=lease_ttl_ms,
             transport=self.transport,
             deadlines=False,
+            daemon_id=daemon_id,
         )

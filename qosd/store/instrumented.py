@@ -22,6 +22,7 @@ from qosd.model import (
     ControlRecord,
     LeaseSpec,
     PoolStatus,
+    PrefillLearned,
     PumpResult,
     Sample,
     ServerLoad,
@@ -83,10 +84,8 @@ class InstrumentedStore(BucketStore):
         self,
         pool: PoolPolicy,
         cls: ClassPolicy,
-        cost: float,
         lease: LeaseSpec,
         wait_ms: int,
-        daemon_id: str,
         *,
         ttft_ms: float = 0.0,
         wait_cap_ms: int | None = None,
@@ -94,14 +93,12 @@ class InstrumentedStore(BucketStore):
         return await self._measured(
             "acquire",
             self._store.acquire(
-                pool, cls, cost, lease, wait_ms, daemon_id, ttft_ms=ttft_ms, wait_cap_ms=wait_cap_ms
+                pool, cls, lease, wait_ms, ttft_ms=ttft_ms, wait_cap_ms=wait_cap_ms
             ),
         )
 
-    async def pump(
-        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
-    ) -> list[PumpResult]:
-        return await self._measured("pump", self._store.pump(pool, daemon_id, waiters))
+    async def pump(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> list[PumpResult]:
+        return await self._measured("pump", self._store.pump(pool, waiters))
 
     async def cancel(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> None:
         await self._measured("cancel", self._store.cancel(pool, waiters))
@@ -112,12 +109,11 @@ class InstrumentedStore(BucketStore):
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
-        *,
-        exact: bool = False,
     ) -> Settlement:
-        return await self._measured(
-            "release", self._store.release(pool, cls, lease_id, usage, exact=exact)
-        )
+        return await self._measured("release", self._store.release(pool, cls, lease_id, usage))
+
+    async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:
+        return await self._measured("release", self._store.undo(pool, cls, lease))
 
     async def status(self, pool: PoolPolicy) -> PoolStatus:
         return await self._measured("status", self._store.status(pool))
@@ -135,10 +131,8 @@ class InstrumentedStore(BucketStore):
             "adjust", self._store.adjust(pool, update, cooldown_ms, force=force)
         )
 
-    async def set_prefill(
-        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
-    ) -> None:
-        await self._measured("set_prefill", self._store.set_prefill(pool, tokens, model))
+    async def set_prefill(self, pool: PoolPolicy, learned: PrefillLearned) -> float:
+        return await self._measured("set_prefill", self._store.set_prefill(pool, learned))
 
     async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
         await self._measured("report_load", self._store.report_load(pool, loads))
@@ -146,8 +140,12 @@ class InstrumentedStore(BucketStore):
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         return await self._measured("history", self._store.history(pool, limit))
 
-    async def lead(self, daemon_id: str, lease_ms: int) -> str:
-        return await self._measured("lead", self._store.lead(daemon_id, lease_ms))
+    async def lead(self, lease_ms: int) -> str:
+        return await self._measured("lead", self._store.lead(lease_ms))
+
+    @property
+    def daemon_id(self) -> str:
+        return self._store.daemon_id
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
         await self._measured("report", self._store.report(samples, window_size))

@@ -32,6 +32,7 @@ from qosd.model import (
     LeaseSpec,
     Outcome,
     PoolStatus,
+    PrefillLearned,
     PumpResult,
     Reason,
     Sample,
@@ -44,6 +45,7 @@ from qosd.model import (
     Waiter,
     WaiterState,
     lease_field,
+    new_daemon_id,
 )
 from qosd.policy import ClassPolicy, FairShares, PoolPolicy, tenant_digest, tenant_of_lease
 from qosd.store import contract
@@ -62,10 +64,12 @@ POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status", "adj
 #: The prelude's files in lua/pool/, by concern, in the order they run.
 POOL_PRELUDE = ("args", "allocation", "state", "in_flight", "save", "budget", "deadline",
                 "tenants", "waiters", "lease_writes")  # fmt: skip
+#: Scripts that apply the shared formulas (lua/formulas.lua, before the prelude).
+FORMULA_SCRIPTS = POOL_SCRIPTS | {"prefill"}
 #: Every script qosd loads.
 SCRIPTS = (
     "acquire", "pump", "cancel", "release", "status", "adjust", "control", "lead", "report",
-    "load", "tenants",
+    "load", "tenants", "prefill",
 )  # fmt: skip
 _CONSTANT = re.compile(r"local ([A-Z][A-Z0-9_]*) = ")
 _NAME = re.compile(r"\b[A-Z][A-Z0-9_]*\b")
@@ -73,7 +77,8 @@ _NAME = re.compile(r"\b[A-Z][A-Z0-9_]*\b")
 
 def script_source(name: str) -> str:
     """What qosd loads as script ``name``: the constants of _contract.lua it names,
-    then the pool prelude (``POOL_PRELUDE``) for a pool script, then the script.
+    then the shared formulas for the scripts that apply them, then the pool prelude
+    (``POOL_PRELUDE``) for a pool script, then the script.
 
     Only the constants a script names: a Lua function holds at most 200 locals, and
     the prelude has most of them already (a table of constants instead would cost
@@ -85,6 +90,8 @@ def script_source(name: str) -> str:
         pool = folder.joinpath("pool")
         prelude = [pool.joinpath(f"{part}.lua").read_text("utf-8") for part in POOL_PRELUDE]
         source = "".join(prelude) + source
+    if name in FORMULA_SCRIPTS:
+        source = folder.joinpath("formulas.lua").read_text("utf-8") + source
     used = set(_NAME.findall(source))
     constants = [
         line
@@ -128,9 +135,12 @@ class RedisStore:
         lease_ttl_ms: int = 300_000,
         transport: Transport | None = None,
         deadlines: bool = True,
+        daemon_id: str | None = None,
     ) -> None:
         """``lease_ttl_ms`` is the usual lease TTL: its expiry second is read with the
         pool's state, so counting a lease in flight costs no extra command.
+        ``daemon_id`` names this daemon's waiters in the shared queues, and pumps
+        prove it alive (default: a new one).
         ``transport``: where the scripts run; by default the Redis ``config`` names.
         ``deadlines``: batches carry the Redis time after which they must change
         nothing (``_acquire_deadline``); a transport in process runs a call when it is
@@ -146,7 +156,7 @@ class RedisStore:
         self._scripts = {name: _Script.load(name) for name in SCRIPTS}
         self._pool_args: dict[str, _PoolArgs] = {}
         self._pools: dict[str, PoolPolicy] = {}
-        self._daemon_id = ""
+        self.daemon_id = daemon_id or new_daemon_id()
         # Each pool's epoch as last seen (qosd/store/epochs.py), and what this store
         # adds to a new one: distinct even for two states made in the same microsecond.
         self._epochs = EpochWatch()
@@ -210,6 +220,7 @@ class RedisStore:
                     max_kv_cache_usage=repr(pool.max_kv_cache_usage),
                     server_load_max_age_us=pool.server_load_max_age_us,
                     servers_by_priority=1 if pool.servers_by_priority else 0,
+                    output_weight=repr(pool.output_weight),
                 )
             )
             for cls in pool.classes:
@@ -245,7 +256,7 @@ class RedisStore:
         return (*self._pool_args[pool_name].policy, *epoch)
 
     def _acquire_batch_args(self, pool_name: str) -> Sequence[Any]:
-        own = contract.AcquireArgs(deadline_us=self._acquire_deadline(), daemon=self._daemon_id)
+        own = contract.AcquireArgs(deadline_us=self._acquire_deadline(), daemon=self.daemon_id)
         return (*self._policy(pool_name), *own)
 
     def _acquire_deadline(self) -> str:
@@ -346,7 +357,7 @@ class RedisStore:
         keys = [self._lease_hash(prefix, lease.lease_id)]
         has_request = 0
         if lease.request_id:
-            keys.append(f"{prefix}req:{lease.request_id}")
+            keys.append(f"{prefix}req:{lease.request_id}")  # as undo() names it
             has_request = 1
         has_tenant = 0
         if cls.tenant_rate > 0:
@@ -358,15 +369,12 @@ class RedisStore:
         self,
         pool: PoolPolicy,
         cls: ClassPolicy,
-        cost: float,
         lease: LeaseSpec,
         wait_ms: int,
-        daemon_id: str,
         *,
         ttft_ms: float = 0.0,
         wait_cap_ms: int | None = None,
     ) -> BucketDecision:
-        self._daemon_id = daemon_id
         args_for = self._args_for(pool)
         keys, has_request, has_tenant = self._request_keys(args_for.prefix, cls, lease)
         fair_key, fair_charge = self._fair_counter(args_for.prefix, cls, lease)
@@ -374,7 +382,6 @@ class RedisStore:
             keys.append(fair_key)
         args = contract.RequestArgs(
             qos_class=cls.name,
-            cost=repr(cost),
             lease_id=lease.lease_id,
             field=lease_field(lease.lease_id),
             ttl_ms=lease.ttl_ms,
@@ -388,6 +395,7 @@ class RedisStore:
             has_request=has_request,
             has_tenant=has_tenant,
             fair_charge=fair_charge,
+            estimated=1 if lease.estimated else 0,
         )
         reply = contract.Decision._make(await self._acquires.submit(pool.name, keys, args))
         if reply.reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
@@ -400,31 +408,31 @@ class RedisStore:
             remaining=float(reply.remaining),
             retry_after_ms=reply.retry_after_ms,
             lease_ttl_ms=reply.lease_ttl_ms,
-            replayed=reply.replayed == 1,
             queued=reply.status == Status.QUEUED,
+            duplicate=reply.status == Status.DUPLICATE,
         )
 
-    def _undo_admission(self, args: Sequence[Any], reply: list[Any]) -> None:
+    def _undo_admission(self, keys: Sequence[str], args: Sequence[Any], reply: list[Any]) -> None:
         """Undoes what an Acquire did for a caller that left while it was in flight.
 
         An admission is settled at once as a cancelled request that used nothing,
-        refunding the whole charge; a queued request is taken out of its queue. Not
-        so an admission with a request id: its caller will retry, and the retry must
-        find the admission it was charged for (unused, it expires with its estimate).
+        refunding the whole charge, and its request id (if any) is freed, so that the
+        caller's retry is a new request; a queued request is taken out of its queue.
         """
         decision = contract.Decision._make(reply)
         request = contract.RequestArgs._make(args)
         lease_id = decision.lease_id
         pool_name = lease_id.partition(":")[0] if lease_id else ""
         pool = self._pools.get(pool_name)
-        if pool is None or decision.replayed == 1:
+        if pool is None:
             return
         cls = next(c for c in pool.classes if c.name == request.qos_class)
-        if decision.status == Status.ADMITTED and request.has_request != 1:
-            usage = UsageReport(0, 0, Outcome.CANCELLED, 0.0)
-            coroutine: Any = self.release(pool, cls, lease_id, usage, exact=True)
+        if decision.status == Status.ADMITTED:
+            usage = UsageReport(0, 0, Outcome.CANCELLED)
+            request_key = keys[1] if request.has_request == 1 else None
+            coroutine: Any = self._settle(pool, cls, lease_id, usage, True, request_key)
         elif decision.status == Status.QUEUED:
-            waiter = Waiter(request.qos_class, float(request.cost), _lease_stub(lease_id))
+            waiter = Waiter(request.qos_class, float(decision.charged), _lease_stub(lease_id))
             coroutine = self.cancel(pool, [waiter])
         else:
             return
@@ -443,14 +451,11 @@ class RedisStore:
 
     # -- waiting --------------------------------------------------------------------
 
-    async def pump(
-        self, pool: PoolPolicy, daemon_id: str, waiters: Sequence[Waiter]
-    ) -> list[PumpResult]:
-        self._daemon_id = daemon_id
+    async def pump(self, pool: PoolPolicy, waiters: Sequence[Waiter]) -> list[PumpResult]:
         args_for = self._args_for(pool)
         classes = {cls.name: cls for cls in pool.classes}
         keys: list[str] = list(args_for.keys)
-        own = contract.PumpArgs(daemon=daemon_id, deadline_us=self._acquire_deadline())
+        own = contract.PumpArgs(daemon=self.daemon_id, deadline_us=self._acquire_deadline())
         args: list[Any] = [len(waiters), *self._policy(pool.name), *own]
         for waiter in waiters:
             lease = waiter.lease
@@ -461,7 +466,6 @@ class RedisStore:
             args += contract.WaiterArgs(
                 field=waiter.id,
                 qos_class=waiter.qos_class,
-                cost=repr(waiter.cost),
                 lease_id=lease.lease_id,
                 ttl_ms=lease.ttl_ms,
                 keep_ms=lease.ttl_ms + self._keep_extra_ms,
@@ -510,11 +514,31 @@ class RedisStore:
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
-        *,
-        exact: bool = False,
     ) -> Settlement:
+        return await self._settle(pool, cls, lease_id, usage, False, None)
+
+    async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:
+        prefix = self._args_for(pool).prefix
+        request_key = f"{prefix}req:{lease.request_id}" if lease.request_id else None
+        usage = UsageReport(0, 0, Outcome.CANCELLED)
+        return await self._settle(pool, cls, lease.lease_id, usage, True, request_key)
+
+    async def _settle(
+        self,
+        pool: PoolPolicy,
+        cls: ClassPolicy,
+        lease_id: str,
+        usage: UsageReport,
+        exact: bool,
+        request_key: str | None,
+    ) -> Settlement:
+        """A release; ``exact``: the undo of an admission whose caller left (the whole
+        charge back, not bounded by the burst), freeing ``request_key`` if it still
+        names the lease."""
         args_for = self._args_for(pool)
         keys = [self._lease_hash(args_for.prefix, lease_id)]
+        if request_key is not None:
+            keys.append(request_key)
         counter = self._tenant_counter(args_for.prefix, cls, lease_id)
         fair_charges = ""
         if counter is not None:
@@ -529,9 +553,9 @@ class RedisStore:
                 field=lease_field(lease_id),
                 input_tokens="" if usage.input_tokens is None else usage.input_tokens,
                 output_tokens="" if usage.output_tokens is None else usage.output_tokens,
-                output_weight=repr(usage.output_weight),
                 outcome=int(usage.outcome),
                 exact=1 if exact else 0,
+                has_request=0 if request_key is None else 1,
                 fair_charges=fair_charges,
             ),
         )
@@ -583,6 +607,7 @@ class RedisStore:
             now_ms=now_us // 1000,
             long_prefill_tokens=float(head.long_prefill),
             prefill_backlog_ms=float(head.prefill_backlog_us) / 1000,
+            shared_burst=float(head.shared_burst),
             server_waiting=int(servers.waiting) if servers.waiting else None,
             server_kv_usage=float(servers.kv_usage) if servers.kv_usage else None,
         )
@@ -675,19 +700,16 @@ class RedisStore:
         )
         return bool(contract.Adjusted._make(reply).applied == 1)
 
-    async def set_prefill(
-        self, pool: PoolPolicy, tokens: float, model: tuple[float, float, float] | None
-    ) -> None:
+    async def set_prefill(self, pool: PoolPolicy, learned: PrefillLearned) -> float:
         state_key = self._args_for(pool).keys[0]
-        if tokens > 0:
-            await self._client.execute(state_key, "HSET", state_key, "P", repr(float(tokens)))
-        else:
-            await self._client.execute(state_key, "HDEL", state_key, "P")
-        if model is not None:
-            encoded = "|".join(repr(float(x)) for x in model)
-            await self._client.execute(state_key, "HSET", state_key, "M", encoded)
-        else:
-            await self._client.execute(state_key, "HDEL", state_key, "M")
+        model = learned.model
+        args = contract.PrefillArgs(
+            usual_tokens=repr(float(learned.usual_tokens)),
+            tolerance_ms="" if learned.tolerance_ms is None else repr(float(learned.tolerance_ms)),
+            fallback_tokens=repr(float(learned.fallback_tokens)),
+            model="" if model is None else "|".join(repr(float(x)) for x in model),
+        )
+        return float(await self._run(self._scripts["prefill"], (state_key,), args))
 
     async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
         args_for = self._args_for(pool)
@@ -717,9 +739,9 @@ class RedisStore:
             entries.append(Adjustment(int(float(at_ms)), float(old), float(new), reason, by))
         return entries
 
-    async def lead(self, daemon_id: str, lease_ms: int) -> str:
+    async def lead(self, lease_ms: int) -> str:
         key = f"{self._config.key_prefix}:{{control}}:leader"
-        args = contract.LeadArgs(daemon=daemon_id, lease_ms=lease_ms)
+        args = contract.LeadArgs(daemon=self.daemon_id, lease_ms=lease_ms)
         return str(await self._run(self._scripts["lead"], (key,), args))
 
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:

@@ -127,6 +127,12 @@ def add_sim_vllm(commands: Any) -> None:
     )
     sim.add_argument("--stream-every", type=int, default=1, help="a chunk every N tokens")
     sim.add_argument(
+        "--cut-after-tokens",
+        type=int,
+        metavar="N",
+        help="fault injection: break the connection once an answer has N tokens",
+    )
+    sim.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
@@ -151,8 +157,8 @@ def _sim_vllm(args: argparse.Namespace) -> int:
     try:
         if not sep or not port.isdigit():
             raise ValueError(f"--listen takes HOST:PORT, got {args.listen!r}")
-        for name in ("default_max_tokens", "max_waiting", "stream_every"):
-            if getattr(args, name) < 1:
+        for name in ("default_max_tokens", "max_waiting", "stream_every", "cut_after_tokens"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         gpu = GpuModel.from_options(options)
     except ValueError as exc:
@@ -166,6 +172,7 @@ def _sim_vllm(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         max_waiting=args.max_waiting,
         stream_every=args.stream_every,
+        cut_after_tokens=args.cut_after_tokens,
     )
     return serve_vllm_until_signalled(settings, args.ready_file)
 

@@ -70,6 +70,10 @@ class VllmSettings:
     max_model_len: int = 131_072
     #: Stream one chunk every N tokens (1: every token, as vLLM does).
     stream_every: int = 1
+    #: Fault injection, off by default: break the connection once an answer has N
+    #: tokens (a stream after that chunk, a whole answer half-way through its body),
+    #: as a server that crashes mid-answer or a link that drops does.
+    cut_after_tokens: int | None = None
 
 
 class VllmMetrics:
@@ -192,21 +196,25 @@ class SimulatedVllm:
         last = received
         first: float | None = None
         finished = False
-        async with contextlib.aclosing(
-            self.gpu.generate(sequence, self.settings.stream_every)
-        ) as events:
-            async for event in events:
-                now = time.monotonic()
-                if event.kind is TokenKind.FIRST:
-                    first = now
-                    metrics.ttft.labels(*labels).observe(now - received)
-                elif event.generated > 1:
-                    metrics.itl.labels(*labels).observe(
-                        (now - last) / max(1, self.settings.stream_every)
-                    )
-                last = now
-                finished = event.finished
-                yield event
+        try:
+            async with contextlib.aclosing(
+                self.gpu.generate(sequence, self.settings.stream_every)
+            ) as events:
+                async for event in events:
+                    now = time.monotonic()
+                    if event.kind is TokenKind.FIRST:
+                        first = now
+                        metrics.ttft.labels(*labels).observe(now - received)
+                    elif event.generated > 1:
+                        metrics.itl.labels(*labels).observe(
+                            (now - last) / max(1, self.settings.stream_every)
+                        )
+                    last = now
+                    finished = event.finished
+                    yield event
+        finally:
+            if not finished:  # its client left: aborted, off the GPU (vLLM's "abort")
+                metrics.success.labels(*labels, "abort").inc()
         if finished:
             started = sequence.started_at if sequence.started_at is not None else received
             metrics.queue.labels(*labels).observe(started - received)
@@ -373,6 +381,13 @@ async def _completions(
             "choices": [_choice(chat, TOKEN_TEXT * produced, "length", False)],
             "usage": _usage(parsed.input_tokens, produced),
         }
+        if _cuts(server.settings, produced):
+            raw = json.dumps(body).encode()
+            whole = web.StreamResponse(headers=headers)
+            whole.content_type, whole.content_length = "application/json", len(raw)
+            await whole.prepare(request)
+            await whole.write(raw[: len(raw) // 2])
+            return _cut_off(request, whole)
         return web.json_response(body, headers=headers)
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
@@ -395,9 +410,23 @@ async def _completions(
             sent = event.generated
             finish = "length" if event.finished else None
             await send({**base, "choices": [_choice(chat, text, finish, True)]})
+            if _cuts(server.settings, sent):
+                return _cut_off(request, response)
         if parsed.include_usage:
             await send({**base, "choices": [], "usage": _usage(parsed.input_tokens, sent)})
         await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def _cuts(settings: VllmSettings, tokens: int) -> bool:
+    return settings.cut_after_tokens is not None and tokens >= settings.cut_after_tokens
+
+
+def _cut_off(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Closes the connection with the answer incomplete (``cut_after_tokens``): what was
+    written goes out, the rest never does (no last chunk, a body short of its length)."""
+    if request.transport is not None:
+        request.transport.close()
     return response
 
 
@@ -444,13 +473,20 @@ def vllm_app(server: SimulatedVllm) -> web.Application:
     return app
 
 
+def vllm_runner(server: SimulatedVllm) -> web.AppRunner:
+    """The app's runner. A client that disconnects cancels its handler, which takes
+    its sequence off the GPU (closing its events), as vLLM aborts a request whose
+    client left: the GPU does not go on generating for nobody."""
+    return web.AppRunner(vllm_app(server), access_log=None, handler_cancellation=True)
+
+
 async def run_vllm(
     settings: VllmSettings, *, stop: asyncio.Event, ready: asyncio.Future[int] | None = None
 ) -> None:
     """Serves until ``stop`` is set; ``ready`` gets the bound port. Raises StartupError
     when it cannot bind, with nothing left running."""
     server = SimulatedVllm(settings)
-    runner = web.AppRunner(vllm_app(server), access_log=None)
+    runner = vllm_runner(server)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_port=False)

@@ -9,17 +9,20 @@
 -- live; wait_ms 0: answer now; ttft_ms, the request's TTFT objective, makes its queue
 -- entry due at arrival plus that, and with a prefill model sets its wait: deadline.lua).
 -- Keys per request: lease hash, then the request-id key and the tenant bucket if any.
--- Request-id string: "lease_id|charged|expiry_us".
+-- Request-id string: "lease_id|charged|expiry_us" for an admission, "lease_id|Q|
+-- deadline_us" for a request queued: while it lives, the id names that one request,
+-- and another request under it gets STATUS_DUPLICATE (run on the first one's lease,
+-- it would go past admission; a released id admits nothing until the key expires).
 --
 -- Returns HEADER (Redis time, us, string; the pool's epoch, '' while its state was
 -- never written: pool/state.lua), then a DECISION per request: status (STATUS_REJECTED,
 -- STATUS_ADMITTED or STATUS_QUEUED), reason, lease_id, charged, remaining,
--- retry_after_ms (when queued: the wait granted), lease_ttl_ms, replayed.
+-- retry_after_ms (when queued: the wait granted), lease_ttl_ms.
 local reply = {}
 reply[REPLY_HEADER_NOW_US] = string.format('%.0f', now)
 reply[REPLY_HEADER_EPOCH] = state.epoch or ''
 local n = HEADER_FIELDS
-local function answer(status, reason, lease_id, charged, remaining, retry_ms, ttl_ms, replayed)
+local function answer(status, reason, lease_id, charged, remaining, retry_ms, ttl_ms)
   reply[n + REPLY_DECISION_STATUS] = status
   reply[n + REPLY_DECISION_REASON] = reason
   reply[n + REPLY_DECISION_LEASE_ID] = lease_id
@@ -27,27 +30,32 @@ local function answer(status, reason, lease_id, charged, remaining, retry_ms, tt
   reply[n + REPLY_DECISION_REMAINING] = remaining
   reply[n + REPLY_DECISION_RETRY_AFTER_MS] = retry_ms
   reply[n + REPLY_DECISION_LEASE_TTL_MS] = ttl_ms
-  reply[n + REPLY_DECISION_REPLAYED] = replayed
   n = n + DECISION_FIELDS
 end
 
-local count = tonumber(ARGV[ARG_CALLS])
-local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_ACQUIRE_DEADLINE_US])
 local daemon = ARGV[ARGS_BEFORE + ARG_ACQUIRE_DAEMON]
-if deadline > 0 and now > deadline then
-  for _ = 1, count do
-    answer(STATUS_REJECTED, REASON_BACKEND_UNAVAILABLE, '', '0', '0', 0, 0, 0)
+do  -- a block: the chunk holds at most 200 locals
+  local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_ACQUIRE_DEADLINE_US])
+  if deadline > 0 and now > deadline then
+    for _ = 1, tonumber(ARGV[ARG_CALLS]) do
+      answer(STATUS_REJECTED, REASON_BACKEND_UNAVAILABLE, '', '0', '0', 0, 0)
+    end
+    return reply
   end
-  return reply
 end
 
 local k = NEXT_KEY
 local a = ARGS_BEFORE + ACQUIRE_ARGS  -- arguments before this request's
 local enqueued_at = now
-for _ = 1, count do
+for _ = 1, tonumber(ARGV[ARG_CALLS]) do
   local i = class_index[ARGV[a + ARG_REQUEST_QOS_CLASS]]
   local c = classes[i]
-  local cost = tonumber(ARGV[a + ARG_REQUEST_COST])
+  local input = tonumber(ARGV[a + ARG_REQUEST_INPUT_TOKENS])
+  local cost = formula.cost(input, ARGV[a + ARG_REQUEST_OUTPUT_TOKENS],
+    ARGV[a + ARG_REQUEST_WEIGHT], gate.output_weight)
+  if ARGV[a + ARG_REQUEST_ESTIMATED] == '1' then  -- settled from the real usage
+    cost = math.min(cost, c.max_cost)
+  end
   local lease_id = ARGV[a + ARG_REQUEST_LEASE_ID]
   local field = ARGV[a + ARG_REQUEST_FIELD]
   local ttl_ms = tonumber(ARGV[a + ARG_REQUEST_TTL_MS])
@@ -72,27 +80,13 @@ for _ = 1, count do
     k = k + 1
   end
 
-  local replayed = false
-  if request_key then
-    local prior = redis.call('GET', request_key)
-    if prior then
-      local prior_id, prior_charged, prior_expiry = string.match(prior, '^(.*)|([^|]*)|([^|]*)$')
-      local left_ms = math.floor((tonumber(prior_expiry) - now) / 1000)
-      if left_ms > 0 then
-        answer(STATUS_ADMITTED, REASON_NONE, prior_id, prior_charged, num(state.tokens[i]), 0,
-          left_ms, 1)
-        replayed = true
-      end
-    end
-  end
-
-  if not replayed then
+  if request_key and redis.call('GET', request_key) then
+    answer(STATUS_DUPLICATE, REASON_NONE, '', num(cost), num(state.tokens[i]), 0, 0)
+  else
     if cost > c.max_cost then
-      answer(STATUS_REJECTED, REASON_COST_EXCEEDS_BURST, '', ARGV[a + ARG_REQUEST_COST],
-        num(state.tokens[i]), 0, 0, 0)
+      answer(STATUS_REJECTED, REASON_COST_EXCEEDS_BURST, '', num(cost), num(state.tokens[i]), 0, 0)
     else
       local how = 0
-      local input = tonumber(ARGV[a + ARG_REQUEST_INPUT_TOKENS])
       local kv = input + tonumber(ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
       local due = by_deadline.due_us(enqueued_at, ttft_ms)
       local order = by_deadline.order_us(due, enqueued_at, input)
@@ -140,12 +134,10 @@ for _ = 1, count do
           ARGV[a + ARG_REQUEST_KEEP_MS], ARGV[a + ARG_REQUEST_WEIGHT],
           ARGV[a + ARG_REQUEST_INPUT_TOKENS], ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
         if request_key then
-          redis.call('SET', request_key,
-            lease_id .. '|' .. ARGV[a + ARG_REQUEST_COST] .. '|' .. expiry,
+          redis.call('SET', request_key, lease_id .. '|' .. num(cost) .. '|' .. expiry,
             'PX', ttl_ms)
         end
-        answer(STATUS_ADMITTED, REASON_NONE, lease_id, ARGV[a + ARG_REQUEST_COST],
-          num(state.tokens[i]), 0, ttl_ms, 0)
+        answer(STATUS_ADMITTED, REASON_NONE, lease_id, num(cost), num(state.tokens[i]), 0, ttl_ms)
       else
         -- Queue only a request whose wait could cover the refill it needs if nobody
         -- else took tokens meanwhile; any other is told at once.
@@ -158,17 +150,14 @@ for _ = 1, count do
           retry = math.max(retry_after_ms(i, cost), tenant_wait)
         end
         if miss_ms then
-          answer(STATUS_REJECTED, REASON_DEADLINE, '', ARGV[a + ARG_REQUEST_COST],
-            num(state.tokens[i]), miss_ms, 0, 0)
+          answer(STATUS_REJECTED, REASON_DEADLINE, '', num(cost), num(state.tokens[i]), miss_ms, 0)
         elseif held and wait_ms <= 0 then
-          answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', ARGV[a + ARG_REQUEST_COST],
-            num(state.tokens[i]), LONG_PREFILL_RETRY_MS, 0, 0)
+          answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', num(cost), num(state.tokens[i]),
+            LONG_PREFILL_RETRY_MS, 0)
         elseif wait_ms <= 0 or (not pool_gated and not held and retry > wait_ms) then
-          answer(STATUS_REJECTED, REASON_RATE_LIMITED, '', ARGV[a + ARG_REQUEST_COST],
-            num(state.tokens[i]), retry, 0, 0)
+          answer(STATUS_REJECTED, REASON_RATE_LIMITED, '', num(cost), num(state.tokens[i]), retry, 0)
         elseif state.waiting[i] >= c.max_queue then
-          answer(STATUS_REJECTED, REASON_QUEUE_FULL, '', ARGV[a + ARG_REQUEST_COST],
-            num(state.tokens[i]), retry, 0, 0)
+          answer(STATUS_REJECTED, REASON_QUEUE_FULL, '', num(cost), num(state.tokens[i]), retry, 0)
         else
           -- Enqueue; a distinct score per request keeps a batch's order.
           local blocked = 0
@@ -183,12 +172,15 @@ for _ = 1, count do
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
             cost = cost, blocked = blocked, input = input, kv = kv, due = due,
           }))
+          if request_key then  -- the id is this waiter's while it may wait
+            redis.call('SET', request_key,
+              lease_id .. '|Q|' .. string.format('%.0f', now + wait_ms * 1000), 'PX', wait_ms)
+          end
           daemon_seen[daemon] = now
           enqueued_at = enqueued_at + 1
           state.waiting[i] = state.waiting[i] + 1
           state_changed = true
-          answer(STATUS_QUEUED, REASON_NONE, lease_id, ARGV[a + ARG_REQUEST_COST],
-            num(state.tokens[i]), wait_ms, 0, 0)
+          answer(STATUS_QUEUED, REASON_NONE, lease_id, num(cost), num(state.tokens[i]), wait_ms, 0)
         end
       end
     end

@@ -22,7 +22,8 @@
 -- Keys per waiter: lease hash, then its request-id key and tenant bucket if any.
 -- Returns a DECISION per waiter: status (STATUS_ADMITTED; STATUS_WAITING; STATUS_GONE:
 -- its entry was dropped as stale; STATUS_HELD: still waiting, held for a gap in the
--- top class's traffic; STATUS_LATE: dropped, as it would now miss its TTFT objective), REASON_NONE, lease_id, charged, remaining, 0, ttl_ms, 0.
+-- top class's traffic; STATUS_LATE: dropped, as it would now miss its TTFT
+-- objective), REASON_NONE, lease_id, charged, remaining, 0, ttl_ms.
 local daemon = ARGV[ARGS_BEFORE + ARG_PUMP_DAEMON]
 local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_PUMP_DEADLINE_US])
 -- Even a late pump proves its daemon alive: it still holds its waiters (it retries a
@@ -58,7 +59,7 @@ do
   for _ = 1, tonumber(ARGV[ARG_CALLS]) do
     local m = {
       field = ARGV[a + ARG_WAITER_FIELD], class = class_index[ARGV[a + ARG_WAITER_QOS_CLASS]],
-      cost = tonumber(ARGV[a + ARG_WAITER_COST]), lease_id = ARGV[a + ARG_WAITER_LEASE_ID],
+      lease_id = ARGV[a + ARG_WAITER_LEASE_ID],
       ttl_ms = tonumber(ARGV[a + ARG_WAITER_TTL_MS]), keep_ms = ARGV[a + ARG_WAITER_KEEP_MS],
       weight = ARGV[a + ARG_WAITER_WEIGHT], input = ARGV[a + ARG_WAITER_INPUT_TOKENS],
       output = ARGV[a + ARG_WAITER_OUTPUT_TOKENS], lease_key = KEYS[k],
@@ -118,6 +119,7 @@ local function admit(w, m, how, bucket)
       'PX', m.ttl_ms)
   end
   remove_waiter(i, w.id)
+  m.cost = w.cost  -- as acquire.lua priced it when it queued the waiter
   m.admitted = true
   admitted = admitted + 1
 end
@@ -225,11 +227,10 @@ for _, m in ipairs(order) do
   reply[n + REPLY_DECISION_STATUS] = status
   reply[n + REPLY_DECISION_REASON] = REASON_NONE
   reply[n + REPLY_DECISION_LEASE_ID] = m.lease_id
-  reply[n + REPLY_DECISION_CHARGED] = num(m.cost)
+  reply[n + REPLY_DECISION_CHARGED] = num(m.cost or 0)
   reply[n + REPLY_DECISION_REMAINING] = num(state.tokens[m.class])
   reply[n + REPLY_DECISION_RETRY_AFTER_MS] = 0
   reply[n + REPLY_DECISION_LEASE_TTL_MS] = m.ttl_ms
-  reply[n + REPLY_DECISION_REPLAYED] = 0
   n = n + DECISION_FIELDS
 end
 save_leases()

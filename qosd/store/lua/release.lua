@@ -5,10 +5,12 @@
 -- overflows into the shared tokens, as refill does).
 --
 -- Script arguments: RELEASE per release (qosd/store/contract.py): class, lease
--- field, actual input and output tokens ('' keeps the estimate), output_weight,
--- outcome, exact (1: undo an admission, refunding the whole charge; 0: a release).
--- Keys per release: its lease hash, then its tenant's counter where its class shares
--- by tokens (fair_charges set).
+-- field, actual input and output tokens ('' keeps the estimate), outcome, exact (1:
+-- undo an admission whose caller left, refunding the whole charge; 0: a release),
+-- has_request. Keys per release: its lease hash, then its request-id key where
+-- has_request (an undo frees it, if it still names this lease, so that the caller's
+-- retry is a new request), then its tenant's counter where its class shares by
+-- tokens (fair_charges set). The cost rule is formula.cost (formulas.lua).
 --
 -- An active lease field is "expiry_us|charged|weight|input|output" (pool/lease_writes.lua);
 -- settling turns it into "R|final|adjustment|outcome", which stays until the lease
@@ -51,6 +53,11 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
   local i = class_index[ARGV[a + ARG_RELEASE_QOS_CLASS]]
   local burst = classes[i].burst
   local lease_key = KEYS[k]
+  local request_key = nil
+  if ARGV[a + ARG_RELEASE_HAS_REQUEST] == '1' then
+    k = k + 1
+    request_key = KEYS[k]
+  end
   local field = ARGV[a + ARG_RELEASE_FIELD]
   local value = lease(lease_key, field)
   if value == '' then
@@ -73,11 +80,15 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       end
       if actual_input ~= '' then input = actual_input end
       if actual_output ~= '' then output = actual_output end
-      local output_weight = tonumber(ARGV[a + ARG_RELEASE_OUTPUT_WEIGHT])
-      local actual = (tonumber(input) + output_weight * tonumber(output)) * tonumber(weight)
+      local actual = formula.cost(input, output, weight, gate.output_weight)
       local delta = actual - tonumber(charged)
       if ARGV[a + ARG_RELEASE_EXACT] ~= '1' then
         delta = math.max(-burst, math.min(burst, delta))
+      elseif request_key then
+        local named = redis.call('GET', request_key)  -- "<pool>:<field>|..." if ours
+        if named and string.find(named, ':' .. field .. '|', 1, true) then
+          redis.call('DEL', request_key)
+        end
       end
       settle(i, delta)
       local final = num(tonumber(charged) + delta)

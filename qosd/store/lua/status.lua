@@ -1,7 +1,8 @@
 -- A pool's budget and queues now, read-only: an admin query. From the pool prelude.
 -- Returns (qosd/store/contract.py) STATUS: Redis time (us), shared tokens, admitted
 -- rate (R), tokens admitted so far, the long-prefill threshold (0: none), the prefill
--- backlog (us of predicted prefill admitted and not yet done, on the real clock); then a
+-- backlog (us of predicted prefill admitted and not yet done, on the real clock), the
+-- most the shared tokens hold at R (allocation.lua); then a
 -- STATUS_CLASS per class: tokens, waiters, the enqueue time (us) of the waiter at the
 -- head of its queue (the earliest due; in a class without objectives the oldest) or
 -- '' when none waits, rate and burst at R, leases in flight and their prompt plus
@@ -16,6 +17,7 @@ reply[REPLY_STATUS_ADMITTED] = num(state.admitted)
 reply[REPLY_STATUS_LONG_PREFILL] = num(state.long_prefill)
 reply[REPLY_STATUS_PREFILL_BACKLOG_US] =
   string.format('%.0f', math.max(0, state.prefill_real_until - now))
+reply[REPLY_STATUS_SHARED_BURST] = num(shared_burst)
 local n = STATUS_FIELDS
 for i = 1, class_count do
   local head = redis.call('ZRANGE', classes[i].queue, 0, 0)[1]

@@ -68,6 +68,9 @@ local gate = {
   server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US]),
   -- The servers take the top class's prompts first: it waits behind its own alone.
   servers_by_priority = ARGV[p + ARG_POOL_SERVERS_BY_PRIORITY] == '1',
+  -- A request's cost per expected output token, before its class weight
+  -- (formulas.lua: formula.cost).
+  output_weight = tonumber(ARGV[p + ARG_POOL_OUTPUT_WEIGHT]),
 }
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}

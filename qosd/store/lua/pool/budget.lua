@@ -17,14 +17,13 @@ end
 -- GPU-gated pools: room in flight, the class's share, and how to pay.
 
 -- The predicted prefill of a prompt of `input` tokens, us, by the pool's prefill model
--- (learned from reports, qosd/control/prefill.py); nil while there is none.
+-- (formulas.lua); nil while there is none.
 local function prefill_us(input)
   local m = state.prefill_model
   if not m then
     return nil
   end
-  local n = tonumber(input)
-  return (m[1] + n * (m[2] + m[3] * n)) * 1000
+  return formula.prefill_ms(m, tonumber(input)) * 1000
 end
 
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before

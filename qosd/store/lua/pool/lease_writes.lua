@@ -1,5 +1,6 @@
 -- Leases (release.lua settles them). A batch writes all its leases with one HSET and
 -- one PEXPIRE per lease hash: commands are the expensive part of a script.
+
 local lease_writes = {}  -- lease hash key -> {field, value, ...}
 local lease_keep = {}    -- lease hash key -> ms it must live
 

@@ -1,6 +1,6 @@
 """Who may call what: the rules of ``auth`` applied to each call on a shared listener.
 
-Two groups of RPCs (``qosd/service.py`` names each method's group):
+Two groups of RPCs (``qosd/doors/grpc_api.py`` names each method's group):
 
 - **control** (PinRate, UnpinRate): they change the fleet's shared state, so one call
   can throttle every replica. With no ``auth.control`` rule they are refused on the
@@ -70,6 +70,11 @@ class TokenFile:
         if token:  # an empty file mid-rotation keeps the last token
             self._signature, self._token = signature, token
 
+    def token(self) -> str:
+        """The token now (re-read if the file changed); empty while none was read."""
+        self._refresh()
+        return self._token.decode("utf-8", "replace")
+
     def matches(self, given: bytes) -> bool:
         self._refresh()
         return bool(self._token) and hmac.compare_digest(given, self._token)
@@ -97,7 +102,9 @@ def bearer_of(header: str) -> bytes:
     """The token of an ``authorization`` header's value; empty when it is not a
     bearer token (a wrong credential, not a missing one)."""
     if header[: len(BEARER_PREFIX)].lower() == BEARER_PREFIX:
-        return header[len(BEARER_PREFIX) :].strip().encode()
+        # surrogateescape: an HTTP header's bytes that are not UTF-8 reach here as lone
+        # surrogates (aiohttp); they are a wrong token, not an error.
+        return header[len(BEARER_PREFIX) :].strip().encode("utf-8", "surrogateescape")
     return b""
 
 

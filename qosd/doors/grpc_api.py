@@ -1,7 +1,10 @@
-"""The gRPC servicer: maps qosd.v1 messages onto the admission layer and back.
+"""The gRPC door: maps qosd.v1 messages onto admission and back.
 
-Policy answers are ordinary responses; only requests qosd cannot interpret, unknown
-or expired leases, and store outages on Release/Report become error statuses.
+Each call builds its request by the one set of rules (``qosd.doors.request``) and
+goes through ``qosd.doors.decisions``. Policy answers are ordinary responses; only
+requests qosd cannot interpret (INVALID_ARGUMENT), a request id already in use
+(ALREADY_EXISTS), unknown or expired leases, and store outages on Release/Report
+become error statuses.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from qosd import tracing
-from qosd.admission import Admission, InvalidArgument
-from qosd.auth import Authorizer, Group
+from qosd.admission import DuplicateRequest
+from qosd.config import Config
 from qosd.control.leader import Controller
 from qosd.control.windows import verdict
-from qosd.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
+from qosd.doors.auth import Authorizer, Group
+from qosd.doors.decisions import Decisions
+from qosd.doors.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
+from qosd.doors.request import InvalidArgument, RequestRules
 from qosd.metrics import Metrics
 from qosd.model import (
     LeaseExpired,
@@ -41,17 +47,14 @@ from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_OUTCOMES = frozenset(qosd_pb2.Outcome.values())
 _ADMITTED = qosd_pb2.DECISION_ADMITTED
 _REJECTED = qosd_pb2.DECISION_REJECTED
 
 
 class QoSService(qosd_pb2_grpc.QoSServicer):
-    def __init__(
-        self, admission: Admission, metrics: Metrics | None = None, tracer: Tracer | None = None
-    ) -> None:
-        self._admission = admission
-        self._metrics = metrics or Metrics()
+    def __init__(self, decisions: Decisions, tracer: Tracer | None = None) -> None:
+        self._decisions = decisions
+        self._metrics = decisions.metrics
         # None: tracing off. The RPC's span itself comes from tracing.traced_handler
         # (see add_to_server); the servicer adds what it decided.
         self._tracer = tracer
@@ -62,8 +65,9 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         span = tracing.recording_span() if self._tracer is not None else None
         if span is not None:
             tracing.annotate_acquire_request(span, request)
+        decisions = self._decisions
         try:
-            outcome = await self._admission.acquire(
+            admission_request = decisions.rules.acquire(
                 request_id=request.request_id,
                 tenant=request.tenant,
                 model=request.model,
@@ -76,19 +80,13 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                 slo_tpot_ms=request.slo_tpot_ms if request.HasField("slo_tpot_ms") else None,
             )
         except InvalidArgument as exc:
-            self._metrics.invalid.labels("Acquire").inc()
-            if span is not None:  # semconv leaves a caller's mistake UNSET: say what it was
-                span.set_attribute("qosd.error", str(exc))
+            decisions.invalid("Acquire", exc, span)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            outcome = await decisions.acquire(admission_request)
+        except DuplicateRequest as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         decision = outcome.decision
-        self._metrics.acquire(
-            outcome.pool, request.qos_class, decision.admitted, decision.reason, outcome.waited_ms
-        )
-        if decision.admitted and request.tenant:
-            tokens = request.input_tokens + request.expected_output_tokens
-            self._metrics.tenant_admitted(outcome.pool, request.qos_class, request.tenant, tokens)
-        if span is not None:
-            tracing.annotate_acquire(span, outcome)
         return qosd_pb2.AcquireResponse(
             decision=_ADMITTED if decision.admitted else _REJECTED,
             reason=decision.reason,  # type: ignore[arg-type]  # same values as the wire enum
@@ -98,7 +96,6 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             retry_after_ms=decision.retry_after_ms,
             waited_ms=outcome.waited_ms,
             lease_ttl_ms=decision.lease_ttl_ms,
-            replayed=decision.replayed,
             pool=outcome.pool,
             message=outcome.message,
             server_priority=outcome.server_priority,
@@ -107,31 +104,39 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
     async def Release(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.ReleaseResponse:
-        code, details = grpc.StatusCode.OK, ""
         span = tracing.recording_span() if self._tracer is not None else None
         if span is not None:
             tracing.annotate_release_request(span, request)
+        decisions = self._decisions
+        code, details = grpc.StatusCode.OK, ""
         try:
-            settlement = await self._admission.release(
+            outcome = Outcome(request.outcome) or Outcome.OK  # UNSPECIFIED means OK
+            release = decisions.rules.release(
                 request.lease_id,
                 request.actual_input_tokens if request.HasField("actual_input_tokens") else None,
                 request.actual_output_tokens if request.HasField("actual_output_tokens") else None,
-                Outcome(request.outcome) or Outcome.OK,  # UNSPECIFIED means OK
+                outcome,
             )
-        except InvalidArgument as exc:
-            code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except LeaseNotFound as exc:
+        except ValueError as exc:  # InvalidArgument, or an Outcome this version does not know
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            details = str(exc) if isinstance(exc, InvalidArgument) else f"outcome: {exc}"
+        except LeaseNotFound as exc:  # its pool or class is not configured
             code, details = grpc.StatusCode.NOT_FOUND, str(exc)
-        except LeaseExpired as exc:
-            code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-        except StoreUnavailable as exc:
-            code, details = grpc.StatusCode.UNAVAILABLE, f"release not recorded: {exc}; retry"
-        except ValueError as exc:  # an Outcome value this version does not know
-            code, details = grpc.StatusCode.INVALID_ARGUMENT, f"outcome: {exc}"
-        # UNSPECIFIED means OK; an outcome this version does not know is "UNKNOWN".
-        outcome = request.outcome or qosd_pb2.OUTCOME_OK
-        name = qosd_pb2.Outcome.Name(outcome) if outcome in _OUTCOMES else "OUTCOME_UNKNOWN"
-        self._metrics.releases.labels(name.removeprefix("OUTCOME_"), code.name).inc()
+        if code is not grpc.StatusCode.OK:
+            decisions.count_release(request.outcome or Outcome.OK, code.name)
+        else:
+            try:
+                settlement = await decisions.release(release)
+            except LeaseNotFound as exc:
+                code, details = grpc.StatusCode.NOT_FOUND, str(exc)
+            except LeaseExpired as exc:
+                code, details = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+            except StoreUnavailable as exc:
+                code = grpc.StatusCode.UNAVAILABLE
+                details = (
+                    f"release not recorded yet: {exc}; qosd retries it until the lease's "
+                    "TTL, and a retry of yours is harmless"
+                )
         if code is not grpc.StatusCode.OK:
             if span is not None:
                 span.set_attribute("qosd.error", details)
@@ -148,9 +153,10 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
     async def Report(  # noqa: N802 - gRPC method name
         self, request: qosd_pb2.ReportRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.ReportResponse:
-        admission = self._admission
+        admission = self._decisions.admission
+        rules = self._decisions.rules
         try:
-            admission.check_report_size(len(request.samples), len(request.loads))
+            rules.report_size(len(request.samples), len(request.loads))
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         accepted: list[Sample] = []
@@ -159,7 +165,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         for index, item in enumerate(request.samples):
             try:
                 accepted.append(
-                    admission.sample(
+                    rules.sample(
                         model=item.model,
                         qos_class=item.qos_class,
                         tenant=item.tenant,
@@ -178,7 +184,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             else:
                 if item.traceparent:
                     traced.append((item, accepted[-1]))
-        loads, loads_rejected = _server_loads(admission, request.loads)
+        loads, loads_rejected = _server_loads(rules, request.loads)
         try:
             await admission.report(accepted)
             await admission.report_loads(loads)
@@ -207,11 +213,17 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
     def _judge(self, samples: list[Sample]) -> None:
         """Counts the stored samples that met or missed their objectives, judged as
         the windows judge them (``windows.verdict``): the burn-rate alerts' SLI."""
-        classes = self._admission.config.classes
-        for sample in samples:
-            met = verdict(sample, classes[sample.qos_class].slo)
-            if met is not None:
-                self._metrics.slo_sample(sample.pool, sample.qos_class, met)
+        judge_samples(self._metrics, self._decisions.admission.config, samples)
+
+
+def judge_samples(metrics: Metrics, config: Config, samples: list[Sample]) -> None:
+    """Counts stored samples that met or missed their objectives
+    (``qosd_slo_samples_total``), as the windows judge them (``windows.verdict``)."""
+    classes = config.classes
+    for sample in samples:
+        met = verdict(sample, classes[sample.qos_class].slo)
+        if met is not None:
+            metrics.slo_sample(sample.pool, sample.qos_class, met)
 
 
 class AdminService(qosd_pb2_grpc.AdminServicer):
@@ -244,6 +256,11 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
                 f"tenants must name at most {MAX_STATUS_TENANTS} tenants, none of them empty "
                 f"(got {len(tenants)})",
             )
+        try:
+            for tenant in tenants:
+                RequestRules.name(tenant, "tenants")
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             return status_message(await self._status.status(names, request.history, tenants))
         except StoreUnavailable as exc:
@@ -289,7 +306,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
 
 
 def _server_loads(
-    admission: Admission, items: Iterable[qosd_pb2.ServerLoad]
+    rules: RequestRules, items: Iterable[qosd_pb2.ServerLoad]
 ) -> tuple[list[tuple[str, ServerLoad]], list[qosd_pb2.RejectedLoad]]:
     """ReportRequest.loads validated one by one: those to store (with their pool), and
     those rejected, naming the field."""
@@ -298,7 +315,7 @@ def _server_loads(
     for index, load in enumerate(items):
         try:
             loads.append(
-                admission.server_load(
+                rules.server_load(
                     model=load.model,
                     server=load.server,
                     waiting=load.waiting_requests if load.HasField("waiting_requests") else None,
@@ -314,13 +331,13 @@ def _sample_status(value: int) -> Outcome:
     try:
         return Outcome(value) or Outcome.OK
     except ValueError:
-        raise InvalidArgument(f"status {value} is not a known Outcome") from None
+        raise InvalidArgument("status", f"status {value} is not a known Outcome") from None
 
 
 Methods = dict[str, tuple[type[Message], Callable[..., Awaitable[Any]]]]
 
 
-# The group of every method on the shared listeners (qosd/auth.py). Anything new that
+# The group of every method on the shared listeners (qosd/doors/auth.py). Anything new that
 # changes shared state belongs in CONTROL.
 METHOD_GROUPS: dict[str, Group] = {
     "Acquire": Group.QOS,
@@ -356,7 +373,7 @@ def add_to_server(
 
     Returns each method's request type and handler chain, by method name (``Acquire``,
     ``GetStatus``...): what the JSON API runs, so that its calls are judged, traced
-    and validated exactly as gRPC calls are (qosd.json_api).
+    and validated exactly as gRPC calls are (qosd.doors.json_api).
     """
     chains: dict[str, tuple[type[Message], RawHandler]] = {}
 

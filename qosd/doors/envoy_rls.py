@@ -31,9 +31,10 @@ import grpc
 from opentelemetry.trace import Tracer
 
 from qosd import tracing
-from qosd.admission import AcquireOutcome, Admission, InvalidArgument
+from qosd.admission import AcquireOutcome
 from qosd.config import EnvoyRlsConfig
-from qosd.metrics import Metrics
+from qosd.doors.decisions import Decisions
+from qosd.doors.request import InvalidArgument
 from qosd.model import Reason
 from qosd.v1 import envoy_rls_pb2 as rls
 
@@ -46,11 +47,10 @@ INVALID_REQUEST = "INVALID_REQUEST"
 
 
 class EnvoyRateLimitService:
-    def __init__(
-        self, admission: Admission, metrics: Metrics, tracer: Tracer | None = None
-    ) -> None:
-        self._admission = admission
-        self._metrics = metrics
+    def __init__(self, decisions: Decisions, tracer: Tracer | None = None) -> None:
+        self._decisions = decisions
+        self._admission = decisions.admission
+        self._metrics = decisions.metrics
         self._tracer = tracer
         self._counters: dict[tuple[str, str], Any] = {}
 
@@ -85,31 +85,34 @@ class EnvoyRateLimitService:
                     {"qosd.class": qos_class, "qosd.tenant": tenant, "qosd.model": model,
                      "qosd.envoy.domain": request.domain, "qosd.envoy.hits": hits}
                 )  # fmt: skip
-            outcome = await self._admission.acquire(
-                request_id="",
+            admission_request = self._decisions.rules.acquire(
                 tenant=tenant,
                 model=model,
                 qos_class=qos_class,
                 input_tokens=cost,
-                expected_output_tokens=0,
                 max_wait_ms=config.max_wait_ms,
                 deadline_s=context.time_remaining(),
                 lease_ttl_ms=config.lease_ttl_ms,
+                names=self._names(),
             )
         except InvalidArgument as exc:
             # OVER_LIMIT, not an error status: Envoy lets a request through when its
             # rate limit call fails (failure_mode_deny is false by default), so an
             # error would let any caller skip admission with a bad header.
-            self._metrics.invalid.labels("ShouldRateLimit").inc()
+            self._decisions.invalid("ShouldRateLimit", exc)
             self._count("OVER_LIMIT", INVALID_REQUEST)
             return _refused(request, str(exc))
-        decision = outcome.decision
-        self._metrics.acquire(
-            outcome.pool, qos_class, decision.admitted, decision.reason, outcome.waited_ms
-        )
-        if span is not None:
-            tracing.annotate_acquire(span, outcome)
+        outcome = await self._decisions.acquire(admission_request)
         return self._response(request, outcome, qos_class)
+
+    def _names(self) -> dict[str, str]:
+        """The descriptor entries that carry each field, for errors."""
+        config = self._config
+        return {
+            "qos_class": f"descriptor entry {config.class_key!r}",
+            "tenant": f"descriptor entry {config.tenant_key!r}",
+            "model": f"descriptor entry {config.model_key!r}",
+        }
 
     def _class_of(self, entries: dict[str, str]) -> str:
         config = self._config
@@ -117,8 +120,9 @@ class EnvoyRateLimitService:
         if value is None:
             if config.default_class is None:
                 raise InvalidArgument(
+                    config.class_key,
                     f"no descriptor entry {config.class_key!r} names the QoS class, and "
-                    "envoy_rls.default_class is not set"
+                    "envoy_rls.default_class is not set",
                 )
             return config.default_class
         return config.class_aliases.get(value, value)
@@ -133,8 +137,9 @@ class EnvoyRateLimitService:
             cost = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else 0
             if not 1 <= cost <= limit:
                 raise InvalidArgument(
+                    config.cost_key,
                     f"descriptor entry {config.cost_key!r} must be a whole number of tokens "
-                    f"from 1 to {limit} (got {raw[:40]!r})"
+                    f"from 1 to {limit} (got {raw[:40]!r})",
                 )
             return cost
         return max(1, math.ceil(hits * config.tokens_per_hit))
@@ -174,17 +179,19 @@ class EnvoyRateLimitService:
 def _read(request: rls.RateLimitRequest) -> tuple[dict[str, str], int]:
     """All descriptors' entries as one map, and the hits this request adds."""
     if not request.descriptors:
-        raise InvalidArgument("descriptors: at least one descriptor is required")
+        raise InvalidArgument("descriptors", "descriptors: at least one descriptor is required")
     entries: dict[str, str] = {}
     hits = 0
     for index, descriptor in enumerate(request.descriptors):
         # The constraints of Envoy's own proto validation (min_items, min_len).
         if not descriptor.entries:
-            raise InvalidArgument(f"descriptors[{index}]: at least one entry is required")
+            raise InvalidArgument(
+                "descriptors", f"descriptors[{index}]: at least one entry is required"
+            )
         for entry in descriptor.entries:
             if not entry.key or not entry.value:
                 raise InvalidArgument(
-                    f"descriptors[{index}]: entry keys and values must not be empty"
+                    "descriptors", f"descriptors[{index}]: entry keys and values must not be empty"
                 )
             entries[entry.key] = entry.value
         if descriptor.HasField("hits_addend"):

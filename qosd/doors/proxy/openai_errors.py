@@ -13,11 +13,15 @@ from qosd.model import Reason
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
+    500: "server_error",
     502: "upstream_error",
     503: "service_unavailable",
+    504: "upstream_error",
 }
 
 

@@ -9,7 +9,7 @@ gRPC code generation (nginx or OpenResty Lua, Kong plugins, Node, Go without pro
 Bodies are the messages of ``proto/qosd/v1/qosd.proto`` in protobuf's JSON mapping:
 field names as in the .proto (``input_tokens``) or their JSON names
 (``inputTokens``), enums by name, 64-bit integers as numbers or strings. Each call
-runs the gRPC method's own handler chain (qosd.service.add_to_server): the same
+runs the gRPC method's own handler chain (qosd.doors.grpc_api.add_to_server): the same
 authorization (``authorization: Bearer`` and mTLS identities), the same trace
 propagation (``traceparent``), the same validation. Answers are the response
 messages, with every field present; an error is ``{"code": "INVALID_ARGUMENT",
@@ -19,15 +19,21 @@ messages, with every field present; an error is ``{"code": "INVALID_ARGUMENT",
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from qosd.service import RawHandler
+from qosd.doors import openapi
+from qosd.doors.bodies import BadJson, BodyTooLarge, parse_json, read_body
+from qosd.doors.grpc_api import RawHandler
+from qosd.status import MAX_HISTORY
 from qosd_client.v1 import qosd_pb2
+
+log = logging.getLogger(__name__)
 
 #: The gRPC codes an answer can carry, as HTTP statuses (as Google's HTTP APIs map them).
 HTTP_STATUS = {
@@ -39,6 +45,7 @@ HTTP_STATUS = {
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -109,28 +116,35 @@ class JsonApi:
 
     def add_routes(self, app: web.Application) -> None:
         for path in ROUTES:
-            app.router.add_post(f"/v1/{path}", self._post)
-        app.router.add_get("/v1/status", self._status)
+            app.router.add_post(f"/v1/{path}", _guarded(self._post))
+        app.router.add_get("/v1/status", _guarded(self._status))
+        openapi.add_route(app)  # this API's document, and the proxy's
 
     async def _post(self, request: web.Request) -> web.Response:
         method = ROUTES[request.path.rsplit("/", 1)[1]]
         message_type = self._chains[method][0]
-        raw = await request.content.read(MAX_BODY_BYTES + 1)
-        if len(raw) > MAX_BODY_BYTES:
-            return _error(413, "INVALID_ARGUMENT", f"the body exceeds {MAX_BODY_BYTES} bytes")
         try:
-            message = json_format.Parse(raw or b"{}", message_type())
+            raw = await read_body(request, MAX_BODY_BYTES)
+            body = parse_json(raw) if raw else {}
+            if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
+                raise BadJson("the body must be a JSON object, the message's fields")
+            message = json_format.ParseDict(body, message_type())
+        except BodyTooLarge as exc:
+            return _error(413, "INVALID_ARGUMENT", str(exc))
+        except BadJson as exc:
+            return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
         except json_format.ParseError as exc:
             return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
         return await self._call(method, message, request)
 
     async def _status(self, request: web.Request) -> web.Response:
         query = request.query
-        try:
-            history = int(query.get("history", "0"))
-        except ValueError:
-            return _error(400, "INVALID_ARGUMENT", "history: must be an integer")
-        message = _status_request(query.get("pool", ""), history, query.getall("tenant", []))
+        text = query.get("history", "0")
+        if not (text.isascii() and text.isdigit() and len(text) <= len(str(MAX_HISTORY))):
+            return _error(
+                400, "INVALID_ARGUMENT", f"history: must be a whole number from 0 to {MAX_HISTORY}"
+            )
+        message = _status_request(query.get("pool", ""), int(text), query.getall("tenant", []))
         return await self._call("GetStatus", message, request)
 
     async def _call(self, method: str, message: Message, request: web.Request) -> web.Response:
@@ -144,6 +158,24 @@ class JsonApi:
             answer, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
         return web.json_response(body)
+
+
+def _guarded(
+    handler: Callable[[web.Request], Awaitable[web.Response]],
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``handler``, answering in this door's format whatever goes wrong: a bug is a 500
+    with ``{"code": "INTERNAL"}``, its traceback in the log, never aiohttp's text page."""
+
+    async def run(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, "INTERNAL", "internal error; the daemon's log has the details")
+
+    return run
 
 
 def _status_request(pool: str, history: int, tenants: Sequence[str]) -> Message:

@@ -36,9 +36,25 @@ def add_proxy(commands: Any) -> None:
     proxy.add_argument(
         "--api-key", action="append", default=[], metavar="KEY=CLASS[:TENANT]",
         help="requests with this bearer key get this class and tenant (repeatable; only "
-        "the key's SHA-256 is kept; prefix with sha256: to give the digest itself)",
+        "the key's SHA-256 is kept; prefix with sha256: to give the digest itself). With "
+        "keys, a request without a known key is refused (401/403), and x-qos-class may "
+        "lower a key's class, never raise it",
     )  # fmt: skip
     proxy.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    proxy.add_argument(
+        "--upstream-key-file", metavar="FILE",
+        help="a file holding the key to show the upstreams (Authorization: Bearer); re-read "
+        "when it changes. Callers' own credentials are never forwarded",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--upstream-connect-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="the longest a connection to an upstream may take (default 10)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--upstream-read-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="the longest an upstream may go silent: between two chunks of a stream, or "
+        "for a whole answer that is not streamed (default 300, the lease TTL's default)",
+    )  # fmt: skip
     from qosd.cli import add_config_flags  # noqa: PLC0415 - cli imports this module
 
     add_config_flags(proxy, listen_flag="--grpc-listen")
@@ -48,7 +64,7 @@ def add_proxy(commands: Any) -> None:
 
 def api_keys(items: list[str], classes: list[str]) -> dict[str, tuple[str, str]]:
     """``KEY=CLASS[:TENANT]`` items as {SHA-256 of KEY: (class, tenant)}."""
-    from qosd.proxy.handler import key_digest  # noqa: PLC0415 - the command imports what it runs
+    from qosd.doors.proxy.handler import key_digest  # noqa: PLC0415 - the command imports what it runs
 
     keys: dict[str, tuple[str, str]] = {}
     for item in items:
@@ -66,8 +82,8 @@ def api_keys(items: list[str], classes: list[str]) -> dict[str, tuple[str, str]]
 
 def run_proxy(args: argparse.Namespace) -> int:
     from qosd.cli import configured  # noqa: PLC0415 - the command imports what it runs
-    from qosd.proxy.handler import ProxySettings  # noqa: PLC0415
-    from qosd.proxy.upstreams import Upstreams  # noqa: PLC0415
+    from qosd.doors.proxy.handler import ProxySettings  # noqa: PLC0415
+    from qosd.doors.proxy.upstreams import Upstreams  # noqa: PLC0415
 
     config = configured(args)
     if config is None:
@@ -84,6 +100,10 @@ def run_proxy(args: argparse.Namespace) -> int:
             raise ValueError(f"--default-class {default_class!r} is not a configured class")
         if args.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        for flag, value in (("--upstream-connect-timeout", args.upstream_connect_timeout),
+                            ("--upstream-read-timeout", args.upstream_read_timeout)):  # fmt: skip
+            if not 0 < value <= 86_400:
+                raise ValueError(f"{flag} must be above 0 and at most 86400 seconds")
         keys = api_keys(args.api_key, classes)
     except ValueError as exc:
         print(f"qosd proxy: {exc}", file=sys.stderr)
@@ -94,10 +114,13 @@ def run_proxy(args: argparse.Namespace) -> int:
         priority_upstreams=args.priority_upstreams,
         max_body_bytes=args.max_body_bytes,
         api_keys=keys,
+        upstream_key_file=args.upstream_key_file,
+        upstream_connect_timeout_s=args.upstream_connect_timeout,
+        upstream_read_timeout_s=args.upstream_read_timeout,
     )
     import uvloop  # noqa: PLC0415
 
-    from qosd.proxy.server import serve_proxy  # noqa: PLC0415
+    from qosd.doors.proxy.server import serve_proxy  # noqa: PLC0415
     from qosd.server import StartupError  # noqa: PLC0415
 
     try:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from qosd.auth import CallerCheck, Group
 from qosd.config import Config, parse_listen_address
-from qosd.proxy.handler import Proxy, ProxySettings
+from qosd.doors import openapi
+from qosd.doors.auth import CallerCheck, Group
+from qosd.doors.proxy.handler import Proxy, ProxySettings
 from qosd.server import Daemon, start, write_ready_file
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def proxy_app(proxy: Proxy) -> web.Application:
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_get("/v1/models", proxy.models)
+    openapi.add_route(app)
     return app
 
 
@@ -65,9 +67,15 @@ async def start_proxy(config: Config, listen: str, settings: ProxySettings) -> R
         # sent upstream; aiohttp's default of 100 connections would cap it below them.
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            # No total: a stream runs as long as it runs. Connect and each read are
+            # bounded, so a hung upstream ends its request and lease.
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=settings.upstream_connect_timeout_s,
+                sock_read=settings.upstream_read_timeout_s,
+            ),
         )
-        proxy = Proxy(daemon.admission, daemon.metrics, settings, session)
+        proxy = Proxy(daemon.decisions, settings, session)
         # A client that disconnects cancels its handler: its waiter leaves the queue,
         # its upstream request is closed and its lease ends.
         runner = web.AppRunner(proxy_app(proxy), access_log=None, handler_cancellation=True)

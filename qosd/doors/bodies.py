@@ -1,0 +1,88 @@
+"""HTTP bodies as the doors read them: whole, bounded, and parsed as JSON that cannot
+hurt the reader.
+
+A body is read to its end, up to a limit: a request may arrive in many TCP segments,
+and reading what happens to be buffered reads half a body. JSON is parsed with its
+numbers bounded (a 5,000-digit integer costs quadratic time to convert and is no
+token count), without NaN or Infinity (not JSON), and with its nesting bounded (deep
+nesting exhausts the parser's recursion).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+#: Digits in an integer, at most: int64 has 19.
+MAX_INTEGER_DIGITS = 24
+#: Nesting of arrays and objects, at most: no request of qosd's or OpenAI's nests deeper.
+MAX_DEPTH = 64
+
+
+class BodyTooLarge(ValueError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body exceeds {limit} bytes")
+        self.limit = limit
+
+
+class BadJson(ValueError):
+    """The body is not JSON qosd reads; the message says why."""
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, however many segments it came in; BodyTooLarge past ``limit``
+    (at once when Content-Length says so)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(limit)
+    return bytes(body)
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON, or BadJson saying why."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadJson(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_int=_integer, parse_constant=_constant)
+    except RecursionError:
+        raise BadJson(f"the body nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError, and _integer's and _constant's
+        raise BadJson(f"the body is not valid JSON: {exc}") from None
+    if _depth_exceeds(value, MAX_DEPTH):
+        raise BadJson(f"the body nests deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits is out of range")
+    return int(text)
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests deeper than ``limit`` (iteratively: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False

@@ -1,0 +1,686 @@
+"""One OpenAI-compatible request through the proxy: admit, forward, settle, report.
+
+Every admitted request ends its lease exactly once, from ``_admit_and_forward``'s
+``finally``, whatever happens after admission: with the usage the server reported,
+with what was streamed when the stream broke, with nothing used when the upstream
+refused or was unreachable, or with the estimate when the answer was cut or the
+proxy itself failed. A settlement the store does not take is retried
+(``qosd.settlements``).
+
+Identity (docs/security.md): with API keys configured, a request's key decides its
+class and tenant; a request with no key, an unknown key or a scheme other than
+Bearer (matched without regard to case) is refused, and ``x-qos-class`` may only
+lower the key's class. The caller's credentials are never forwarded upstream: an
+upstream key is its own setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import grpc
+from aiohttp import web
+
+from qosd.admission import DuplicateRequest
+from qosd.doors.auth import CallerCheck, TokenFile, bearer_of
+from qosd.doors.bodies import BadJson, parse_json
+from qosd.doors.decisions import Decisions
+from qosd.doors.grpc_api import judge_samples
+from qosd.doors.proxy.estimate import Estimator, Usage, prompt_text
+from qosd.doors.proxy.openai_errors import OpenAIError, refusal
+from qosd.doors.proxy.upstreams import Upstream, Upstreams
+from qosd.doors.request import MAX_LATENCY_MS, InvalidArgument
+from qosd.model import (
+    AdmissionRequest,
+    LeaseExpired,
+    LeaseNotFound,
+    Outcome,
+    Sample,
+    StoreUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+CLASS_HEADER = "x-qos-class"
+TENANT_HEADER = "x-qos-tenant"
+REQUEST_ID_HEADER = "x-request-id"
+#: Per-request objectives: qosd's own headers, then llm-d's.
+TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
+TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
+#: Request headers passed upstream as they came (the rest are the proxy's business;
+#: ``authorization`` never: it is the caller's credential for qosd).
+FORWARDED_HEADERS = ("traceparent", "tracestate", REQUEST_ID_HEADER,
+                     "endpoint-load-metrics-format")  # fmt: skip
+LOAD_HEADER = "endpoint-load-metrics"
+#: How a client that left before its answer is counted: nginx's code.
+CLIENT_CLOSED = 499
+#: Marks a request whose client left while its stream was written.
+_CLIENT_LEFT = "qosd.client_left"
+#: The door's names for the fields of a request, in its errors.
+FIELD_NAMES = {
+    "qos_class": CLASS_HEADER,
+    "tenant": TENANT_HEADER,
+    "request_id": REQUEST_ID_HEADER,
+    "model": "model",
+    "input_tokens": "messages",
+    "expected_output_tokens": "max_tokens",
+    "slo_ttft_ms": TTFT_HEADERS[0],
+    "slo_tpot_ms": TPOT_HEADERS[0],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    upstreams: Upstreams
+    default_class: str
+    #: Pass each request's standing (its class's rank, 0 for the top class) as vLLM's
+    #: ``priority`` field: for upstreams run with ``--scheduling-policy priority``.
+    priority_upstreams: bool = False
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: API key (the bearer token) SHA-256 hex digest -> (class, tenant).
+    api_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: ``auth.qos``'s rule, when set: who may send requests.
+    caller_check: CallerCheck | None = None
+    #: The key the proxy shows upstreams (``Authorization: Bearer``), read from this
+    #: file and re-read when it changes; None: no credentials upstream.
+    upstream_key_file: str | None = None
+    #: Seconds to connect to an upstream, and at most between two reads of its answer
+    #: (a non-streaming answer comes whole, so this bounds its generation too).
+    upstream_connect_timeout_s: float = 10.0
+    upstream_read_timeout_s: float = 300.0
+
+
+@dataclass(slots=True)
+class _Call:
+    """One request's facts, as the proxy learned them."""
+
+    admission: AdmissionRequest
+    body: dict[str, Any]
+    raw: bytes  # the body as it came
+    prompt_bytes: int
+    stream: bool
+    wants_usage: bool
+
+    @property
+    def model(self) -> str:
+        return self.admission.model
+
+    @property
+    def qos_class(self) -> str:
+        return self.admission.qos_class
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the upstream's answer has shown so far."""
+
+    sent_at: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    chunks: int = 0  # content chunks streamed: one token each, as vLLM streams
+    usage: Usage | None = None
+    outcome: Outcome = Outcome.CANCELLED
+    used_nothing: bool = False  # the upstream refused or was unreachable
+    cut: bool = False  # the answer broke off: usage unknown, the estimate stands
+
+
+class Proxy:
+    def __init__(
+        self, decisions: Decisions, settings: ProxySettings, session: aiohttp.ClientSession
+    ) -> None:
+        self._decisions = decisions
+        self._metrics = decisions.metrics
+        self.settings = settings
+        self._session = session
+        self._upstream_key = (
+            TokenFile(settings.upstream_key_file) if settings.upstream_key_file else None
+        )
+        self.estimator = Estimator()
+        self._samples: list[Sample] = []
+        self._settling: set[asyncio.Task[None]] = set()
+
+    # -- the routes -----------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/completions")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """Every upstream's models, as one list (one server asked per model), for a
+        caller the completions routes would take."""
+        try:
+            self._authorize(request)
+            self._identity(request)
+        except OpenAIError as error:
+            return error.response()
+        data: list[Any] = []
+        for model, servers in self.settings.upstreams.by_model.items():
+            try:
+                async with self._session.get(
+                    f"{servers[0].url}/v1/models", headers=self._upstream_headers()
+                ) as answer:
+                    listed = (await answer.json()).get("data", [])
+            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+                listed = []
+            found = [m for m in listed if isinstance(m, dict) and m.get("id") == model]
+            data.extend(found or [{"id": model, "object": "model", "owned_by": "qosd-proxy"}])
+        return web.json_response({"object": "list", "data": data})
+
+    async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
+        code = 500
+        call: _Call | None = None
+        try:
+            self._authorize(request)
+            call = await self._parse(request)
+            response = await self._admit_and_forward(request, path, call)
+            code = CLIENT_CLOSED if request.get(_CLIENT_LEFT) else response.status
+            return response
+        except OpenAIError as error:
+            code = error.status
+            return error.response()
+        except asyncio.CancelledError:
+            code = CLIENT_CLOSED  # the client left: aiohttp cancels its handler
+            raise
+        except Exception:
+            log.exception("proxying %s failed", path)
+            return OpenAIError(500, "internal error; the proxy's log has the details").response()
+        finally:
+            self._metrics.proxy_requests.labels(
+                call.model if call else "", call.qos_class if call else "", str(code)
+            ).inc()
+
+    # -- admission ------------------------------------------------------------------
+
+    def _authorize(self, request: web.Request) -> None:
+        """``auth.qos``, as the daemon applies it to Acquire: a bearer token or an
+        allowed mTLS identity; 401 when the caller shows neither, 403 when wrong."""
+        check = self.settings.caller_check
+        if check is None:
+            return
+        header = request.headers.get("authorization")
+        token = None if header is None else bearer_of(header)
+        refusal_ = check.judge_credentials(token, _peer_identities(request))
+        if refusal_ is not None:
+            status = 401 if refusal_.code is grpc.StatusCode.UNAUTHENTICATED else 403
+            self._metrics.auth_refusals.labels("proxy", refusal_.code.name).inc()
+            raise OpenAIError(status, refusal_.message, "authorization",
+                              code=refusal_.code.name.lower())  # fmt: skip
+
+    async def _parse(self, request: web.Request) -> _Call:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise OpenAIError(
+                413,
+                f"the request body exceeds the proxy's limit of "
+                f"{self.settings.max_body_bytes} bytes (--max-body-bytes)",
+                "body",
+            ) from exc
+        try:
+            body = parse_json(raw)
+        except BadJson as exc:
+            raise OpenAIError(400, str(exc), "body") from exc
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object", "body")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise OpenAIError(400, "model: a model name is required", "model")
+        if self.settings.upstreams.pick(model) is None:
+            served = ", ".join(self.settings.upstreams.models())
+            raise OpenAIError(404, f"model {model[:80]!r} is not served here (models: {served})",
+                              "model", code="model_not_found")  # fmt: skip
+        qos_class, tenant = self._identity(request)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0
+        ):
+            raise OpenAIError(400, "max_tokens: must be a non-negative integer", "max_tokens")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise OpenAIError(400, "stream: must be true or false", "stream")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise OpenAIError(400, "stream_options: must be an object", "stream_options")
+        prompt_bytes = len(prompt_text(body).encode("utf-8", "surrogatepass"))
+        limit = self._decisions.rules.max_tokens
+        if self.estimator.fewest_tokens(prompt_bytes) > limit:
+            raise OpenAIError(
+                400,
+                f"messages: the prompt ({prompt_bytes} bytes) is more than {limit} tokens "
+                "whatever the tokenizer (limits.max_request_tokens)",
+                "messages",
+            )
+        try:
+            admission = self._decisions.rules.acquire(
+                request_id=request.headers.get(REQUEST_ID_HEADER, ""),
+                tenant=tenant,
+                model=model,
+                qos_class=qos_class,
+                input_tokens=self.estimator.prompt_tokens(model, prompt_bytes),
+                expected_output_tokens=self.estimator.expected_output(qos_class, max_tokens),
+                slo_ttft_ms=_objective(request, TTFT_HEADERS),
+                slo_tpot_ms=_objective(request, TPOT_HEADERS),
+                estimated=True,
+                names=FIELD_NAMES,
+            )
+        except InvalidArgument as exc:
+            self._decisions.invalid("proxy", exc)
+            raise OpenAIError(400, str(exc), exc.field) from exc
+        return _Call(
+            admission=admission,
+            body=body,
+            raw=raw,
+            prompt_bytes=prompt_bytes,
+            stream=stream is True,
+            wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        )
+
+    def _identity(self, request: web.Request) -> tuple[str, str]:
+        """The request's class and tenant. With API keys: its key's, which
+        ``x-qos-class`` may lower but never raise (and ``x-qos-tenant`` names a
+        tenant only for a key that names none); a missing or unknown key is refused.
+        Without: its headers', else the default class."""
+        headers = request.headers
+        asked = headers.get(CLASS_HEADER)
+        keys = self.settings.api_keys
+        if not keys:
+            return asked or self.settings.default_class, headers.get(TENANT_HEADER, "")
+        header = headers.get("authorization")
+        key = bearer_of(header) if header is not None else b""
+        if not key:
+            self._metrics.auth_refusals.labels("proxy", "UNAUTHENTICATED").inc()
+            raise OpenAIError(401, "an API key is required: 'Authorization: Bearer <key>'",
+                              "authorization", code="invalid_api_key")  # fmt: skip
+        found = keys.get(hashlib.sha256(key).hexdigest())
+        if found is None:
+            self._metrics.auth_refusals.labels("proxy", "PERMISSION_DENIED").inc()
+            raise OpenAIError(403, "the API key is not known here", "authorization",
+                              code="invalid_api_key")  # fmt: skip
+        key_class, key_tenant = found
+        qos_class = key_class
+        if asked and asked != key_class:
+            classes = self._decisions.admission.config.classes
+            if asked not in classes:
+                raise OpenAIError(400, f"{CLASS_HEADER}: unknown class {asked[:40]!r} "
+                                  f"(classes: {', '.join(classes)})", CLASS_HEADER)  # fmt: skip
+            if classes[asked].priority < classes[key_class].priority:
+                self._metrics.auth_refusals.labels("proxy", "PERMISSION_DENIED").inc()
+                raise OpenAIError(
+                    403,
+                    f"{CLASS_HEADER}: {asked!r} is above this key's class {key_class!r}; a "
+                    "header may lower a key's class, never raise it",
+                    CLASS_HEADER,
+                    code="class_not_allowed",
+                )
+            qos_class = asked
+        return qos_class, key_tenant or headers.get(TENANT_HEADER, "")
+
+    async def _admit_and_forward(
+        self, request: web.Request, path: str, call: _Call
+    ) -> web.StreamResponse:
+        try:
+            outcome = await self._decisions.acquire(call.admission)
+        except DuplicateRequest as exc:
+            raise OpenAIError(409, str(exc), REQUEST_ID_HEADER,
+                              code="duplicate_request_id") from exc  # fmt: skip
+        decision = outcome.decision
+        if not decision.admitted:
+            raise refusal(decision.reason, decision.retry_after_ms, outcome.message)
+        progress = _Progress()
+        try:
+            upstream = self.settings.upstreams.pick(call.model)
+            assert upstream is not None  # checked in _parse; upstreams never change
+            return await self._forward(request, path, call, upstream, outcome.server_priority,
+                                       progress)  # fmt: skip
+        finally:
+            # In a task of its own: the answer goes out while the lease ends (a store
+            # call the client need not wait for), and a client that leaves cancels
+            # this handler, not the settlement.
+            settling = asyncio.get_running_loop().create_task(
+                self._settle(call, decision.lease_id, progress)
+            )
+            self._settling.add(settling)
+            settling.add_done_callback(self._settling.discard)
+
+    # -- forwarding -----------------------------------------------------------------
+
+    def _upstream_headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if self._upstream_key is not None and (key := self._upstream_key.token()):
+            headers["authorization"] = f"Bearer {key}"
+        return headers
+
+    async def _forward(
+        self,
+        request: web.Request,
+        path: str,
+        call: _Call,
+        upstream: Upstream,
+        priority: int,
+        progress: _Progress,
+    ) -> web.StreamResponse:
+        payload = call.raw  # as the client sent it, unless the proxy adds to it
+        if call.stream or self.settings.priority_upstreams:
+            body = dict(call.body)
+            if call.stream:  # the usage to settle with, whether or not the client asked
+                body["stream_options"] = {**(body.get("stream_options") or {}),
+                                          "include_usage": True}  # fmt: skip
+            if self.settings.priority_upstreams:
+                body["priority"] = priority
+            payload = json.dumps(body).encode()
+        headers = self._upstream_headers()
+        headers.update((k, v) for k in FORWARDED_HEADERS if (v := request.headers.get(k)))
+        upstream.in_flight += 1
+        try:
+            progress.sent_at = time.monotonic()
+            try:
+                answer = await self._session.post(
+                    upstream.url + path, data=payload, headers=headers
+                )
+            except TimeoutError as exc:  # it may have started: its estimate stands
+                progress.cut, progress.outcome = True, Outcome.ERROR
+                raise OpenAIError(504, f"upstream {upstream.url} did not answer in time",
+                                  code="upstream_timeout") from exc  # fmt: skip
+            except aiohttp.ClientError as exc:
+                progress.used_nothing, progress.outcome = True, Outcome.ERROR
+                raise OpenAIError(502, f"upstream {upstream.url} unreachable: {_what(exc)}",
+                                  code="upstream_unreachable") from exc  # fmt: skip
+            async with answer:
+                try:
+                    _read_load(upstream, answer)
+                    if answer.status != 200:
+                        progress.used_nothing, progress.outcome = True, Outcome.ERROR
+                        return await _passed_on(answer)
+                    if not call.stream:
+                        return await self._whole(answer, progress)
+                    return await self._stream(request, answer, call, progress)
+                except BaseException:
+                    answer.close()  # the client left: the upstream drops the request
+                    raise
+        finally:
+            upstream.in_flight -= 1
+
+    async def _whole(self, answer: aiohttp.ClientResponse, progress: _Progress) -> web.Response:
+        try:
+            raw = await answer.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            progress.cut, progress.outcome = True, Outcome.ERROR
+            raise _broke_off(exc) from exc
+        progress.last_token_at = time.monotonic()
+        try:
+            progress.usage = Usage.parse(json.loads(raw).get("usage"))
+        except (ValueError, AttributeError, RecursionError):
+            progress.usage = None
+        progress.outcome = Outcome.OK
+        return web.Response(status=200, body=raw, content_type="application/json")
+
+    async def _stream(
+        self,
+        request: web.Request,
+        answer: aiohttp.ClientResponse,
+        call: _Call,
+        progress: _Progress,
+    ) -> web.StreamResponse:
+        """Relays the server-sent events as they come (a slow client slows the reads
+        from the upstream: backpressure both ways), minus the usage chunk the client
+        did not ask for. A stream that breaks off ends with an OpenAI error event, which
+        the SDKs raise."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        lines = aiter(answer.content)
+        while True:
+            try:  # reading from the upstream; a failure writing to the client propagates
+                line = await anext(lines)
+            except StopAsyncIteration:
+                break
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                progress.cut, progress.outcome = True, Outcome.ERROR
+                error = _broke_off(exc)
+                event = {"error": {"message": str(error), "type": "upstream_error",
+                                   "param": None, "code": error.code}}  # fmt: skip
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await response.write_eof()
+                return response
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                self._saw(line, call, progress)
+                if progress.usage is not None and not call.wants_usage and _is_usage(line):
+                    continue
+            try:
+                await response.write(line)
+            except ConnectionResetError:  # the client left between two chunks
+                request[_CLIENT_LEFT] = True
+                return response  # settled as cancelled; aiohttp ends the connection quietly
+        await response.write_eof()
+        progress.outcome = Outcome.OK
+        return response
+
+    @staticmethod
+    def _saw(line: bytes, call: _Call, progress: _Progress) -> None:
+        """Notes what one event of the stream shows: usage, or a token."""
+        try:
+            chunk = json.loads(line[6:])
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(chunk, dict):
+            return
+        if _is_usage_chunk(chunk):
+            progress.usage = Usage.parse(chunk.get("usage"))
+        elif _has_content(chunk):
+            now = time.monotonic()
+            if progress.first_token_at is None:
+                progress.first_token_at = now
+            progress.last_token_at = now
+            progress.chunks += 1
+
+    # -- settlement and reports -----------------------------------------------------
+
+    async def settled(self) -> None:
+        """Waits for the leases of answered requests to end (on shutdown)."""
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    async def _settle(self, call: _Call, lease_id: str, progress: _Progress) -> None:
+        """Ends the lease and records the request's latencies. Usage beyond the request
+        limit is settled at the limit."""
+        usage = progress.usage
+        input_tokens: int | None
+        output_tokens: int | None
+        if progress.used_nothing:
+            input_tokens, output_tokens = 0, 0
+        elif usage is not None:
+            input_tokens, output_tokens = usage.prompt_tokens, usage.completion_tokens
+            self.estimator.learn(call.model, call.qos_class, call.prompt_bytes, usage)
+        elif call.stream and not progress.cut and progress.outcome is Outcome.CANCELLED:
+            # The client left mid-stream: what was streamed, the prompt as estimated.
+            input_tokens, output_tokens = call.admission.input_tokens, progress.chunks
+        else:  # cut, or the proxy failed: the estimates stand
+            input_tokens = output_tokens = None
+        limit = self._decisions.rules.max_tokens
+        if input_tokens is not None:
+            input_tokens = min(input_tokens, limit)
+        if output_tokens is not None:
+            output_tokens = min(output_tokens, limit)
+        decisions = self._decisions
+        try:
+            release = decisions.rules.release(
+                lease_id, input_tokens, output_tokens, progress.outcome
+            )
+            await decisions.release(release)
+        except StoreUnavailable as exc:
+            log.warning("lease %s not settled yet (retried until it lands): %s", lease_id, exc)
+        except (LeaseNotFound, LeaseExpired, InvalidArgument) as exc:
+            log.warning("lease %s not settled: %s", lease_id, exc)
+        if not progress.used_nothing:
+            self._record(call, progress, output_tokens)
+
+    def _record(self, call: _Call, progress: _Progress, output_tokens: int | None) -> None:
+        """A latency sample for the SLO loop, measured at the proxy from the moment
+        the request went upstream (the wait in qosd is on /metrics, not in it)."""
+        end = progress.last_token_at
+        if end is None:
+            return
+        produced = output_tokens if output_tokens is not None else progress.chunks
+        ttft_ms = tpot_ms = None
+        if progress.first_token_at is not None:
+            ttft_ms = (progress.first_token_at - progress.sent_at) * 1000
+            if produced > 1:
+                tpot_ms = (end - progress.first_token_at) * 1000 / (produced - 1)
+        status = progress.outcome if progress.outcome is not Outcome.UNSPECIFIED else Outcome.OK
+        admission = call.admission
+        limit = self._decisions.rules.max_tokens
+        try:
+            sample = self._decisions.rules.sample(
+                model=call.model,
+                qos_class=call.qos_class,
+                tenant=admission.tenant,
+                ttft_ms=ttft_ms,
+                tpot_ms=tpot_ms,
+                e2e_ms=(end - progress.sent_at) * 1000,
+                input_tokens=min(limit, progress.usage.prompt_tokens)
+                if progress.usage
+                else admission.input_tokens,
+                output_tokens=min(limit, produced),
+                status=status,
+                slo_ttft_ms=admission.slo_ttft_ms,
+                slo_tpot_ms=admission.slo_tpot_ms,
+            )
+        except InvalidArgument as exc:
+            log.warning("latency sample dropped: %s", exc)
+            return
+        self._samples.append(sample)
+
+    async def flush_samples(self) -> None:
+        """Reports the samples gathered since the last flush, in one batch. Never
+        raises: a sample the store cannot take is dropped, and the next flush goes on."""
+        samples, self._samples = self._samples, []
+        if not samples:
+            return
+        try:
+            await self._decisions.admission.report(samples)
+        except StoreUnavailable as exc:
+            log.warning("%d latency samples not stored: %s", len(samples), exc)
+            return
+        except Exception:
+            log.exception("%d latency samples dropped", len(samples))
+            return
+        metrics = self._metrics
+        metrics.report_samples.labels("accepted").inc(len(samples))
+        judge_samples(metrics, self._decisions.admission.config, samples)
+
+    async def report_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.flush_samples()
+
+
+async def _passed_on(answer: aiohttp.ClientResponse) -> web.Response:
+    """An upstream's refusal, passed on as it came (a body that breaks off: a 502)."""
+    try:
+        body = await answer.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise _broke_off(exc) from exc
+    return web.Response(status=answer.status, body=body, content_type=answer.content_type)
+
+
+def _broke_off(error: BaseException) -> OpenAIError:
+    """An answer that stopped coming: 504 when the upstream went silent past the read
+    timeout, 502 when it broke the connection."""
+    if isinstance(error, TimeoutError):
+        return OpenAIError(504, "the upstream went silent past --upstream-read-timeout",
+                           code="upstream_timeout")  # fmt: skip
+    return OpenAIError(502, f"the upstream's answer broke off: {_what(error)}",
+                       code="upstream_cut")  # fmt: skip
+
+
+def _what(error: BaseException) -> str:
+    return str(error) or type(error).__name__
+
+
+def _is_usage(line: bytes) -> bool:
+    try:
+        chunk = json.loads(line[6:])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(chunk, dict) and _is_usage_chunk(chunk)
+
+
+def _is_usage_chunk(chunk: dict[str, Any]) -> bool:
+    return chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict)
+
+
+def _has_content(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+def _read_load(upstream: Upstream, answer: aiohttp.ClientResponse) -> None:
+    """vLLM's ORCA header (``TEXT named_metrics.num_requests_waiting=N, ...``), when
+    the upstream sent one: the server's own queue, for picking among servers."""
+    value = answer.headers.get(LOAD_HEADER, "")
+    if not value.startswith("TEXT "):
+        return
+    for item in value[5:].split(","):
+        name, _, number = item.strip().partition("=")
+        if name == "named_metrics.num_requests_waiting":
+            with contextlib.suppress(ValueError):
+                waiting = float(number)
+                if math.isfinite(waiting):
+                    upstream.waiting = waiting
+
+
+def _peer_identities(request: web.Request) -> list[str]:
+    """The client certificate's subject alternative names, else its common name (as
+    the daemon reads them from gRPC's auth context); empty without mTLS."""
+    certificate = request.transport.get_extra_info("peercert") if request.transport else None
+    if not certificate:
+        return []
+    names = [value for _, value in certificate.get("subjectAltName", ())]
+    if names:
+        return names
+    return [value for rdn in certificate.get("subject", ()) for key, value in rdn
+            if key == "commonName"]  # fmt: skip
+
+
+def _objective(request: web.Request, names: tuple[str, ...]) -> float | None:
+    for name in names:
+        text = request.headers.get(name)
+        if text is None:
+            continue
+        try:
+            value = float(text) if len(text) <= 32 else math.nan
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= MAX_LATENCY_MS):
+            raise OpenAIError(
+                400,
+                f"{name}: must be a number of milliseconds above 0 and at most "
+                f"{MAX_LATENCY_MS:.0f} (got {text[:40]!r})",
+                name,
+            )
+        return value
+    return None
+
+
+def key_digest(key: str) -> str:
+    """How an API key is known: its SHA-256, so the key itself is kept nowhere."""
+    return hashlib.sha256(key.encode()).hexdigest()

@@ -1,0 +1,35 @@
+-- The formulas the scripts share, each stated once: what a request costs, and how
+-- long a prompt's prefill takes. qosd prepends this file to the pool scripts and to
+-- prefill.lua (qosd/store/redis.py: FORMULA_SCRIPTS). One table: the pool scripts'
+-- chunk holds at most 200 locals.
+local formula = {}
+
+-- What a request costs its class: (prompt + output_weight x output tokens) x the class
+-- weight it was admitted under. acquire.lua and pump.lua charge it from the
+-- estimates, release.lua settles it from the real counts.
+function formula.cost(input, output, weight, output_weight)
+  return (tonumber(input) + output_weight * tonumber(output)) * tonumber(weight)
+end
+
+-- The prefill model: a prompt of n tokens takes c + a n + b n^2 ms to prefill; m is
+-- {c, a, b}. The SLO loop learns it from reports (qosd/control/prefill.py); only the
+-- scripts apply it.
+function formula.prefill_ms(m, n)
+  return m[1] + n * (m[2] + m[3] * n)
+end
+
+-- The prompt length whose prefill takes `ms` (0 if even an empty prompt takes
+-- longer): the root of b n^2 + a n + (c - ms) = 0.
+function formula.prefill_tokens_for(m, ms)
+  local c, a, b = m[1] - ms, m[2], m[3]
+  if c >= 0 then
+    return 0
+  end
+  if b <= 0 then
+    if a > 0 then
+      return -c / a
+    end
+    return math.huge
+  end
+  return (-a + math.sqrt(a * a - 4 * b * c)) / (2 * b)
+end

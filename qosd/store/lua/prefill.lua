@@ -1,0 +1,29 @@
+-- What the SLO loop learned of a pool's prefill (qosd/control/prefill.py), written into
+-- the pool's state: the prefill model M (c|a|b; '' none) and the long-prefill
+-- threshold P, the prompt length above which a prompt waits for a gap in the top
+-- class's traffic. P is the length whose predicted prefill (formulas.lua) equals
+-- the stall the top class can absorb, never below the pool's usual prompts; without a
+-- model or a tolerance, the configured fallback (0: no rule).
+-- KEYS[1] the pool state hash. ARGV: PREFILL (qosd/store/contract.py). Returns P.
+local model = nil
+local encoded = ARGV[ARG_PREFILL_MODEL]
+if encoded ~= '' then
+  local c, a, b = string.match(encoded, '^([^|]*)|([^|]*)|([^|]*)$')
+  model = {tonumber(c), tonumber(a), tonumber(b)}
+  redis.call('HSET', KEYS[1], 'M', encoded)
+else
+  redis.call('HDEL', KEYS[1], 'M')
+end
+local threshold = tonumber(ARGV[ARG_PREFILL_FALLBACK_TOKENS])
+local tolerance = ARGV[ARG_PREFILL_TOLERANCE_MS]
+if model and tolerance ~= '' then
+  threshold = math.max(tonumber(ARGV[ARG_PREFILL_USUAL_TOKENS]),
+    formula.prefill_tokens_for(model, tonumber(tolerance)))
+end
+if threshold > 0 and threshold < math.huge then
+  redis.call('HSET', KEYS[1], 'P', string.format('%.17g', threshold))
+else
+  threshold = 0
+  redis.call('HDEL', KEYS[1], 'P')
+end
+return string.format('%.17g', threshold)

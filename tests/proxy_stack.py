@@ -1,0 +1,89 @@
+"""The OpenAI proxy stack the proxy tests share: a simulated vLLM server (or an app of
+the test's own) and ``qosd proxy`` replicas in front of it, in the test's process on
+real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from qosd.config import Config
+from qosd.doors.proxy.handler import ProxySettings
+from qosd.doors.proxy.server import RunningProxy, start_proxy
+from qosd.doors.proxy.upstreams import Upstreams
+from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_runner
+from tests.conftest import BASE_CONFIG, merge
+
+MODEL = "llama-3-8b"  # the base config's pool serves it
+
+
+@dataclass
+class Stack:
+    """A simulated vLLM server and the proxies in front of it."""
+
+    vllm: SimulatedVllm
+    vllm_url: str
+    proxies: list[RunningProxy]
+
+    def url(self, replica: int = 0) -> str:
+        return f"http://{self.proxies[replica].address}/v1"
+
+    def client(self, replica: int = 0, **options: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url(replica), api_key="unused", **options)
+
+    async def status(self, replica: int = 0, tenants: tuple[str, ...] = ()) -> Any:
+        daemon = self.proxies[replica].daemon
+        return (await daemon.status.status(["default"], 0, tenants)).pool("default")
+
+
+StackFactory = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+async def make_stack() -> AsyncIterator[StackFactory]:
+    async with AsyncExitStack() as stack:
+
+        async def make(
+            extra: dict[str, Any] | None = None,
+            *,
+            replicas: int = 1,
+            vllm: dict[str, Any] | None = None,
+            **proxy: Any,
+        ) -> Stack:
+            settings = VllmSettings(port=0, model_name=MODEL, **(vllm or {}))
+            server = SimulatedVllm(settings)
+            runner = vllm_runner(server)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            server.gpu.start()
+            stack.push_async_callback(server.gpu.stop)
+            stack.push_async_callback(runner.cleanup)
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
+            proxy_settings = ProxySettings(
+                upstreams=Upstreams.parse([f"{MODEL}={proxy.pop('upstream', url)}"]),
+                default_class=proxy.pop("default_class", "P1"),
+                **proxy,
+            )
+            running = []
+            for _ in range(replicas):
+                started = await start_proxy(config, "127.0.0.1:0", proxy_settings)
+                stack.push_async_callback(started.stop)
+                running.append(started)
+            return Stack(server, url, running)
+
+        yield make
+
+
+def chat(words: int = 8, **body: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
+        **body,
+    }
