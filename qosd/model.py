@@ -57,7 +57,10 @@ def lease_issued_s(lease_id: str) -> int | None:
 FAIL_OPEN_MARK = "open-"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, and only here: a frozen dataclass sets each field through
+# object.__setattr__, and at 0.6-0.9 us a construction that was 2.5 us of every
+# Acquire (docs/performance.md). Treat it as immutable all the same.
+@dataclass(slots=True)
 class AdmissionRequest:
     """One request for admission, as every door builds it, valid by construction
     (``qosd.doors.request.RequestRules.acquire``).
@@ -99,7 +102,7 @@ class ReleaseRequest:
     outcome: Outcome
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a hot-path type (see AdmissionRequest)
 class LeaseSpec:
     """What a store needs to create a lease for one admission."""
 
@@ -115,7 +118,7 @@ class LeaseSpec:
     estimated: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a hot-path type (see AdmissionRequest)
 class BucketDecision:
     """A store's answer to one take attempt.
 

@@ -192,7 +192,7 @@ def split_argv(script: str, args: Sequence[Any]) -> list[tuple[str, tuple[Any, .
             continue
         name = entry.rstrip("*")
         layout = contract.LAYOUT_BY_NAME[name]
-        width = len(layout.fields)
+        width = 1 if name in contract.PACKED else len(layout.fields)
         count = 1
         if entry.endswith("*"):
             count = classes if name == "CLASS" else calls if calls is not None else -1
@@ -200,6 +200,12 @@ def split_argv(script: str, args: Sequence[Any]) -> list[tuple[str, tuple[Any, .
                 assert (len(args) - at) % width == 0, f"{script}: a partial {name}"
                 count = (len(args) - at) // width
         for _ in range(count):
+            if name in contract.PACKED:  # one argument: the record's fields, joined
+                record = contract.unpack(layout.shape, args[at])
+                assert len(record) == len(layout.fields), f"{script}: a short {name}"
+                records.append((name, record))
+                at += 1
+                continue
             records.append((name, contract.record(layout.shape, args, at)))
             at += width
         if name == "POOL":

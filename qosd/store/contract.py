@@ -17,6 +17,15 @@ sides would let one side move unseen, so each list is declared once, here:
 Lua positions are 1-based within their layout, so a script reads a field as
 ``ARGV[a + ARG_CLASS_RATE]`` where ``a`` counts the values before the layout, and
 writes one as ``reply[n + REPLY_DECISION_STATUS]``.
+
+A packed layout (``PACKED``: the pool's and each class's policy, and one record per
+request of a batch) travels as one argument, its fields joined by
+``FIELD_SEPARATOR``: the Lua reads it with
+``record(ARGV[a + ARG_REQUEST_RECORD])`` (lua/pool/args.lua) and a field as
+``r[ARG_REQUEST_LEASE_ID]``; ``REQUEST_ARGS`` is 1.
+Encoding each field as a RESP argument of its own was a quarter of the daemon's
+Python per Acquire (docs/performance.md); one string per record is a join, and the
+policy's is made once per policy.
 """
 
 from __future__ import annotations
@@ -83,6 +92,10 @@ TUNABLES: tuple[tuple[str, int, str], ...] = (
 #: ARGV position, in every pool script, of the number of calls in the batch
 #: (qosd/store/batching.py puts it first); the pool's policy follows it.
 ARG_CALLS = 1
+
+#: What joins the fields of a packed record (a value never holds it: names are
+#: checked free of control characters where they enter, numbers are digits).
+FIELD_SEPARATOR = "\x1f"
 
 # -- argument layouts ----------------------------------------------------------------
 
@@ -556,6 +569,9 @@ assert len(ControlReply._fields) == _CONTROL_FROM + len(CONTROL_HASH) + 1, (
     "ControlReply must hold R, K, every control hash field and E"
 )
 
+#: Layouts that travel packed, one argument a record (see the module's docstring).
+PACKED = frozenset({"POOL", "CLASS", "REQUEST", "RELEASE"})
+
 #: Lists of hash field names the scripts take whole (``unpack(CONTROL_HASH)``).
 FIELD_LISTS: tuple[tuple[str, tuple[HashField, ...]], ...] = (("CONTROL_HASH", CONTROL_HASH),)
 
@@ -583,6 +599,18 @@ def records(
         yield shape._make(reply[at : at + width])  # type: ignore[attr-defined]
 
 
+def pack(values: tuple[Any, ...]) -> str:
+    """A packed layout's record as the one argument it travels as."""
+    return FIELD_SEPARATOR.join(map(str, values))
+
+
+def unpack(shape: type[_Shape], packed: str | bytes) -> _Shape:
+    """``pack``'s record back (as sent: text, or the bytes a policy is cached as),
+    every field as its text."""
+    text = packed.decode() if isinstance(packed, bytes) else packed
+    return shape._make(text.split(FIELD_SEPARATOR))  # type: ignore[attr-defined, no-any-return]
+
+
 def lua_constants() -> list[tuple[str, str, str]]:
     """Every Lua constant the declaration defines: (name, Lua literal, comment)."""
     constants: list[tuple[str, str, str]] = []
@@ -597,7 +625,11 @@ def lua_constants() -> list[tuple[str, str, str]]:
         constants.append((name, str(value), comment))
     constants.append(("ARG_CALLS", str(ARG_CALLS), "ARGV of the number of calls (pool scripts)"))
     for layout in LAYOUTS:
-        constants.append((layout.size_name, str(len(layout.fields)), layout.shape.__name__))
+        if layout.name in PACKED:  # one argument, the record; positions within it
+            constants.append((layout.size_name, "1", f"{layout.shape.__name__}, packed"))
+            constants.append((f"ARG_{layout.name}_RECORD", "1", "the packed record"))
+        else:
+            constants.append((layout.size_name, str(len(layout.fields)), layout.shape.__name__))
         for position, field in enumerate(layout.fields, start=1):
             constants.append((layout.position_name(field), str(position), ""))
     for name, fields in FIELD_LISTS:

@@ -101,6 +101,11 @@ def script_source(name: str) -> str:
     return "\n".join(constants) + "\n" + source
 
 
+def _packed(args: tuple[Any, ...]) -> tuple[str]:
+    """A packed layout's record as a call's arguments: one."""
+    return (contract.pack(args),)
+
+
 def _counter_key(prefix: str, cls: ClassPolicy, digest: str) -> str:
     """The key of a tenant's counter in a class that shares by tokens."""
     return f"{prefix}vtc:{cls.name}:{digest}"
@@ -203,44 +208,50 @@ class RedisStore:
                 f"{prefix}waiters",
                 f"{prefix}daemons",
             )
-            policy: list[Any] = list(
-                contract.PoolArgs(
-                    capacity=repr(pool.capacity),
-                    burst_s=repr(pool.burst_s),
-                    stale_after_ms=self._stale_after_ms,
-                    class_count=len(pool.classes),
-                    lease_ttl_ms=self._lease_ttl_ms,
-                    max_in_flight=repr(pool.max_in_flight),
-                    max_in_flight_tokens=repr(pool.max_in_flight_tokens),
-                    top_reserve=repr(pool.top_reserve),
-                    top_peak_half_life_us=pool.top_peak_half_life_us,
-                    prefill_backlog_us=repr(pool.prefill_backlog_us),
-                    prefill_share=repr(pool.prefill_share),
-                    max_server_waiting=pool.max_server_waiting,
-                    max_kv_cache_usage=repr(pool.max_kv_cache_usage),
-                    server_load_max_age_us=pool.server_load_max_age_us,
-                    servers_by_priority=1 if pool.servers_by_priority else 0,
-                    output_weight=repr(pool.output_weight),
+            policy: list[str] = [
+                contract.pack(
+                    contract.PoolArgs(
+                        capacity=repr(pool.capacity),
+                        burst_s=repr(pool.burst_s),
+                        stale_after_ms=self._stale_after_ms,
+                        class_count=len(pool.classes),
+                        lease_ttl_ms=self._lease_ttl_ms,
+                        max_in_flight=repr(pool.max_in_flight),
+                        max_in_flight_tokens=repr(pool.max_in_flight_tokens),
+                        top_reserve=repr(pool.top_reserve),
+                        top_peak_half_life_us=pool.top_peak_half_life_us,
+                        prefill_backlog_us=repr(pool.prefill_backlog_us),
+                        prefill_share=repr(pool.prefill_share),
+                        max_server_waiting=pool.max_server_waiting,
+                        max_kv_cache_usage=repr(pool.max_kv_cache_usage),
+                        server_load_max_age_us=pool.server_load_max_age_us,
+                        servers_by_priority=1 if pool.servers_by_priority else 0,
+                        output_weight=repr(pool.output_weight),
+                    )
                 )
-            )
+            ]
             for cls in pool.classes:
-                policy += contract.ClassArgs(
-                    name=cls.name,
-                    rate=repr(cls.rate),
-                    burst=repr(cls.burst),
-                    max_cost=repr(cls.max_cost),
-                    can_borrow=1 if cls.can_borrow else 0,
-                    max_queue=cls.max_queue,
-                    aging_ms=cls.aging_ms,
-                    tenant_rate=repr(cls.tenant_rate),
-                    tenant_burst=repr(cls.tenant_burst),
-                    floor_rate=repr(cls.floor_rate),
-                    burst_s=repr(cls.burst_s),
-                    tenant_share=repr(cls.tenant_share),
-                    fair_idle_ms=cls.fair.idle_ms if cls.fair else 0,
+                policy.append(
+                    contract.pack(
+                        contract.ClassArgs(
+                            name=cls.name,
+                            rate=repr(cls.rate),
+                            burst=repr(cls.burst),
+                            max_cost=repr(cls.max_cost),
+                            can_borrow=1 if cls.can_borrow else 0,
+                            max_queue=cls.max_queue,
+                            aging_ms=cls.aging_ms,
+                            tenant_rate=repr(cls.tenant_rate),
+                            tenant_burst=repr(cls.tenant_burst),
+                            floor_rate=repr(cls.floor_rate),
+                            burst_s=repr(cls.burst_s),
+                            tenant_share=repr(cls.tenant_share),
+                            fair_idle_ms=cls.fair.idle_ms if cls.fair else 0,
+                        )
+                    )
                 )
-            # As text once: Redis reads every argument as a string anyway.
-            cached = _PoolArgs(prefix, keys, tuple(str(value) for value in policy))
+            # As bytes once: what the client would encode on every call otherwise.
+            cached = _PoolArgs(prefix, keys, tuple(value.encode() for value in policy))
             self._pool_args[pool.name] = cached
             self._pools[pool.name] = pool
         return cached
@@ -397,7 +408,7 @@ class RedisStore:
             fair_charge=fair_charge,
             estimated=1 if lease.estimated else 0,
         )
-        reply = contract.Decision._make(await self._acquires.submit(pool.name, keys, args))
+        reply = contract.Decision._make(await self._acquires.submit(pool.name, keys, _packed(args)))
         if reply.reason == Reason.BACKEND_UNAVAILABLE:  # the batch ran past its deadline
             raise StoreUnavailable("redis ran the request after its timeout; nothing charged")
         return BucketDecision(
@@ -420,7 +431,7 @@ class RedisStore:
         caller's retry is a new request; a queued request is taken out of its queue.
         """
         decision = contract.Decision._make(reply)
-        request = contract.RequestArgs._make(args)
+        request = contract.unpack(contract.RequestArgs, args[0])
         lease_id = decision.lease_id
         pool_name = lease_id.partition(":")[0] if lease_id else ""
         pool = self._pools.get(pool_name)
@@ -429,7 +440,8 @@ class RedisStore:
         cls = next(c for c in pool.classes if c.name == request.qos_class)
         if decision.status == Status.ADMITTED:
             usage = UsageReport(0, 0, Outcome.CANCELLED)
-            request_key = keys[1] if request.has_request == 1 else None
+            # unpacked: every field as its text
+            request_key = keys[1] if str(request.has_request) == "1" else None
             coroutine: Any = self._settle(pool, cls, lease_id, usage, True, request_key)
         elif decision.status == Status.QUEUED:
             waiter = Waiter(request.qos_class, float(decision.charged), _lease_stub(lease_id))
@@ -548,15 +560,17 @@ class RedisStore:
         reply = await self._releases.submit(
             pool.name,
             keys,
-            contract.ReleaseArgs(
-                qos_class=cls.name,
-                field=lease_field(lease_id),
-                input_tokens="" if usage.input_tokens is None else usage.input_tokens,
-                output_tokens="" if usage.output_tokens is None else usage.output_tokens,
-                outcome=int(usage.outcome),
-                exact=1 if exact else 0,
-                has_request=0 if request_key is None else 1,
-                fair_charges=fair_charges,
+            _packed(
+                contract.ReleaseArgs(
+                    qos_class=cls.name,
+                    field=lease_field(lease_id),
+                    input_tokens="" if usage.input_tokens is None else usage.input_tokens,
+                    output_tokens="" if usage.output_tokens is None else usage.output_tokens,
+                    outcome=int(usage.outcome),
+                    exact=1 if exact else 0,
+                    has_request=0 if request_key is None else 1,
+                    fair_charges=fair_charges,
+                )
             ),
         )
         settled = contract.Settlement._make(reply)

@@ -4,7 +4,7 @@
 --
 -- Script arguments (qosd/store/contract.py): ACQUIRE (the deadline in us of Redis
 -- time, 0: none, a batch that runs later was given up by its callers and changes
--- nothing; the daemon's id), then REQUEST per request (the lease field
+-- nothing; the daemon's id), then REQUEST per request, packed in one argument (the lease field
 -- "<class>:<token>" is also the waiter id; keep_ms is how long the lease hash must
 -- live; wait_ms 0: answer now; ttft_ms, the request's TTFT objective, makes its queue
 -- entry due at arrival plus that, and with a prefill model sets its wait: deadline.lua).
@@ -48,35 +48,35 @@ local k = NEXT_KEY
 local a = ARGS_BEFORE + ACQUIRE_ARGS  -- arguments before this request's
 local enqueued_at = now
 for _ = 1, tonumber(ARGV[ARG_CALLS]) do
-  local i = class_index[ARGV[a + ARG_REQUEST_QOS_CLASS]]
+  local r = record(ARGV[a + ARG_REQUEST_RECORD])  -- its RequestArgs, packed
+  local i = class_index[r[ARG_REQUEST_QOS_CLASS]]
   local c = classes[i]
-  local input = tonumber(ARGV[a + ARG_REQUEST_INPUT_TOKENS])
-  local cost = formula.cost(input, ARGV[a + ARG_REQUEST_OUTPUT_TOKENS],
-    ARGV[a + ARG_REQUEST_WEIGHT], gate.output_weight)
-  if ARGV[a + ARG_REQUEST_ESTIMATED] == '1' then  -- settled from the real usage
+  local input = tonumber(r[ARG_REQUEST_INPUT_TOKENS])
+  local cost = formula.cost(input, r[ARG_REQUEST_OUTPUT_TOKENS],
+    r[ARG_REQUEST_WEIGHT], gate.output_weight)
+  if r[ARG_REQUEST_ESTIMATED] == '1' then  -- settled from the real usage
     cost = math.min(cost, c.max_cost)
   end
-  local lease_id = ARGV[a + ARG_REQUEST_LEASE_ID]
-  local field = ARGV[a + ARG_REQUEST_FIELD]
-  local ttl_ms = tonumber(ARGV[a + ARG_REQUEST_TTL_MS])
-  local ttft_ms = tonumber(ARGV[a + ARG_REQUEST_TTFT_MS])
-  local wait_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_MS])
+  -- Read from the record where used (the chunk holds at most 200 locals).
+  r[ARG_REQUEST_TTL_MS] = tonumber(r[ARG_REQUEST_TTL_MS])
+  r[ARG_REQUEST_TTFT_MS] = tonumber(r[ARG_REQUEST_TTFT_MS])
+  local wait_ms = tonumber(r[ARG_REQUEST_WAIT_MS])
   local lease_key = KEYS[k]
   k = k + 1
   local request_key = nil
-  if ARGV[a + ARG_REQUEST_HAS_REQUEST] == '1' then
+  if r[ARG_REQUEST_HAS_REQUEST] == '1' then
     request_key = KEYS[k]
     k = k + 1
   end
   local tenant_key = nil
-  if ARGV[a + ARG_REQUEST_HAS_TENANT] == '1' then
+  if r[ARG_REQUEST_HAS_TENANT] == '1' then
     tenant_key = KEYS[k]
     k = k + 1
   end
   -- A class that shares by tokens: the tenant's counter key, and what it is charged.
   local fair = nil
-  if ARGV[a + ARG_REQUEST_FAIR_CHARGE] ~= '0' then
-    fair = {key = KEYS[k], charge = tonumber(ARGV[a + ARG_REQUEST_FAIR_CHARGE])}
+  if r[ARG_REQUEST_FAIR_CHARGE] ~= '0' then
+    fair = {key = KEYS[k], charge = tonumber(r[ARG_REQUEST_FAIR_CHARGE])}
     k = k + 1
   end
 
@@ -87,14 +87,14 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       answer(STATUS_REJECTED, REASON_COST_EXCEEDS_BURST, '', num(cost), num(state.tokens[i]), 0, 0)
     else
       local how = 0
-      local kv = input + tonumber(ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
-      local due = by_deadline.due_us(enqueued_at, ttft_ms)
+      local kv = input + tonumber(r[ARG_REQUEST_OUTPUT_TOKENS])
+      local due = by_deadline.due_us(enqueued_at, r[ARG_REQUEST_TTFT_MS])
       local order = by_deadline.order_us(due, enqueued_at, input)
       if fair then
         order = tenant.finish(i, fair.key, fair.charge)  -- by tenants' service, not due time
       end
-      local wait_cap_ms = tonumber(ARGV[a + ARG_REQUEST_WAIT_CAP_MS])
-      wait_ms = by_deadline.granted_wait_ms(wait_ms, ttft_ms, wait_cap_ms, input)
+      local wait_cap_ms = tonumber(r[ARG_REQUEST_WAIT_CAP_MS])
+      wait_ms = by_deadline.granted_wait_ms(wait_ms, r[ARG_REQUEST_TTFT_MS], wait_cap_ms, input)
       local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic
@@ -106,7 +106,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       end
       local miss_ms = nil
       if not held then
-        miss_ms = by_deadline.miss_ms(i, ttft_ms, input, how ~= 0)
+        miss_ms = by_deadline.miss_ms(i, r[ARG_REQUEST_TTFT_MS], input, how ~= 0)
       end
       local bucket = nil
       local tenant_wait = 0
@@ -130,14 +130,17 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
           tenant.served(i, fair.key, kv)
           tenant.admitted(i, order - fair.charge)
         end
-        local expiry = add_lease(i, lease_key, field, cost, ttl_ms,
-          ARGV[a + ARG_REQUEST_KEEP_MS], ARGV[a + ARG_REQUEST_WEIGHT],
-          ARGV[a + ARG_REQUEST_INPUT_TOKENS], ARGV[a + ARG_REQUEST_OUTPUT_TOKENS])
+        local expiry = add_lease(i, lease_key, r[ARG_REQUEST_FIELD], cost,
+          r[ARG_REQUEST_TTL_MS],
+          r[ARG_REQUEST_KEEP_MS], r[ARG_REQUEST_WEIGHT],
+          r[ARG_REQUEST_INPUT_TOKENS], r[ARG_REQUEST_OUTPUT_TOKENS])
         if request_key then
-          redis.call('SET', request_key, lease_id .. '|' .. num(cost) .. '|' .. expiry,
-            'PX', ttl_ms)
+          redis.call('SET', request_key,
+            r[ARG_REQUEST_LEASE_ID] .. '|' .. num(cost) .. '|' .. expiry,
+            'PX', r[ARG_REQUEST_TTL_MS])
         end
-        answer(STATUS_ADMITTED, REASON_NONE, lease_id, num(cost), num(state.tokens[i]), 0, ttl_ms)
+        answer(STATUS_ADMITTED, REASON_NONE, r[ARG_REQUEST_LEASE_ID], num(cost),
+          num(state.tokens[i]), 0, r[ARG_REQUEST_TTL_MS])
       else
         -- Queue only a request whose wait could cover the refill it needs if nobody
         -- else took tokens meanwhile; any other is told at once.
@@ -164,23 +167,25 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
           if tenant_wait > 0 then
             blocked = now + tenant_wait * 1000
           end
-          redis.call('ZADD', c.queue, order, field)
+          redis.call('ZADD', c.queue, order, r[ARG_REQUEST_FIELD])
           if fair then
             tenant.charge(i, fair.key, order)  -- its next request starts after
           end
-          redis.call('HSET', WAITERS, field, waiter_value({
+          redis.call('HSET', WAITERS, r[ARG_REQUEST_FIELD], waiter_value({
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
             cost = cost, blocked = blocked, input = input, kv = kv, due = due,
           }))
           if request_key then  -- the id is this waiter's while it may wait
             redis.call('SET', request_key,
-              lease_id .. '|Q|' .. string.format('%.0f', now + wait_ms * 1000), 'PX', wait_ms)
+              r[ARG_REQUEST_LEASE_ID] .. '|Q|' .. string.format('%.0f', now + wait_ms * 1000),
+              'PX', wait_ms)
           end
           daemon_seen[daemon] = now
           enqueued_at = enqueued_at + 1
           state.waiting[i] = state.waiting[i] + 1
           state_changed = true
-          answer(STATUS_QUEUED, REASON_NONE, lease_id, num(cost), num(state.tokens[i]), wait_ms, 0)
+          answer(STATUS_QUEUED, REASON_NONE, r[ARG_REQUEST_LEASE_ID], num(cost),
+            num(state.tokens[i]), wait_ms, 0)
         end
       end
     end

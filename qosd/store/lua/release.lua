@@ -4,7 +4,8 @@
 -- policy and settle() come from the pool prelude (a refund above the class's burst
 -- overflows into the shared tokens, as refill does).
 --
--- Script arguments: RELEASE per release (qosd/store/contract.py): class, lease
+-- Script arguments: RELEASE per release, packed in one argument
+-- (qosd/store/contract.py): class, lease
 -- field, actual input and output tokens ('' keeps the estimate), outcome, exact (1:
 -- undo an admission whose caller left, refunding the whole charge; 0: a release),
 -- has_request. Keys per release: its lease hash, then its request-id key where
@@ -50,15 +51,16 @@ end
 local k = NEXT_KEY
 local a = ARGS_BEFORE  -- arguments before this release's
 for _ = 1, tonumber(ARGV[ARG_CALLS]) do
-  local i = class_index[ARGV[a + ARG_RELEASE_QOS_CLASS]]
+  local r = record(ARGV[a + ARG_RELEASE_RECORD])  -- its ReleaseArgs, packed
+  local i = class_index[r[ARG_RELEASE_QOS_CLASS]]
   local burst = classes[i].burst
   local lease_key = KEYS[k]
   local request_key = nil
-  if ARGV[a + ARG_RELEASE_HAS_REQUEST] == '1' then
+  if r[ARG_RELEASE_HAS_REQUEST] == '1' then
     k = k + 1
     request_key = KEYS[k]
   end
-  local field = ARGV[a + ARG_RELEASE_FIELD]
+  local field = r[ARG_RELEASE_FIELD]
   local value = lease(lease_key, field)
   if value == '' then
     answer(SETTLED_UNKNOWN, '0', '0', '0')
@@ -72,17 +74,17 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       answer(SETTLED_EXPIRED, charged, '0', '0')
     else
       lease_ended(i, tonumber(input) + tonumber(output), tonumber(expiry))  -- as estimated
-      local actual_input = ARGV[a + ARG_RELEASE_INPUT_TOKENS]
-      local actual_output = ARGV[a + ARG_RELEASE_OUTPUT_TOKENS]
-      if ARGV[a + ARG_RELEASE_FAIR_CHARGES] ~= '' then  -- its tenant's counter follows
-        tenant.settle(i, KEYS[k + 1], ARGV[a + ARG_RELEASE_FAIR_CHARGES], input, output,
-          actual_input, actual_output, ARGV[a + ARG_RELEASE_EXACT] == '1')
+      local actual_input = r[ARG_RELEASE_INPUT_TOKENS]
+      local actual_output = r[ARG_RELEASE_OUTPUT_TOKENS]
+      if r[ARG_RELEASE_FAIR_CHARGES] ~= '' then  -- its tenant's counter follows
+        tenant.settle(i, KEYS[k + 1], r[ARG_RELEASE_FAIR_CHARGES], input, output,
+          actual_input, actual_output, r[ARG_RELEASE_EXACT] == '1')
       end
       if actual_input ~= '' then input = actual_input end
       if actual_output ~= '' then output = actual_output end
       local actual = formula.cost(input, output, weight, gate.output_weight)
       local delta = actual - tonumber(charged)
-      if ARGV[a + ARG_RELEASE_EXACT] ~= '1' then
+      if r[ARG_RELEASE_EXACT] ~= '1' then
         delta = math.max(-burst, math.min(burst, delta))
       elseif request_key then
         local named = redis.call('GET', request_key)  -- "<pool>:<field>|..." if ours
@@ -92,7 +94,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       end
       settle(i, delta)
       local final = num(tonumber(charged) + delta)
-      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. ARGV[a + ARG_RELEASE_OUTCOME]
+      local settled = 'R|' .. final .. '|' .. num(delta) .. '|' .. r[ARG_RELEASE_OUTCOME]
       leases[lease_key][field] = settled
       local writes = changed[lease_key]
       if writes == nil then
@@ -105,7 +107,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
     end
   end
   k = k + 1
-  if ARGV[a + ARG_RELEASE_FAIR_CHARGES] ~= '' then
+  if r[ARG_RELEASE_FAIR_CHARGES] ~= '' then
     k = k + 1  -- past the tenant's counter
   end
   a = a + RELEASE_ARGS

@@ -47,51 +47,73 @@ local function num(x)
   return string.format('%.17g', x)
 end
 
+-- A packed record (qosd/store/contract.py: PACKED): one argument, its fields joined by
+-- FIELD_SEPARATOR (\31); a table of them, field k at r[k].
+local function record(packed)
+  local r, n, from = {}, 1, 1
+  while true do
+    local at = string.find(packed, '\31', from, true)
+    if not at then
+      r[n] = string.sub(packed, from)
+      return r
+    end
+    r[n] = string.sub(packed, from, at - 1)
+    n, from = n + 1, at + 1
+  end
+end
+
 local p = ARG_CALLS  -- the pool's policy follows the number of calls
-local capacity = tonumber(ARGV[p + ARG_POOL_CAPACITY])
-local pool_burst_s = tonumber(ARGV[p + ARG_POOL_BURST_S])
-local stale_after_us = tonumber(ARGV[p + ARG_POOL_STALE_AFTER_MS]) * 1000
-local class_count = tonumber(ARGV[p + ARG_POOL_CLASS_COUNT])
-local default_ttl_us = tonumber(ARGV[p + ARG_POOL_LEASE_TTL_MS]) * 1000
-local max_in_flight = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT])
-local max_in_flight_tokens = tonumber(ARGV[p + ARG_POOL_MAX_IN_FLIGHT_TOKENS])
-local prefill_backlog_us = tonumber(ARGV[p + ARG_POOL_PREFILL_BACKLOG_US])
-local prefill_share = tonumber(ARGV[p + ARG_POOL_PREFILL_SHARE])
+local capacity, pool_burst_s, stale_after_us, class_count, default_ttl_us
+local max_in_flight, max_in_flight_tokens, prefill_backlog_us, prefill_share
 -- What keeps a GPU-gated pool's lower classes out: the top class's reserve and the
 -- servers' own load. One table: a script's chunk holds at most 200 locals.
-local gate = {
-  top_reserve = tonumber(ARGV[p + ARG_POOL_TOP_RESERVE]),
-  top_peak_half_life_us = tonumber(ARGV[p + ARG_POOL_TOP_PEAK_HALF_LIFE_US]),
-  top_peak_most = TOP_PEAK_RESERVE_PCT / 100,
-  max_server_waiting = tonumber(ARGV[p + ARG_POOL_MAX_SERVER_WAITING]),
-  max_kv_cache_usage = tonumber(ARGV[p + ARG_POOL_MAX_KV_CACHE_USAGE]),
-  server_load_max_age_us = tonumber(ARGV[p + ARG_POOL_SERVER_LOAD_MAX_AGE_US]),
-  -- The servers take the top class's prompts first: it waits behind its own alone.
-  servers_by_priority = ARGV[p + ARG_POOL_SERVERS_BY_PRIORITY] == '1',
-  -- A request's cost per expected output token, before its class weight
-  -- (formulas.lua: formula.cost).
-  output_weight = tonumber(ARGV[p + ARG_POOL_OUTPUT_WEIGHT]),
-}
+local gate
+do
+  local r = record(ARGV[p + ARG_POOL_RECORD])  -- the pool's policy, packed
+  capacity = tonumber(r[ARG_POOL_CAPACITY])
+  pool_burst_s = tonumber(r[ARG_POOL_BURST_S])
+  stale_after_us = tonumber(r[ARG_POOL_STALE_AFTER_MS]) * 1000
+  class_count = tonumber(r[ARG_POOL_CLASS_COUNT])
+  default_ttl_us = tonumber(r[ARG_POOL_LEASE_TTL_MS]) * 1000
+  max_in_flight = tonumber(r[ARG_POOL_MAX_IN_FLIGHT])
+  max_in_flight_tokens = tonumber(r[ARG_POOL_MAX_IN_FLIGHT_TOKENS])
+  prefill_backlog_us = tonumber(r[ARG_POOL_PREFILL_BACKLOG_US])
+  prefill_share = tonumber(r[ARG_POOL_PREFILL_SHARE])
+  gate = {
+    top_reserve = tonumber(r[ARG_POOL_TOP_RESERVE]),
+    top_peak_half_life_us = tonumber(r[ARG_POOL_TOP_PEAK_HALF_LIFE_US]),
+    top_peak_most = TOP_PEAK_RESERVE_PCT / 100,
+    max_server_waiting = tonumber(r[ARG_POOL_MAX_SERVER_WAITING]),
+    max_kv_cache_usage = tonumber(r[ARG_POOL_MAX_KV_CACHE_USAGE]),
+    server_load_max_age_us = tonumber(r[ARG_POOL_SERVER_LOAD_MAX_AGE_US]),
+    -- The servers take the top class's prompts first: it waits behind its own alone.
+    servers_by_priority = r[ARG_POOL_SERVERS_BY_PRIORITY] == '1',
+    -- A request's cost per expected output token, before its class weight
+    -- (formulas.lua: formula.cost).
+    output_weight = tonumber(r[ARG_POOL_OUTPUT_WEIGHT]),
+  }
+end
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
   local a = p + POOL_ARGS
   for i = 1, class_count do
+    local r = record(ARGV[a + ARG_CLASS_RECORD])  -- the class's policy, packed
     local c = {
-      name = ARGV[a + ARG_CLASS_NAME], rate = tonumber(ARGV[a + ARG_CLASS_RATE]),
-      burst = tonumber(ARGV[a + ARG_CLASS_BURST]),
-      max_cost = tonumber(ARGV[a + ARG_CLASS_MAX_COST]),
-      can_borrow = ARGV[a + ARG_CLASS_CAN_BORROW] == '1',
-      max_queue = tonumber(ARGV[a + ARG_CLASS_MAX_QUEUE]),
-      aging_us = tonumber(ARGV[a + ARG_CLASS_AGING_MS]) * 1000,
-      tenant_rate = tonumber(ARGV[a + ARG_CLASS_TENANT_RATE]),
-      tenant_burst = tonumber(ARGV[a + ARG_CLASS_TENANT_BURST]),
-      floor_rate = tonumber(ARGV[a + ARG_CLASS_FLOOR_RATE]),
-      burst_s = tonumber(ARGV[a + ARG_CLASS_BURST_S]),
-      tenant_share = tonumber(ARGV[a + ARG_CLASS_TENANT_SHARE]),
+      name = r[ARG_CLASS_NAME], rate = tonumber(r[ARG_CLASS_RATE]),
+      burst = tonumber(r[ARG_CLASS_BURST]),
+      max_cost = tonumber(r[ARG_CLASS_MAX_COST]),
+      can_borrow = r[ARG_CLASS_CAN_BORROW] == '1',
+      max_queue = tonumber(r[ARG_CLASS_MAX_QUEUE]),
+      aging_us = tonumber(r[ARG_CLASS_AGING_MS]) * 1000,
+      tenant_rate = tonumber(r[ARG_CLASS_TENANT_RATE]),
+      tenant_burst = tonumber(r[ARG_CLASS_TENANT_BURST]),
+      floor_rate = tonumber(r[ARG_CLASS_FLOOR_RATE]),
+      burst_s = tonumber(r[ARG_CLASS_BURST_S]),
+      tenant_share = tonumber(r[ARG_CLASS_TENANT_SHARE]),
       -- > 0: tenants share the class by tokens, counters kept this long idle (tenants.lua)
-      fair_idle_ms = tonumber(ARGV[a + ARG_CLASS_FAIR_IDLE_MS]),
+      fair_idle_ms = tonumber(r[ARG_CLASS_FAIR_IDLE_MS]),
       rank = i - 1, queue = KEYS[i + 1],
     }
     c.nominal_rate, c.nominal_burst, c.nominal_tenant_burst = c.rate, c.burst, c.tenant_burst
