@@ -74,6 +74,7 @@ from qosd_harness import (
     otlp_receiver,
     redis_command,
     redis_server,
+    source_commit,
 )
 
 NOOP_PATH = "/grpc.health.v1.Health/Check"
@@ -614,6 +615,9 @@ def main() -> int:
     if shutil.which("h2load") is None:
         print("h2load is required: apt-get install nghttp2-client", file=sys.stderr)
         return 2
+    # Recorded at the start: the tree may change while the rounds run.
+    commit = source_commit(Path(__file__).resolve().parents[1])
+    load_before = os.getloadavg()[0]
     all_cpus = os.sched_getaffinity(0)
     pinned = not args.no_pinned and len(all_cpus) >= 2
     daemon_cpu, other_cpus = min(all_cpus), all_cpus - {min(all_cpus)}
@@ -718,6 +722,8 @@ def main() -> int:
         "python": platform.python_version(),
         "grpcio": grpc.__version__,
         "redis_py": redis.__version__,
+        "commit": commit,
+        "load_average_before": load_before,
     }
     print_summary(results)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
