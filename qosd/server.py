@@ -31,6 +31,7 @@ from qosd.doors.decisions import Decisions
 from qosd.doors.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.doors.grpc_api import AdminService, QoSService, add_to_server
 from qosd.doors.json_api import JsonApi
+from qosd.gc_tuning import tune_for_serving
 from qosd.health import DaemonHttp, HealthMonitor
 from qosd.metrics import Metrics
 from qosd.model import StoreUnavailable
@@ -436,6 +437,7 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: None)
     daemon = await start(config, reuse_port=reuse_port)
+    tune_for_serving()
     if reload is not None:
         reloader = daemon.reloader = ConfigReloader(
             reload,

@@ -17,6 +17,7 @@ from qosd.config import Config, parse_listen_address
 from qosd.doors import openapi
 from qosd.doors.auth import CallerCheck, Group
 from qosd.doors.proxy.handler import Proxy, ProxySettings
+from qosd.gc_tuning import tune_for_serving
 from qosd.server import Daemon, start, write_ready_file
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ async def serve_proxy(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     running = await start_proxy(config, listen, settings)
+    tune_for_serving()
     if ready_file:
         daemon = running.daemon
         write_ready_file(
