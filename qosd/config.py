@@ -739,6 +739,35 @@ class EnvoyRlsConfig(_Strict):
     lease_ttl_ms: Annotated[int, Field(ge=1, le=86_400_000)] = 1_000
 
 
+class PriorityRange(_Strict):
+    """Dynamo request priorities from ``min`` to ``max`` (either open), and their class."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    min: int | None = None
+    max: int | None = None
+    qos_class: str = Field(alias="class")
+
+
+class PeerHeadersConfig(_Strict):
+    """The request headers of the peers qosd stands beside (llm-d, Dynamo), read by the
+    proxy and the JSON API (and as gRPC metadata) after qosd's own (``x-qos-class``,
+    ``x-qos-tenant``): docs/integrations.md. The class a header names never raises an
+    API key's."""
+
+    enabled: bool = True
+    # llm-d's x-llm-d-inference-objective (and the deprecated
+    # x-gateway-inference-objective): an InferenceObjective's name -> a class. Every
+    # class is also its own objective name. None: {critical: P0, standard: P1,
+    # sheddable: P2} (the Gateway API Inference Extension's criticalities), for those of
+    # the classes that are configured. An objective in no entry falls through.
+    objectives: dict[str, str] | None = None
+    # Dynamo's x-dynamo-request-priority (higher is more important; below 0 counts as
+    # 0, as Dynamo does), by the first range that holds it. None: 1 and above -> the
+    # top class; 0 falls through.
+    dynamo_priority: list[PriorityRange] | None = None
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -758,6 +787,7 @@ class Config(_Strict):
     control: ControlConfig = ControlConfig()
     envoy_rls: EnvoyRlsConfig = EnvoyRlsConfig()
     auth: AuthConfig = AuthConfig()
+    peer_headers: PeerHeadersConfig = PeerHeadersConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -787,6 +817,11 @@ class Config(_Strict):
             f"envoy_rls.class_aliases.{alias}": target
             for alias, target in rls.class_aliases.items()
         }
+        peers = self.peer_headers
+        named |= {f"peer_headers.objectives.{name}": target
+                  for name, target in (peers.objectives or {}).items()}  # fmt: skip
+        named |= {f"peer_headers.dynamo_priority[{index}].class": entry.qos_class
+                  for index, entry in enumerate(peers.dynamo_priority or ())}  # fmt: skip
         for where, target in named.items():
             if target is not None and target not in self.classes:
                 raise ValueError(

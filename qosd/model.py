@@ -137,6 +137,13 @@ class BucketDecision:
     queued: bool = False
     # The request id names another request's lease or place in a queue (no decision).
     duplicate: bool = False
+    # The class's bucket at the admitted rate (with ``remaining``), and the requests
+    # the pool's in-flight bound has room for and the bound (-1: no bound), after this
+    # answer; 0 when the store was not reached.
+    burst: float = 0.0
+    rate: float = 0.0
+    requests_left: int = -1
+    requests_bound: int = -1
 
 
 def lease_field(lease_id: str) -> str:

@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricExporter,
+    PeriodicExportingMetricReader,
+)
 from opentelemetry.sdk.resources import (
     SERVICE_INSTANCE_ID,
     SERVICE_NAME,
@@ -90,6 +97,9 @@ class Tracing:
     tracer: Tracer
     # Set when sampling follows tracing.sample_ratio, so that a reload can change it.
     sampler: AdjustableRatioSampler | None = None
+    # Metrics in OpenTelemetry's own model (the proxy's GenAI histograms), exported
+    # beside the spans; /metrics holds the rest.
+    meter_provider: MeterProvider | None = None
 
     async def shutdown(self) -> None:
         """Exports what is buffered, within ``SHUTDOWN_TIMEOUT_S``.
@@ -103,6 +113,8 @@ class Tracing:
         def flush_and_stop() -> None:
             try:
                 self.provider.shutdown()  # flushes the batch processor first
+                if self.meter_provider is not None:
+                    self.meter_provider.shutdown()
             finally:
                 loop.call_soon_threadsafe(done.set)
 
@@ -130,7 +142,11 @@ def start_tracing(
         config.endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint",
     )  # fmt: skip
-    return Tracing(provider, provider.get_tracer(TRACER_NAME, _version()), sampler)
+    meters = MeterProvider(
+        resource=provider.resource,
+        metric_readers=[PeriodicExportingMetricReader(_metric_exporter(config))],
+    )
+    return Tracing(provider, provider.get_tracer(TRACER_NAME, _version()), sampler, meters)
 
 
 class AdjustableRatioSampler(Sampler):
@@ -170,6 +186,12 @@ def _exporter(config: TracingConfig) -> SpanExporter:
         return ConsoleSpanExporter()
     # None leaves each setting to its OTEL_EXPORTER_OTLP_* variable.
     return OTLPSpanExporter(endpoint=config.endpoint, headers=config.headers or None)
+
+
+def _metric_exporter(config: TracingConfig) -> MetricExporter:
+    if config.exporter is TracingExporter.CONSOLE:
+        return ConsoleMetricExporter()
+    return OTLPMetricExporter(endpoint=config.endpoint, headers=config.headers or None)
 
 
 def _resource(config: TracingConfig, daemon_id: str) -> Resource:

@@ -66,6 +66,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             stack.push_async_callback(runner.cleanup)
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
+            telemetry = proxy.pop("telemetry", None)
             proxy_settings = ProxySettings(
                 upstreams=Upstreams.parse([f"{MODEL}={proxy.pop('upstream', url)}"]),
                 default_class=proxy.pop("default_class", "P1"),
@@ -73,7 +74,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             )
             running = []
             for _ in range(replicas):
-                started = await start_proxy(config, "127.0.0.1:0", proxy_settings)
+                started = await start_proxy(config, "127.0.0.1:0", proxy_settings, telemetry)
                 stack.push_async_callback(started.stop)
                 running.append(started)
             return Stack(server, url, running)

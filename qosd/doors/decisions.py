@@ -13,6 +13,7 @@ from opentelemetry.trace import Span
 
 from qosd import tracing
 from qosd.admission import AcquireOutcome, Admission
+from qosd.doors.dialects import PeerHeaders
 from qosd.doors.request import InvalidArgument, RequestRules
 from qosd.metrics import Metrics
 from qosd.model import (
@@ -41,6 +42,8 @@ class Decisions:
         self.metrics = metrics
         self._traced = traced
         self._rules = RequestRules(admission.config)
+        self._peers = PeerHeaders(admission.config)
+        self._peers_config = admission.config
 
     @property
     def rules(self) -> RequestRules:
@@ -50,6 +53,14 @@ class Decisions:
         if self._rules.config is not config:
             self._rules = RequestRules(config)
         return self._rules
+
+    @property
+    def peer_headers(self) -> PeerHeaders:
+        """The peers' request headers, read as the config now stands."""
+        config = self.admission.config
+        if self._peers_config is not config:
+            self._peers, self._peers_config = PeerHeaders(config), config
+        return self._peers
 
     async def acquire(self, request: AdmissionRequest) -> AcquireOutcome:
         """Admission's answer to ``request``, counted and traced. Raises what

@@ -66,12 +66,15 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         if span is not None:
             tracing.annotate_acquire_request(span, request)
         decisions = self._decisions
+        qos_class, tenant = request.qos_class, request.tenant
         try:
+            if not qos_class or not tenant:  # the peers' headers, as metadata
+                qos_class, tenant = _peer_identity(decisions, qos_class, tenant, context)
             admission_request = decisions.rules.acquire(
                 request_id=request.request_id,
-                tenant=request.tenant,
+                tenant=tenant,
                 model=request.model,
-                qos_class=request.qos_class,
+                qos_class=qos_class,
                 input_tokens=request.input_tokens,
                 expected_output_tokens=request.expected_output_tokens,
                 max_wait_ms=request.max_wait_ms if request.HasField("max_wait_ms") else None,
@@ -325,6 +328,23 @@ def _server_loads(
         except InvalidArgument as exc:
             rejected.append(qosd_pb2.RejectedLoad(index=index, reason=str(exc)))
     return loads, rejected
+
+
+def _peer_identity(
+    decisions: Decisions, qos_class: str, tenant: str, context: grpc.aio.ServicerContext
+) -> tuple[str, str]:
+    """A class or tenant the request left empty, from the peers' headers in its
+    metadata (llm-d's, Dynamo's: ``qosd.doors.dialects``); the request's own win."""
+    metadata = {key: value for key, value in context.invocation_metadata() or ()
+                if isinstance(value, str)}  # fmt: skip
+    peers = decisions.peer_headers
+    if not qos_class:
+        found = peers.qos_class(metadata.get)
+        qos_class = found[0] if found else ""
+    if not tenant:
+        named = peers.tenant(metadata.get)
+        tenant = named[0] if named else ""
+    return qos_class, tenant
 
 
 def _sample_status(value: int) -> Outcome:

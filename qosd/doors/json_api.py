@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 
 from qosd.doors import openapi
 from qosd.doors.bodies import BadJson, BodyTooLarge, parse_json, read_body
+from qosd.doors.dialects import REQUEST_HEADERS
 from qosd.doors.grpc_api import RawHandler
 from qosd.status import MAX_HISTORY
 from qosd_client.v1 import qosd_pb2
@@ -51,8 +52,10 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-#: Request headers a call carries into the handler chain as its metadata.
-METADATA_HEADERS = ("authorization", "traceparent", "tracestate", "baggage")
+#: Request headers a call carries into the handler chain as its metadata: credentials,
+#: the trace context, and the peers' headers (qosd.doors.dialects), which name a class
+#: or tenant the body leaves empty.
+METADATA_HEADERS = ("authorization", "traceparent", "tracestate", "baggage", *REQUEST_HEADERS)
 #: The largest request body: a Report batch at limits.max_report_batch is far below it.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ROUTES = {"acquire": "Acquire", "release": "Release", "report": "Report"}

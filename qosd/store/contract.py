@@ -324,6 +324,11 @@ class Decision(NamedTuple):
     remaining: str
     retry_after_ms: int  # when queued: the wait granted, ms (its max wait from now)
     lease_ttl_ms: int
+    # The class's bucket at the admitted rate, after the answer (with ``remaining``):
+    # what the proxy's rate-limit headers show (x-ratelimit-*-tokens).
+    burst: str
+    rate: str
+    requests: str  # "<left>|<bound>" of the in-flight bound after the answer; '': none
 
 
 class Cancelled(NamedTuple):

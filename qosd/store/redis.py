@@ -421,6 +421,10 @@ class RedisStore:
             lease_ttl_ms=reply.lease_ttl_ms,
             queued=reply.status == Status.QUEUED,
             duplicate=reply.status == Status.DUPLICATE,
+            burst=float(reply.burst),
+            rate=float(reply.rate),
+            requests_left=int(reply.requests.partition("|")[0] or -1),
+            requests_bound=int(reply.requests.partition("|")[2] or -1),
         )
 
     def _undo_admission(self, keys: Sequence[str], args: Sequence[Any], reply: list[Any]) -> None:
@@ -500,6 +504,8 @@ class RedisStore:
                     remaining=float(answer.remaining),
                     retry_after_ms=0,
                     lease_ttl_ms=answer.lease_ttl_ms,
+                    burst=float(answer.burst),
+                    rate=float(answer.rate),
                 )
                 results.append(PumpResult(WaiterState.ADMITTED, decision))
             else:

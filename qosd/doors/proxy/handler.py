@@ -29,14 +29,17 @@ from typing import Any
 import aiohttp
 import grpc
 from aiohttp import web
+from opentelemetry.trace import Span
 
-from qosd.admission import DuplicateRequest
+from qosd.admission import AcquireOutcome, DuplicateRequest
 from qosd.doors.auth import CallerCheck, TokenFile, bearer_of
 from qosd.doors.bodies import BadJson, parse_json
 from qosd.doors.decisions import Decisions
+from qosd.doors.dialects import rate_limit_headers
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.estimate import Estimator, Usage, prompt_text
 from qosd.doors.proxy.openai_errors import OpenAIError, refusal
+from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
 from qosd.doors.proxy.upstreams import Upstream, Upstreams
 from qosd.doors.request import MAX_LATENCY_MS, InvalidArgument
 from qosd.model import (
@@ -109,6 +112,12 @@ class _Call:
     prompt_bytes: int
     stream: bool
     wants_usage: bool
+    max_tokens: int | None = None
+    # What became of it, for its telemetry (filled in as it goes).
+    outcome: AcquireOutcome | None = None
+    progress: _Progress | None = None
+    upstream: Upstream | None = None
+    error_type: str | None = None  # why it failed, low-cardinality (error.type)
 
     @property
     def model(self) -> str:
@@ -131,13 +140,21 @@ class _Progress:
     outcome: Outcome = Outcome.CANCELLED
     used_nothing: bool = False  # the upstream refused or was unreachable
     cut: bool = False  # the answer broke off: usage unknown, the estimate stands
+    response_model: str | None = None  # the model the answer names
 
 
 class Proxy:
     def __init__(
-        self, decisions: Decisions, settings: ProxySettings, session: aiohttp.ClientSession
+        self,
+        decisions: Decisions,
+        settings: ProxySettings,
+        session: aiohttp.ClientSession,
+        telemetry: GenAiTelemetry | None = None,
     ) -> None:
+        """``telemetry``: where the GenAI spans and metrics go (none: no spans, the
+        process's meter provider)."""
         self._decisions = decisions
+        self._telemetry = telemetry or GenAiTelemetry(None)
         self._metrics = decisions.metrics
         self.settings = settings
         self._session = session
@@ -178,16 +195,21 @@ class Proxy:
         return web.json_response({"object": "list", "data": data})
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
+        arrived = time.monotonic()
         code = 500
         call: _Call | None = None
+        span: Span | None = None
         try:
             self._authorize(request)
             call = await self._parse(request)
+            span = self._telemetry.start(path, call.model, call.max_tokens, request.headers)
             response = await self._admit_and_forward(request, path, call)
             code = CLIENT_CLOSED if request.get(_CLIENT_LEFT) else response.status
             return response
         except OpenAIError as error:
             code = error.status
+            if call is not None and call.error_type is None:
+                call.error_type = error.code or str(error.status)
             return error.response()
         except asyncio.CancelledError:
             code = CLIENT_CLOSED  # the client left: aiohttp cancels its handler
@@ -199,6 +221,45 @@ class Proxy:
             self._metrics.proxy_requests.labels(
                 call.model if call else "", call.qos_class if call else "", str(code)
             ).inc()
+            if call is not None:
+                self._finish_telemetry(span, path, call, code, arrived)
+
+    def _finish_telemetry(
+        self, span: Span | None, path: str, call: _Call, code: int, arrived: float
+    ) -> None:
+        """The request's GenAI span and metrics, once its answer has ended."""
+        progress, outcome = call.progress, call.outcome
+        error_type = call.error_type
+        if error_type is None and code != 200:
+            error_type = "client_closed" if code == CLIENT_CLOSED else str(code)
+        if error_type is None and progress is not None and progress.cut:
+            error_type = "upstream_cut"
+        usage = progress.usage if progress is not None else None
+        streamed = progress is not None and progress.first_token_at is not None
+        times = (
+            arrived,
+            progress.first_token_at if progress else None,
+            progress.last_token_at if streamed and progress else None,
+            time.monotonic(),
+        )
+        self._telemetry.finish(
+            span,
+            Finished(
+                path=path,
+                model=call.model,
+                qos_class=call.qos_class,
+                decision="admitted" if outcome and outcome.decision.admitted else "rejected",
+                error_type=error_type,
+                response_model=progress.response_model if progress else None,
+                usage=(usage.prompt_tokens, usage.completion_tokens) if usage else None,
+                waited_ms=outcome.waited_ms if outcome else 0,
+                times=times,
+                output_tokens=usage.completion_tokens
+                if usage
+                else (progress.chunks if progress else 0),
+                upstream=call.upstream.url if call.upstream else None,
+            ),
+        )
 
     # -- admission ------------------------------------------------------------------
 
@@ -284,18 +345,36 @@ class Proxy:
             prompt_bytes=prompt_bytes,
             stream=stream is True,
             wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
+            max_tokens=max_tokens,
         )
 
     def _identity(self, request: web.Request) -> tuple[str, str]:
-        """The request's class and tenant. With API keys: its key's, which
-        ``x-qos-class`` may lower but never raise (and ``x-qos-tenant`` names a
-        tenant only for a key that names none); a missing or unknown key is refused.
-        Without: its headers', else the default class."""
+        """The request's class and tenant, each from the first that names it: qosd's
+        own headers, then the peers' (``qosd.doors.dialects``), then the API key's,
+        else the default class. With API keys, a missing or unknown key is refused,
+        a header may lower the key's class but never raise it, and a key that names a
+        tenant fixes it (docs/security.md)."""
         headers = request.headers
-        asked = headers.get(CLASS_HEADER)
+        get = headers.get
+        asked, named_by = headers.get(CLASS_HEADER), CLASS_HEADER
+        peers = self._decisions.peer_headers
+        if not asked:
+            try:
+                found_class = peers.qos_class(get)
+            except InvalidArgument as exc:
+                raise OpenAIError(400, str(exc), exc.field) from exc
+            if found_class is not None:
+                asked, named_by = found_class
+        tenant = headers.get(TENANT_HEADER, "")
+        if not tenant:
+            try:
+                found_tenant = peers.tenant(get)
+            except InvalidArgument as exc:
+                raise OpenAIError(400, str(exc), exc.field) from exc
+            tenant = found_tenant[0] if found_tenant else ""
         keys = self.settings.api_keys
         if not keys:
-            return asked or self.settings.default_class, headers.get(TENANT_HEADER, "")
+            return asked or self.settings.default_class, tenant
         header = headers.get("authorization")
         key = bearer_of(header) if header is not None else b""
         if not key:
@@ -312,19 +391,19 @@ class Proxy:
         if asked and asked != key_class:
             classes = self._decisions.admission.config.classes
             if asked not in classes:
-                raise OpenAIError(400, f"{CLASS_HEADER}: unknown class {asked[:40]!r} "
-                                  f"(classes: {', '.join(classes)})", CLASS_HEADER)  # fmt: skip
+                raise OpenAIError(400, f"{named_by}: unknown class {asked[:40]!r} "
+                                  f"(classes: {', '.join(classes)})", named_by)  # fmt: skip
             if classes[asked].priority < classes[key_class].priority:
                 self._metrics.auth_refusals.labels("proxy", "PERMISSION_DENIED").inc()
                 raise OpenAIError(
                     403,
-                    f"{CLASS_HEADER}: {asked!r} is above this key's class {key_class!r}; a "
-                    "header may lower a key's class, never raise it",
-                    CLASS_HEADER,
+                    f"{named_by}: class {asked!r} is above this key's class {key_class!r}; "
+                    "a header may lower a key's class, never raise it",
+                    named_by,
                     code="class_not_allowed",
                 )
             qos_class = asked
-        return qos_class, key_tenant or headers.get(TENANT_HEADER, "")
+        return qos_class, key_tenant or tenant
 
     async def _admit_and_forward(
         self, request: web.Request, path: str, call: _Call
@@ -334,15 +413,19 @@ class Proxy:
         except DuplicateRequest as exc:
             raise OpenAIError(409, str(exc), REQUEST_ID_HEADER,
                               code="duplicate_request_id") from exc  # fmt: skip
-        decision = outcome.decision
+        call.outcome = decision_outcome = outcome
+        decision = decision_outcome.decision
+        limits = rate_limit_headers(decision)
         if not decision.admitted:
-            raise refusal(decision.reason, decision.retry_after_ms, outcome.message)
-        progress = _Progress()
+            call.error_type = decision.reason.name.lower()
+            raise refusal(decision.reason, decision.retry_after_ms, outcome.message, limits)
+        call.progress = progress = _Progress()
         try:
-            upstream = self.settings.upstreams.pick(call.model)
+            call.upstream = upstream = self.settings.upstreams.pick(call.model)
             assert upstream is not None  # checked in _parse; upstreams never change
-            return await self._forward(request, path, call, upstream, outcome.server_priority,
-                                       progress)  # fmt: skip
+            response = await self._forward(request, path, call, upstream,
+                                           outcome.server_priority, progress, limits)  # fmt: skip
+            return response
         finally:
             # In a task of its own: the answer goes out while the lease ends (a store
             # call the client need not wait for), and a client that leaves cancels
@@ -369,7 +452,9 @@ class Proxy:
         upstream: Upstream,
         priority: int,
         progress: _Progress,
+        limits: dict[str, str],
     ) -> web.StreamResponse:
+        """The upstream's answer, carrying ``limits`` (the rate-limit headers)."""
         payload = call.raw  # as the client sent it, unless the proxy adds to it
         if call.stream or self.settings.priority_upstreams:
             body = dict(call.body)
@@ -401,17 +486,19 @@ class Proxy:
                     _read_load(upstream, answer)
                     if answer.status != 200:
                         progress.used_nothing, progress.outcome = True, Outcome.ERROR
-                        return await _passed_on(answer)
+                        return await _passed_on(answer, limits)
                     if not call.stream:
-                        return await self._whole(answer, progress)
-                    return await self._stream(request, answer, call, progress)
+                        return await self._whole(answer, progress, limits)
+                    return await self._stream(request, answer, call, progress, limits)
                 except BaseException:
                     answer.close()  # the client left: the upstream drops the request
                     raise
         finally:
             upstream.in_flight -= 1
 
-    async def _whole(self, answer: aiohttp.ClientResponse, progress: _Progress) -> web.Response:
+    async def _whole(
+        self, answer: aiohttp.ClientResponse, progress: _Progress, limits: dict[str, str]
+    ) -> web.Response:
         try:
             raw = await answer.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -419,11 +506,15 @@ class Proxy:
             raise _broke_off(exc) from exc
         progress.last_token_at = time.monotonic()
         try:
-            progress.usage = Usage.parse(json.loads(raw).get("usage"))
+            answered = json.loads(raw)
+            progress.usage = Usage.parse(answered.get("usage"))
+            model = answered.get("model")
+            progress.response_model = model if isinstance(model, str) else None
         except (ValueError, AttributeError, RecursionError):
             progress.usage = None
         progress.outcome = Outcome.OK
-        return web.Response(status=200, body=raw, content_type="application/json")
+        return web.Response(status=200, body=raw, content_type="application/json",
+                            headers=limits)  # fmt: skip
 
     async def _stream(
         self,
@@ -431,13 +522,14 @@ class Proxy:
         answer: aiohttp.ClientResponse,
         call: _Call,
         progress: _Progress,
+        limits: dict[str, str],
     ) -> web.StreamResponse:
         """Relays the server-sent events as they come (a slow client slows the reads
         from the upstream: backpressure both ways), minus the usage chunk the client
         did not ask for. A stream that breaks off ends with an OpenAI error event, which
         the SDKs raise."""
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **limits}
         )
         await response.prepare(request)
         lines = aiter(answer.content)
@@ -476,6 +568,8 @@ class Proxy:
             return
         if not isinstance(chunk, dict):
             return
+        if progress.response_model is None and isinstance(model := chunk.get("model"), str):
+            progress.response_model = model
         if _is_usage_chunk(chunk):
             progress.usage = Usage.parse(chunk.get("usage"))
         elif _has_content(chunk):
@@ -586,13 +680,15 @@ class Proxy:
             await self.flush_samples()
 
 
-async def _passed_on(answer: aiohttp.ClientResponse) -> web.Response:
-    """An upstream's refusal, passed on as it came (a body that breaks off: a 502)."""
+async def _passed_on(answer: aiohttp.ClientResponse, limits: dict[str, str]) -> web.Response:
+    """An upstream's refusal, passed on as it came with ``limits`` (a body that breaks
+    off: a 502)."""
     try:
         body = await answer.read()
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise _broke_off(exc) from exc
-    return web.Response(status=answer.status, body=body, content_type=answer.content_type)
+    return web.Response(status=answer.status, body=body, content_type=answer.content_type,
+                        headers=limits)  # fmt: skip
 
 
 def _broke_off(error: BaseException) -> OpenAIError:

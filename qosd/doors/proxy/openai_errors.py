@@ -8,6 +8,7 @@ import math
 
 from aiohttp import web
 
+from qosd.doors.dialects import retry_headers
 from qosd.model import Reason
 
 _TYPES = {
@@ -23,6 +24,10 @@ _TYPES = {
     503: "service_unavailable",
     504: "upstream_error",
 }
+
+
+#: Client errors no retry can change (the SDKs retry 408, 409, 429 and 5xx).
+_NEVER_RETRIED = frozenset({400, 401, 403, 404, 409, 413})
 
 
 class OpenAIError(Exception):
@@ -50,20 +55,29 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+        headers = self.headers
+        if self.status in _NEVER_RETRIED and "x-should-retry" not in headers:
+            # The SDKs retry 409 (and would any status told to): say what retrying does.
+            headers = {**headers, "x-should-retry": "false"}
         return web.Response(
             status=self.status,
             body=json.dumps(body).encode(),
             content_type="application/json",
-            headers=self.headers,
+            headers=headers,
         )
 
 
-def refusal(reason: Reason, retry_after_ms: int, message: str) -> OpenAIError:
+def refusal(
+    reason: Reason, retry_after_ms: int, message: str, limits: dict[str, str] | None = None
+) -> OpenAIError:
     """qosd's refusal as an answer the SDKs retry: 429 with ``Retry-After`` (seconds,
     rounded up) and OpenAI's ``retry-after-ms``; a store outage under fail-closed, or
-    a draining proxy, is 503. ``x-qos-reason`` names qosd's reason."""
+    a draining proxy, is 503. ``x-qos-reason`` names qosd's reason, and llm-d's
+    ``x-llm-d-request-dropped-reason`` its counterpart; ``x-should-retry`` is false
+    where no retry can help (``qosd.doors.dialects``); ``limits``: the rate-limit
+    headers."""
     name = reason.name.lower()
-    headers = {"x-qos-reason": name}
+    headers = {"x-qos-reason": name, **retry_headers(reason, retry_after_ms), **(limits or {})}
     if retry_after_ms > 0:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
         headers["retry-after-ms"] = str(retry_after_ms)

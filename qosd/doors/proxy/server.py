@@ -17,6 +17,7 @@ from qosd.config import Config, parse_listen_address
 from qosd.doors import openapi
 from qosd.doors.auth import CallerCheck, Group
 from qosd.doors.proxy.handler import Proxy, ProxySettings
+from qosd.doors.proxy.telemetry import GenAiTelemetry
 from qosd.gc_tuning import tune_for_serving
 from qosd.server import Daemon, start, write_ready_file
 
@@ -56,8 +57,15 @@ def proxy_app(proxy: Proxy) -> web.Application:
     return app
 
 
-async def start_proxy(config: Config, listen: str, settings: ProxySettings) -> RunningProxy:
-    """Starts the daemon, then the proxy's listener on ``listen`` (HOST:PORT)."""
+async def start_proxy(
+    config: Config,
+    listen: str,
+    settings: ProxySettings,
+    telemetry: GenAiTelemetry | None = None,
+) -> RunningProxy:
+    """Starts the daemon, then the proxy's listener on ``listen`` (HOST:PORT).
+    ``telemetry``: where the GenAI spans and metrics go; by default, the daemon's
+    tracing (spans and metrics exported beside them when tracing is on)."""
     daemon = await start(config)
     if config.auth.qos.configured:
         settings = dataclasses.replace(
@@ -76,7 +84,15 @@ async def start_proxy(config: Config, listen: str, settings: ProxySettings) -> R
                 sock_read=settings.upstream_read_timeout_s,
             ),
         )
-        proxy = Proxy(daemon.decisions, settings, session)
+        if telemetry is None:
+            tracing = daemon.tracing
+            telemetry = GenAiTelemetry(
+                tracing.tracer if tracing else None,
+                tracing.meter_provider.get_meter("qosd.proxy")
+                if tracing and tracing.meter_provider
+                else None,
+            )
+        proxy = Proxy(daemon.decisions, settings, session, telemetry)
         # A client that disconnects cancels its handler: its waiter leaves the queue,
         # its upstream request is closed and its lease ends.
         runner = web.AppRunner(proxy_app(proxy), access_log=None, handler_cancellation=True)

@@ -17,19 +17,35 @@
 -- Returns HEADER (Redis time, us, string; the pool's epoch, '' while its state was
 -- never written: pool/state.lua), then a DECISION per request: status (STATUS_REJECTED,
 -- STATUS_ADMITTED or STATUS_QUEUED), reason, lease_id, charged, remaining,
--- retry_after_ms (when queued: the wait granted), lease_ttl_ms.
+-- retry_after_ms (when queued: the wait granted), lease_ttl_ms, and the class's
+-- bucket and the pool's room (answer(), below).
 local reply = {}
 reply[REPLY_HEADER_NOW_US] = string.format('%.0f', now)
 reply[REPLY_HEADER_EPOCH] = state.epoch or ''
 local n = HEADER_FIELDS
-local function answer(status, reason, lease_id, charged, remaining, retry_ms, ttl_ms)
+-- An answer for class i's request (i nil: the batch ran too late; nothing known):
+-- with the class's bucket after it (level, burst and rate at R) and the requests the
+-- in-flight bound has left and the bound ("left|bound"; '': no such bound), for the
+-- caller's rate-limit headers.
+local function answer(status, reason, lease_id, cost, i, retry_ms, ttl_ms)
   reply[n + REPLY_DECISION_STATUS] = status
   reply[n + REPLY_DECISION_REASON] = reason
   reply[n + REPLY_DECISION_LEASE_ID] = lease_id
-  reply[n + REPLY_DECISION_CHARGED] = charged
-  reply[n + REPLY_DECISION_REMAINING] = remaining
+  reply[n + REPLY_DECISION_CHARGED] = num(cost)
   reply[n + REPLY_DECISION_RETRY_AFTER_MS] = retry_ms
   reply[n + REPLY_DECISION_LEASE_TTL_MS] = ttl_ms
+  local room = ''
+  if i and bound_count > 0 then
+    local left = bound_count
+    for j = 1, class_count do
+      left = left - state.in_n[j]
+    end
+    room = string.format('%.0f|%.0f', math.max(0, math.floor(left)), math.floor(bound_count))
+  end
+  reply[n + REPLY_DECISION_REQUESTS] = room
+  reply[n + REPLY_DECISION_REMAINING] = i and num(state.tokens[i]) or '0'
+  reply[n + REPLY_DECISION_BURST] = i and num(classes[i].burst) or '0'
+  reply[n + REPLY_DECISION_RATE] = i and num(classes[i].rate) or '0'
   n = n + DECISION_FIELDS
 end
 
@@ -38,7 +54,7 @@ do  -- a block: the chunk holds at most 200 locals
   local deadline = tonumber(ARGV[ARGS_BEFORE + ARG_ACQUIRE_DEADLINE_US])
   if deadline > 0 and now > deadline then
     for _ = 1, tonumber(ARGV[ARG_CALLS]) do
-      answer(STATUS_REJECTED, REASON_BACKEND_UNAVAILABLE, '', '0', '0', 0, 0)
+      answer(STATUS_REJECTED, REASON_BACKEND_UNAVAILABLE, '', 0, nil, 0, 0)
     end
     return reply
   end
@@ -61,16 +77,15 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
   r[ARG_REQUEST_TTL_MS] = tonumber(r[ARG_REQUEST_TTL_MS])
   r[ARG_REQUEST_TTFT_MS] = tonumber(r[ARG_REQUEST_TTFT_MS])
   local wait_ms = tonumber(r[ARG_REQUEST_WAIT_MS])
-  local lease_key = KEYS[k]
+  -- Its keys, kept on the record too (the chunk holds at most 200 locals).
+  r.lease_key = KEYS[k]
   k = k + 1
-  local request_key = nil
   if r[ARG_REQUEST_HAS_REQUEST] == '1' then
-    request_key = KEYS[k]
+    r.request_key = KEYS[k]
     k = k + 1
   end
-  local tenant_key = nil
   if r[ARG_REQUEST_HAS_TENANT] == '1' then
-    tenant_key = KEYS[k]
+    r.tenant_key = KEYS[k]
     k = k + 1
   end
   -- A class that shares by tokens: the tenant's counter key, and what it is charged.
@@ -80,11 +95,11 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
     k = k + 1
   end
 
-  if request_key and redis.call('GET', request_key) then
-    answer(STATUS_DUPLICATE, REASON_NONE, '', num(cost), num(state.tokens[i]), 0, 0)
+  if r.request_key and redis.call('GET', r.request_key) then
+    answer(STATUS_DUPLICATE, REASON_NONE, '', cost, i, 0, 0)
   else
     if cost > c.max_cost then
-      answer(STATUS_REJECTED, REASON_COST_EXCEEDS_BURST, '', num(cost), num(state.tokens[i]), 0, 0)
+      answer(STATUS_REJECTED, REASON_COST_EXCEEDS_BURST, '', cost, i, 0, 0)
     else
       local how = 0
       local kv = input + tonumber(r[ARG_REQUEST_OUTPUT_TOKENS])
@@ -112,8 +127,8 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       local tenant_wait = 0
       if miss_ms then
         how = 0  -- refused below: late whenever it went
-      elseif how ~= 0 and tenant_key then
-        bucket = tenant.bucket(tenant_key, c.tenant_rate, c.tenant_burst)
+      elseif how ~= 0 and r.tenant_key then
+        bucket = tenant.bucket(r.tenant_key, c.tenant_rate, c.tenant_burst)
         if bucket[1] < math.min(cost, bucket[4]) then
           tenant_wait = tenant.wait_ms(bucket, cost)
           how = 0
@@ -130,17 +145,17 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
           tenant.served(i, fair.key, kv)
           tenant.admitted(i, order - fair.charge)
         end
-        local expiry = add_lease(i, lease_key, r[ARG_REQUEST_FIELD], cost,
+        local expiry = add_lease(i, r.lease_key, r[ARG_REQUEST_FIELD], cost,
           r[ARG_REQUEST_TTL_MS],
           r[ARG_REQUEST_KEEP_MS], r[ARG_REQUEST_WEIGHT],
           r[ARG_REQUEST_INPUT_TOKENS], r[ARG_REQUEST_OUTPUT_TOKENS])
-        if request_key then
-          redis.call('SET', request_key,
+        if r.request_key then
+          redis.call('SET', r.request_key,
             r[ARG_REQUEST_LEASE_ID] .. '|' .. num(cost) .. '|' .. expiry,
             'PX', r[ARG_REQUEST_TTL_MS])
         end
-        answer(STATUS_ADMITTED, REASON_NONE, r[ARG_REQUEST_LEASE_ID], num(cost),
-          num(state.tokens[i]), 0, r[ARG_REQUEST_TTL_MS])
+        answer(STATUS_ADMITTED, REASON_NONE, r[ARG_REQUEST_LEASE_ID], cost, i, 0,
+          r[ARG_REQUEST_TTL_MS])
       else
         -- Queue only a request whose wait could cover the refill it needs if nobody
         -- else took tokens meanwhile; any other is told at once.
@@ -153,14 +168,14 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
           retry = math.max(retry_after_ms(i, cost), tenant_wait)
         end
         if miss_ms then
-          answer(STATUS_REJECTED, REASON_DEADLINE, '', num(cost), num(state.tokens[i]), miss_ms, 0)
+          answer(STATUS_REJECTED, REASON_DEADLINE, '', cost, i, miss_ms, 0)
         elseif held and wait_ms <= 0 then
-          answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', num(cost), num(state.tokens[i]),
+          answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', cost, i,
             LONG_PREFILL_RETRY_MS, 0)
         elseif wait_ms <= 0 or (not pool_gated and not held and retry > wait_ms) then
-          answer(STATUS_REJECTED, REASON_RATE_LIMITED, '', num(cost), num(state.tokens[i]), retry, 0)
+          answer(STATUS_REJECTED, REASON_RATE_LIMITED, '', cost, i, retry, 0)
         elseif state.waiting[i] >= c.max_queue then
-          answer(STATUS_REJECTED, REASON_QUEUE_FULL, '', num(cost), num(state.tokens[i]), retry, 0)
+          answer(STATUS_REJECTED, REASON_QUEUE_FULL, '', cost, i, retry, 0)
         else
           -- Enqueue; a distinct score per request keeps a batch's order.
           local blocked = 0
@@ -175,8 +190,8 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
             enqueued = enqueued_at, deadline = now + wait_ms * 1000, daemon = daemon,
             cost = cost, blocked = blocked, input = input, kv = kv, due = due,
           }))
-          if request_key then  -- the id is this waiter's while it may wait
-            redis.call('SET', request_key,
+          if r.request_key then  -- the id is this waiter's while it may wait
+            redis.call('SET', r.request_key,
               r[ARG_REQUEST_LEASE_ID] .. '|Q|' .. string.format('%.0f', now + wait_ms * 1000),
               'PX', wait_ms)
           end
@@ -184,8 +199,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
           enqueued_at = enqueued_at + 1
           state.waiting[i] = state.waiting[i] + 1
           state_changed = true
-          answer(STATUS_QUEUED, REASON_NONE, r[ARG_REQUEST_LEASE_ID], num(cost),
-            num(state.tokens[i]), wait_ms, 0)
+          answer(STATUS_QUEUED, REASON_NONE, r[ARG_REQUEST_LEASE_ID], cost, i, wait_ms, 0)
         end
       end
     end

@@ -231,6 +231,9 @@ for _, m in ipairs(order) do
   reply[n + REPLY_DECISION_REMAINING] = num(state.tokens[m.class])
   reply[n + REPLY_DECISION_RETRY_AFTER_MS] = 0
   reply[n + REPLY_DECISION_LEASE_TTL_MS] = m.ttl_ms
+  reply[n + REPLY_DECISION_BURST] = num(classes[m.class].burst)
+  reply[n + REPLY_DECISION_RATE] = num(classes[m.class].rate)
+  reply[n + REPLY_DECISION_REQUESTS] = ''  -- not kept for waiters: they ask no headers
   n = n + DECISION_FIELDS
 end
 save_leases()
