@@ -30,7 +30,7 @@ from google.protobuf import descriptor_pb2  # noqa: E402
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor  # noqa: E402
 from grpc_tools import protoc  # type: ignore[import-untyped]  # noqa: E402
 
-from qosd.doors import json_api  # noqa: E402
+from qosd.doors import dialects, json_api  # noqa: E402
 from qosd.doors.proxy import handler  # noqa: E402
 from qosd.doors.request import MAX_ID_LENGTH, MAX_LATENCY_MS  # noqa: E402
 from qosd.model import Reason  # noqa: E402
@@ -467,10 +467,46 @@ PROXY_STATUSES = {
     "(`qosd_proxy_requests_total`), never sent.",
     500: "A bug in the proxy; its log has the traceback.",
     502: "The upstream was unreachable, or its answer broke off.",
+    504: "The upstream went silent past `--upstream-read-timeout`.",
     503: "The store is down under `fail_mode: closed`, or the proxy is draining "
     "(`x-qos-reason`); or the upstream's own 503, passed on.",
 }
+#: The answer headers of every proxied answer (docs/integrations.md).
+RATE_LIMIT_HEADERS = {
+    "x-ratelimit-limit-tokens": {
+        "description": "The class's bucket at the admitted rate: the most it holds, in "
+        "qosd's cost units (prompt tokens with the default cost).",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "x-ratelimit-remaining-tokens": {
+        "description": "What the class's bucket holds after this request.",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "x-ratelimit-reset-tokens": {
+        "description": "How long the class's rate takes to fill its bucket, as OpenAI "
+        "writes it (`20ms`, `1.5s`, `6m0s`).",
+        "schema": {"type": "string"},
+    },
+    "x-ratelimit-limit-requests": {
+        "description": "The pool's in-flight bound, where it has one.",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "x-ratelimit-remaining-requests": {
+        "description": "The in-flight bound's room after this request, where there is one.",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+}
 REFUSAL_HEADERS = {
+    "x-should-retry": {
+        "description": "`false` where no retry can help (a cost no bucket of the class "
+        "holds, a wait past the SDKs' 60 s window, any 4xx); the official SDKs read it.",
+        "schema": {"type": "string", "enum": ["true", "false"]},
+    },
+    "x-llm-d-request-dropped-reason": {
+        "description": "llm-d's name for the refusal (`rejected-saturated`, "
+        "`rejected-ttl-expired`, `rejected-shutting-down`, or `rejected-<qosd reason>`).",
+        "schema": {"type": "string"},
+    },
     "Retry-After": {
         "description": "Seconds to wait before retrying, rounded up; absent when "
         "retrying cannot help.",
@@ -519,6 +555,26 @@ def proxy_headers() -> dict[str, Schema]:
                 f"first of {listed} present is used.",
                 "schema": objective,
             }
+    found[dialects.OBJECTIVE_HEADERS[0]] = {
+        "description": "llm-d's InferenceObjective, mapped to a class by "
+        "`peer_headers.objectives` (after `x-qos-class`).",
+        "schema": {"type": "string", "maxLength": MAX_ID_LENGTH},
+    }
+    found[dialects.OBJECTIVE_HEADERS[1]] = {
+        "description": "The deprecated name of llm-d's objective header.",
+        "schema": {"type": "string", "maxLength": MAX_ID_LENGTH},
+    }
+    for name in dialects.FAIRNESS_HEADERS:
+        found[name] = {
+            "description": "llm-d's tenant (after `x-qos-tenant`); the second name is the "
+            "deprecated one.",
+            "schema": {"type": "string", "maxLength": MAX_ID_LENGTH},
+        }
+    found[dialects.DYNAMO_PRIORITY_HEADER] = {
+        "description": "Dynamo's request priority (higher first), mapped to a class by "
+        "`peer_headers.dynamo_priority`.",
+        "schema": {"type": "integer"},
+    }
     for name in handler.FORWARDED_HEADERS:
         found.setdefault(
             name,
@@ -612,7 +668,9 @@ def proxy_operation(chat: bool) -> Schema:
     responses: dict[str, Schema] = {
         "200": {
             "description": "The upstream's answer as it gave it: a JSON body, or with "
-            "`stream` its server-sent events, relayed as they come.",
+            "`stream` its server-sent events, relayed as they come; with the rate-limit "
+            "headers of the request's class.",
+            "headers": RATE_LIMIT_HEADERS,
             "content": {
                 "application/json": {"schema": {"type": "object"}},
                 "text/event-stream": {"schema": {"$ref": "#/components/schemas/StreamEvent"}},
@@ -628,6 +686,7 @@ def proxy_operation(chat: bool) -> Schema:
         }
         if status in (429, 503):
             response["headers"] = {
+                **RATE_LIMIT_HEADERS,
                 **REFUSAL_HEADERS,
                 "x-qos-reason": {"$ref": f"#/components/headers/QosReason{status}"},
             }
