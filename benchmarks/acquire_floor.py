@@ -47,7 +47,13 @@ from qosd.store.batching import ScriptBatcher
 from qosd.store.redis import RedisStore
 from qosd.store.redis_client import redis_transport
 from qosd_client.v1 import qosd_pb2
-from qosd_harness import free_port, redis_command, redis_server, serve_raw_unary
+from qosd_harness import (
+    PortReservation,
+    redis_command,
+    redis_server,
+    reserve_port,
+    serve_raw_unary,
+)
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/acquire_floor.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -122,8 +128,13 @@ def serve(rung: str, port: int, redis_url: str) -> None:
     uvloop.run(main())
 
 
-def start(rung: str, redis_url: str, scratch: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
+def start(
+    rung: str, redis_url: str, scratch: Path
+) -> tuple[subprocess.Popen[bytes], PortReservation]:
+    """The rung's server in a child, on a port reserved for it (the probe servers take
+    a port, they do not report one), held until the caller closes it."""
+    reservation = reserve_port()
+    port = reservation.port
     if rung == "daemon":
         config = {
             **POOL,
@@ -142,10 +153,11 @@ def start(rung: str, redis_url: str, scratch: Path) -> tuple[subprocess.Popen[by
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 channel.unary_unary(PATH)(REQUEST.SerializeToString(), timeout=2)
-            return child, port
+            return child, reservation
         except grpc.RpcError:
             if child.poll() is not None or time.monotonic() > deadline:
                 child.kill()
+                reservation.close()
                 raise RuntimeError(f"the {rung} server did not start") from None
             time.sleep(0.1)
 
@@ -159,8 +171,8 @@ def one_round(
 ) -> dict[str, float]:
     """One rung: throughput at 4 x 16 streams, with Redis's counts over h2load's
     window; then latency, one stream with one request at a time (uncontended)."""
-    child, port = start(rung, f"redis://127.0.0.1:{redis_port}/0", scratch)
-    address = f"127.0.0.1:{port}"
+    child, reservation = start(rung, f"redis://127.0.0.1:{redis_port}/0", scratch)
+    address = f"127.0.0.1:{reservation.port}"
     try:
         command = h2load_command(address, PATH, body, clients=4, streams=16, seconds=seconds)
         load = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -187,6 +199,7 @@ def one_round(
     finally:
         child.kill()
         child.wait()
+        reservation.close()
     if stats["calls"]:
         figures["acquires_per_evalsha"] = figures["requests"] / stats["calls"]
         figures["redis_usec_per_evalsha"] = stats["usec"] / stats["calls"]

@@ -61,7 +61,7 @@ from qosd.store import contract
 from qosd.store.contract import Status
 from qosd.store.redis import RedisStore
 from qosd_client.v1 import qosd_pb2
-from qosd_harness import RedisServer, daemon_processes, free_port, redis_command
+from qosd_harness import RedisServer, daemon_processes, redis_command
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/cluster_scale.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,29 +88,29 @@ def cluster(size: int) -> Iterator[list[RedisServer]]:
     node owns every slot (redis-cli --cluster create wants three at least)."""
     with tempfile.TemporaryDirectory(prefix="qosd-bench-cluster-") as directory:
         nodes: list[RedisServer] = []
-        buses: list[int] = []
         try:
             for index in range(size):
                 node_dir = Path(directory) / f"node{index}"
-                bus = free_port()
+                # Port 0: the harness reserves the node's port and its bus port.
                 node = RedisServer(
-                    free_port(), node_dir,
+                    0, node_dir,
                     (
                         "--cluster-enabled", "yes",
                         "--cluster-config-file", str(node_dir / "nodes.conf"),
-                        "--cluster-port", str(bus),
                         "--cluster-node-timeout", "5000",
                     ),
+                    cluster_bus=True,
                 )  # fmt: skip
-                nodes.append(node.start())
-                buses.append(bus)
+                nodes.append(node)
+                node.start()
             for index, node in enumerate(nodes):
                 first, last = index * SLOTS // size, (index + 1) * SLOTS // size - 1
                 redis_command(node.port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
-            for node, bus in zip(nodes[1:], buses[1:], strict=True):
+            for node in nodes[1:]:
                 redis_command(
-                    nodes[0].port, "CLUSTER", "MEET", "127.0.0.1", str(node.port), str(bus)
-                )
+                    nodes[0].port, "CLUSTER", "MEET", "127.0.0.1", str(node.port),
+                    str(node.bus_port),
+                )  # fmt: skip
             deadline = time.monotonic() + 30
             while not all(_cluster_ok(node.port, size) for node in nodes):
                 if time.monotonic() > deadline:
@@ -119,7 +119,7 @@ def cluster(size: int) -> Iterator[list[RedisServer]]:
             yield nodes
         finally:
             for node in nodes:
-                node.kill()
+                node.close()
 
 
 def _cluster_ok(port: int, size: int) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from qosd_harness import free_port, stop_process
+from qosd_harness import reserve_port, stop_process
 
 MASTER_KEY = "sk-qosd-benchmark-0123456789abcdef"
 
@@ -55,7 +55,10 @@ def litellm_proxy(
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "litellm.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = free_port()
+    # LiteLLM (uvicorn) takes a port, it does not report one: a reserved one, held
+    # while it runs, so that no other process takes it first or answers for it.
+    reservation = reserve_port()
+    port = reservation.port
     pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
     env = {**os.environ, "LITELLM_MASTER_KEY": MASTER_KEY, "LITELLM_LOG": "ERROR"}
     with (directory / "litellm.log").open("ab") as log:
@@ -75,6 +78,7 @@ def litellm_proxy(
         yield url, process.pid
     finally:
         stop_process(process)
+        reservation.close()
 
 
 def _live(url: str) -> bool:

@@ -61,7 +61,7 @@ import uvloop
 
 from qosd.store.redis import SCRIPTS, script_source
 from qosd_client import QosdClient, QosdError
-from qosd_harness import daemon_processes, free_port, redis_server
+from qosd_harness import daemon_processes, redis_server
 
 POOL = "default"
 PREFIX = "bench"
@@ -595,16 +595,16 @@ def main() -> int:
     parser.add_argument("--label", default="", help="kept in the JSON (say which code ran)")
     args = parser.parse_args()
 
-    http_port = free_port()
     with redis_server() as server:
         config = {
             "redis": {"url": server.url, "key_prefix": PREFIX},
-            "server": {"http_listen": f"127.0.0.1:{http_port}"},
+            "server": {"http_listen": "127.0.0.1:0"},  # the ready file says which port
             "pools": {POOL: {"capacity_tokens_s": 1e9}},
         }
         with daemon_processes(config) as (daemon,):
             assert server.process is not None and daemon.process is not None
             pids = (os.getpid(), daemon.process.pid, server.process.pid)
+            http_port = int(daemon.ready["http"].rpartition(":")[2])
             results: dict[str, Any] = uvloop.run(
                 run(args, server.url, daemon.address, http_port, pids)
             )

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decisions import ACQUIRE_PATH, check_one_acquire, grpc_frame, run_h2load
 from qosd_client.v1 import qosd_pb2
-from qosd_harness import free_port, redis_server, source_commit, stop_process
+from qosd_harness import redis_server, source_commit, stop_process
 
 HERE = Path(__file__).resolve().parents[1]
 POOL = {"default": {"capacity_tokens_s": 1e9}}
@@ -98,7 +98,7 @@ def main() -> int:
                 config.write_text(json.dumps(settings))
                 subjects[name] = (
                     [sys.executable, "-m", "qosd.cli", "serve", "--config", str(config),
-                     "--listen", f"127.0.0.1:{free_port()}", "--ready-file", "READY"],
+                     "--listen", "127.0.0.1:0", "--ready-file", "READY"],
                     tree_env(tree),
                 )  # fmt: skip
         rounds: dict[str, list[float]] = {name: [] for name in subjects}

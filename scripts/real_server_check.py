@@ -28,7 +28,7 @@ from pathlib import Path
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from qosd_harness import free_port, start_command, stop_process
+from qosd_harness import reserve_port, start_command, stop_process
 
 TINY_MODEL = """
 import sys
@@ -90,7 +90,10 @@ def main() -> int:
         work = Path(scratch)
         model = str(work / "tiny-llama")
         subprocess.run([str(python), "-c", TINY_MODEL, model], check=True)
-        port = free_port()
+        # transformers serve (uvicorn) takes a port, it does not report one: a reserved
+        # one, held while it runs, so that no other process takes it or answers for it.
+        reservation = reserve_port()
+        port = reservation.port
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         with (work / "serve.log").open("ab") as log:
             server = subprocess.Popen(
@@ -103,7 +106,7 @@ def main() -> int:
             wait_until_up(upstream, server, 120)
             proxy, ready = start_command(
                 ["proxy", "--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0",
-                 "--http-listen", f"127.0.0.1:{free_port()}", "--upstream",
+                 "--http-listen", "127.0.0.1:0", "--upstream",
                  f"{model}={upstream}"], work, "proxy",
             )  # fmt: skip
             client = openai.OpenAI(base_url=f"http://{ready['address']}/v1", api_key="unused")
@@ -138,6 +141,7 @@ def main() -> int:
             if proxy is not None:
                 stop_process(proxy)
             stop_process(server)
+            reservation.close()
     print(json.dumps(seen, indent=2))
     ok = (
         seen["completion_usage"] is not None

@@ -1,8 +1,11 @@
 """Throwaway Redis servers, daemon processes and an OTLP trace receiver for tests,
 benchmarks and the simulator's experiments.
 
-Everything here starts its own processes on free ports in a temporary directory and
-kills them afterwards, so no test ever touches a Redis it did not start.
+Everything here starts its own processes in a temporary directory and kills them
+afterwards, so no test ever touches a Redis it did not start. No server is started on
+a port that was merely free a moment ago: one that can binds port 0 and reports the
+port it got (the qosd commands' ready files), and redis-server, which cannot, gets a
+port held for it (``PortReservation``) and another one if it finds that taken anyway.
 
 A distribution of its own, qosd-harness: the daemon's image must not carry the code
 that starts redis-server and qosd processes, and the daemon's tests must not need the
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
@@ -34,6 +38,11 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Nothing holds it: another process (a test
+    worker's server, an outgoing connection) may take it before the caller binds it.
+    Use it only for a number that no server binds (a config that is only validated);
+    a server binds port 0 and reports its port, or binds a ``reserve_port`` one, and
+    an address that must stay closed is a ``closed_port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -47,6 +56,108 @@ def closed_port() -> Iterator[int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         yield int(sock.getsockname()[1])
+
+
+class PortReservation:
+    """A port on 127.0.0.1 held for a server that cannot bind port 0 and report it, or
+    must come back on the same port after a kill: a socket bound with SO_REUSEADDR and
+    never listened on. While it is held, Linux gives the port to no bind(0) (no other
+    worker's server, no ``free_port``) and to no outgoing connection, but a server that
+    sets SO_REUSEADDR itself (redis-server, gRPC, aiohttp, nginx, Go's listeners) may
+    bind it and listen: the holder does not listen, so it is no conflict. Between a
+    kill and a restart nobody else can take the port; connections to it are refused,
+    as to a dead server. Hold it for the server's life, ``close`` it after."""
+
+    def __init__(self) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = int(self._socket.getsockname()[1])
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self) -> PortReservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reserve_port() -> PortReservation:
+    return PortReservation()
+
+
+class PortTaken(RuntimeError):
+    """A server could not bind its port: another process took it first. Where the port
+    was chosen for this start, the caller tries again on another."""
+
+
+# How often a server the harness starts gets another port when its own was taken (a
+# process outside the harness's reservations bound it first): each try is a new port,
+# so a second collision is already far-fetched.
+PORT_ATTEMPTS = 5
+ADDRESS_IN_USE = "address already in use"
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    return inodes
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports the process ``pid`` itself listens on (Linux, from /proc): what
+    tells its own server from another process's on the same number."""
+    inodes = _socket_inodes(pid)
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, one of its sockets
+                    ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+def wait_listening(
+    process: subprocess.Popen[Any],
+    ports: Sequence[int],
+    log: Path | None = None,
+    log_from: int = 0,
+    timeout_s: float = 60.0,
+    name: str = "server",
+) -> None:
+    """Waits until ``process`` listens on every one of ``ports`` with its own sockets.
+    Raises ``PortTaken`` if it exits saying an address is in use (its ``log`` after
+    byte ``log_from``, where it writes), RuntimeError if it exits otherwise or is not
+    listening within ``timeout_s`` (generous: a start on a busy machine is slow, and a
+    failed one is seen at once by the exit)."""
+    deadline = time.monotonic() + timeout_s
+    while not set(ports) <= listening_ports(process.pid):
+        if process.poll() is not None:
+            said = ""
+            if log is not None and log.exists():
+                with log.open("rb") as file:
+                    file.seek(log_from)
+                    said = file.read().decode(errors="replace")
+            if ADDRESS_IN_USE in said.lower():
+                raise PortTaken(f"{name} on {list(ports)}: {said[-500:]}")
+            raise RuntimeError(f"{name} exited with {process.returncode}: {said[-2000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise RuntimeError(f"{name} was not listening on {list(ports)} within {timeout_s}s")
+        time.sleep(0.01)
+
+
+def _log_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
 
 
 RawHandler = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]
@@ -106,12 +217,14 @@ def redis_server_binary() -> str:
     return binary
 
 
-def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Until the server on ``port`` (``process``'s own: ``wait_listening`` saw it
+    listen) answers a PING: it may still be loading its data."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"redis-server on port {port} exited with {process.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2) as s:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 5) as s:
             s.sendall(b"PING\r\n")
             if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # up (NOAUTH: requirepass)
                 return
@@ -121,12 +234,29 @@ def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float
 
 @dataclass
 class RedisServer:
-    """One redis-server process that this code started and owns."""
+    """One redis-server process that this code started and owns.
+
+    ``port`` 0 (what the harness's own servers use): redis-server cannot bind port 0
+    and say which port it got (``--port 0`` turns TCP off), so the harness reserves a
+    port (``PortReservation``) and starts it there; if another process took that port
+    anyway (redis-server exits saying the address is in use), it tries again on a new
+    one, so a collision costs a retry, not a failure. The reservation is held until
+    ``close``: across ``kill`` and ``start`` (a restart on the same port, which the
+    tests' daemons name) no other process can take the port. ``cluster_bus``: a
+    cluster node, whose bus port (``--cluster-port``) is reserved the same way.
+    A port given (not 0) is used as it is, once: a collision there is an error."""
 
     port: int
     directory: Path
     extra_args: Sequence[str] = ()
     process: subprocess.Popen[bytes] | None = None
+    cluster_bus: bool = False
+    bus_port: int = 0
+    _reservations: list[PortReservation] = field(default_factory=list, repr=False)
+    _movable: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._movable = self.port == 0
 
     @property
     def url(self) -> str:
@@ -141,25 +271,66 @@ class RedisServer:
         ``extra_args``): a sentinel takes none of a data server's persistence flags."""
         return self._spawn([], before=self.extra_args)
 
+    def _reserve(self) -> None:
+        self._release()
+        self._reservations = [reserve_port() for _ in range(2 if self.cluster_bus else 1)]
+        self.port = self._reservations[0].port
+        self.bus_port = self._reservations[1].port if self.cluster_bus else 0
+
+    def _release(self) -> None:
+        for reservation in self._reservations:
+            reservation.close()
+        self._reservations = []
+
     def _spawn(self, after: Sequence[str], before: Sequence[str] = ()) -> RedisServer:
         """redis-server on this port and directory, ``before`` the common flags (a
-        sentinel's config file comes first) and ``after`` them."""
+        sentinel's config file comes first) and ``after`` them; on a new port when the
+        one chosen for this first start was taken."""
+        for _ in range(PORT_ATTEMPTS):
+            if self._movable and not self._reservations:
+                self._reserve()
+            try:
+                return self._spawn_once(after, before)
+            except PortTaken:
+                if not self._movable:
+                    raise
+                self._release()  # and another port on the next try
+        raise RuntimeError(f"redis-server found its port taken {PORT_ATTEMPTS} times")
+
+    def _spawn_once(self, after: Sequence[str], before: Sequence[str]) -> RedisServer:
+        log = self.directory / "redis.log"
         where = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                 "--logfile", str(self.directory / "redis.log")]  # fmt: skip
+                 "--logfile", str(log)]  # fmt: skip
+        if self.cluster_bus:
+            where += ["--cluster-port", str(self.bus_port)]
+        log_from = _log_size(log)
         self.process = subprocess.Popen(
             [redis_server_binary(), *before, *where, *after],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        ports = [self.port, self.bus_port] if self.cluster_bus else [self.port]
+        try:
+            wait_listening(self.process, ports, log, log_from, name="redis-server")
+        except PortTaken:
+            self.process = None
+            raise
         _wait_for_port(self.port, self.process)
+        self._movable = False  # started: it comes back on this port
         return self
 
     def kill(self) -> None:
-        """Kills the server abruptly, as a crash or a network cut would."""
+        """Kills the server abruptly, as a crash or a network cut would. Its port stays
+        reserved for a restart."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(5)
         self.process = None
+
+    def close(self) -> None:
+        """Kills the server and gives its port back."""
+        self.kill()
+        self._release()
 
     def restart(self) -> RedisServer:
         self.kill()
@@ -180,11 +351,11 @@ class RedisServer:
 @contextlib.contextmanager
 def redis_server(extra_args: Sequence[str] = ()) -> Iterator[RedisServer]:
     with tempfile.TemporaryDirectory(prefix="qosd-redis-") as directory:
-        server = RedisServer(free_port(), Path(directory), extra_args).start()
+        server = RedisServer(0, Path(directory), extra_args)
         try:
-            yield server
+            yield server.start()
         finally:
-            server.kill()
+            server.close()
 
 
 @dataclass
@@ -206,16 +377,17 @@ def redis_cluster(size: int = 3) -> Iterator[RedisCluster]:
             for index in range(size):
                 node_dir = Path(directory) / f"node{index}"
                 node = RedisServer(
-                    free_port(),
+                    0,
                     node_dir,
                     (
                         "--cluster-enabled", "yes",
                         "--cluster-config-file", str(node_dir / "nodes.conf"),
-                        "--cluster-port", str(free_port()),
                         "--cluster-node-timeout", "2000",
                     ),
+                    cluster_bus=True,
                 )  # fmt: skip
-                cluster.nodes.append(node.start())
+                cluster.nodes.append(node)
+                node.start()
             cli = shutil.which("redis-cli")
             if cli is None:
                 raise RuntimeError("redis-cli is not installed (it ships with redis-server)")
@@ -232,10 +404,10 @@ def redis_cluster(size: int = 3) -> Iterator[RedisCluster]:
             yield cluster
         finally:
             for node in cluster.nodes:
-                node.kill()
+                node.close()
 
 
-def _wait_for_cluster_ok(cli: str, cluster: RedisCluster, timeout_s: float = 15.0) -> None:
+def _wait_for_cluster_ok(cli: str, cluster: RedisCluster, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = [
@@ -253,7 +425,7 @@ def _wait_for_cluster_ok(cli: str, cluster: RedisCluster, timeout_s: float = 15.
     raise RuntimeError("redis cluster did not reach cluster_state:ok")
 
 
-def redis_command(port: int, *args: str, timeout_s: float = 2.0) -> Any:
+def redis_command(port: int, *args: str, timeout_s: float = 10.0) -> Any:
     """One command to the local server on ``port``, for harness code that must not
     depend on a client library's sentinel support; returns the decoded reply (an
     error reply as a ``hiredis.ReplyError``)."""
@@ -353,6 +525,11 @@ class RedisSentinel:
         for server in [*self.sentinels, *self.servers]:
             server.kill()
 
+    def close(self) -> None:
+        """Kills every server and gives their ports back."""
+        for server in [*self.sentinels, *self.servers]:
+            server.close()
+
 
 def _replica_linked(port: int) -> bool:
     with contextlib.suppress(OSError):
@@ -377,16 +554,16 @@ def redis_sentinel(
                 # wait for more replicas to share one diskless transfer.
                 "--repl-diskless-sync-delay", "0",
             )  # fmt: skip
-            master = RedisServer(
-                free_port(), group.directory / "master", (*master_flags, *master_args)
+            master = group.master = RedisServer(
+                0, group.directory / "master", (*master_flags, *master_args)
             )
-            group.master = master.start()
-            replica = RedisServer(
-                free_port(),
+            master.start()
+            replica = group.replica = RedisServer(
+                0,
                 group.directory / "replica",
                 ("--replicaof", "127.0.0.1", str(master.port), *master_args),
             )
-            group.replica = replica.start()
+            replica.start()
             for index in range(sentinels):
                 sentinel_dir = group.directory / f"sentinel{index}"
                 sentinel_dir.mkdir()
@@ -398,8 +575,9 @@ def redis_sentinel(
                     f"sentinel parallel-syncs {group.name} 1\n"
                 )
                 # A sentinel rewrites its config file: it must be writable, its own.
-                sentinel = RedisServer(free_port(), sentinel_dir, (str(config), "--sentinel"))
-                group.sentinels.append(sentinel.start_sentinel())
+                sentinel = RedisServer(0, sentinel_dir, (str(config), "--sentinel"))
+                group.sentinels.append(sentinel)
+                sentinel.start_sentinel()
             deadline = time.monotonic() + 30
             while not (_replica_linked(replica.port) and group.replica_known()):
                 if time.monotonic() > deadline:
@@ -407,19 +585,22 @@ def redis_sentinel(
                 time.sleep(0.05)
             yield group
         finally:
-            group.kill()
+            group.close()
 
 
 def start_command(
-    args: Sequence[str], directory: Path, name: str, timeout_s: float = 20.0
+    args: Sequence[str], directory: Path, name: str, timeout_s: float = 60.0
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Starts ``qosd ARGS --ready-file ...`` (any command that writes one) with its
     output in ``directory/NAME.log``, and waits for its ready file: the process and
-    what the file says. Raises RuntimeError, with the log's tail, if it exits first."""
+    what the file says. Raises RuntimeError, with the log's tail, if it exits first;
+    ``PortTaken`` when what it said was that an address is in use. ``timeout_s`` is
+    generous: a start on a busy machine is slow, and a failed one is seen at once."""
     directory.mkdir(parents=True, exist_ok=True)
     ready = directory / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     log_path = directory / f"{name}.log"
+    log_from = _log_size(log_path)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "qosd.cli", *args, "--ready-file", str(ready)],
@@ -428,12 +609,15 @@ def start_command(
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if process.poll() is not None:
-            raise RuntimeError(
-                f"qosd {args[0]} exited with {process.returncode}: " + log_path.read_text()[-2000:]
-            )
+            with log_path.open("rb") as file:
+                file.seek(log_from)
+                said = file.read().decode(errors="replace")
+            failed = PortTaken if ADDRESS_IN_USE in said.lower() else RuntimeError
+            raise failed(f"qosd {args[0]} exited with {process.returncode}: {said[-2000:]}")
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"qosd {args[0]} did not become ready in time")
+            process.wait()
+            raise RuntimeError(f"qosd {args[0]} did not become ready within {timeout_s}s")
         time.sleep(0.02)
     return process, json.loads(ready.read_text())
 
@@ -461,7 +645,9 @@ class DaemonProcess:
     def address(self) -> str:
         return self.addresses[0]
 
-    def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+    def start(self, timeout_s: float = 60.0) -> DaemonProcess:
+        """Starts it and waits for its ready file (``timeout_s``, generous: a start on
+        a busy machine is slow, and a failed one is seen at once by its exit)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         config_path = self.directory / "qosd.yaml"
         ready = self.directory / "ready.json"
@@ -489,7 +675,8 @@ class DaemonProcess:
                     + (self.directory / "qosd.log").read_text()[-2000:]
                 )
             if time.monotonic() > deadline:
-                raise RuntimeError("qosd did not become ready in time")
+                self.kill()
+                raise RuntimeError(f"qosd did not become ready within {timeout_s}s")
             time.sleep(0.02)
         self.ready = json.loads(ready.read_text())
         self.addresses = self.ready["addresses"]
@@ -512,13 +699,14 @@ class DaemonProcess:
 
 @contextlib.contextmanager
 def daemon_processes(config: dict[str, Any], count: int = 1) -> Iterator[list[DaemonProcess]]:
-    """Starts ``count`` daemons on free ports, all with ``config``; stops them after."""
+    """Starts ``count`` daemons, all with ``config``, each on a port of its own (port 0:
+    each binds one and says which in its ready file); stops them after."""
     with tempfile.TemporaryDirectory(prefix="qosd-daemons-") as directory:
         daemons: list[DaemonProcess] = []
         try:
             for index in range(count):
                 node_config = json.loads(json.dumps(config))
-                node_config.setdefault("server", {})["listen"] = [f"127.0.0.1:{free_port()}"]
+                node_config.setdefault("server", {})["listen"] = ["127.0.0.1:0"]
                 daemons.append(DaemonProcess(node_config, Path(directory) / f"qosd{index}").start())
             yield daemons
         finally:
