@@ -32,7 +32,16 @@ from qosd.doors.proxy.upstreams import Upstreams
 from qosd.model import StoreUnavailable
 from qosd.server import Daemon
 from qosd_client.types import PoolState
-from qosd_harness import RedisServer, redis_server, start_command, stop_process
+from qosd_harness import (
+    PORT_ATTEMPTS,
+    PortReservation,
+    PortTaken,
+    RedisServer,
+    redis_server,
+    reserve_port,
+    start_command,
+    stop_process,
+)
 from tests.conftest import BASE_CONFIG, merge
 
 MODEL = "llama-3-8b"  # the base config's pool serves it
@@ -317,24 +326,43 @@ class Traffic:
 @dataclass
 class VllmProcess:
     """``qosd sim-vllm`` in a process of its own, on a port it keeps across restarts,
-    so that it can be SIGSTOPped, SIGKILLed and started again at the same address."""
+    so that it can be SIGSTOPped, SIGKILLed and started again at the same address.
 
-    port: int
+    That port cannot be port 0 (the proxy in front must find it again after a kill):
+    it is reserved (``PortReservation``) from the first start until ``stop``, so no
+    other process takes it while the server is down; if it was taken anyway at the
+    first start, that start tries again on another."""
+
     directory: Path
     options: tuple[str, ...] = ()
     process: subprocess.Popen[bytes] | None = None
+    port: int = 0
+    reservation: PortReservation | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmProcess:
-        self.process, _ = start_command(
-            ["sim-vllm", "--listen", f"127.0.0.1:{self.port}", "--model", MODEL, *self.options],
-            self.directory,
-            "vllm",
-        )
-        return self
+        first = self.reservation is None
+        for _ in range(PORT_ATTEMPTS):
+            if self.reservation is None:
+                self.reservation = reserve_port()
+                self.port = self.reservation.port
+            try:
+                self.process, _ = start_command(
+                    ["sim-vllm", "--listen", f"127.0.0.1:{self.port}", "--model", MODEL,
+                     *self.options],
+                    self.directory,
+                    "vllm",
+                )  # fmt: skip
+                return self
+            except PortTaken:
+                if not first:
+                    raise  # a restart must come back where the proxy looks for it
+                self.reservation.close()
+                self.reservation = None
+        raise RuntimeError(f"sim-vllm found its port taken {PORT_ATTEMPTS} times")
 
     def kill(self) -> None:
         assert self.process is not None
@@ -355,6 +383,9 @@ class VllmProcess:
             self.process.send_signal(signal.SIGCONT)  # a stopped process cannot exit
             stop_process(self.process)
             self.process = None
+        if self.reservation is not None:
+            self.reservation.close()
+            self.reservation = None
 
     async def busy(self, session: aiohttp.ClientSession) -> float:
         """Requests the server is running or has waiting, from its /metrics (vLLM's
@@ -382,8 +413,8 @@ class Rig:
     def redis(self, *args: str) -> RedisServer:
         return self._exits.enter_context(redis_server(args))
 
-    async def vllm(self, port: int, *options: str) -> VllmProcess:
-        upstream = VllmProcess(port, self._directory, options)
+    async def vllm(self, *options: str) -> VllmProcess:
+        upstream = VllmProcess(self._directory, options)
         await asyncio.to_thread(upstream.start)
         self._exits.callback(upstream.stop)
         return upstream

@@ -218,24 +218,34 @@ async def test_waiting_for_refill_admits_within_max_wait(make_daemon: DaemonFact
     assert 0.05 <= result.waited_s <= 0.6
 
 
+# P1 at 300 tokens/s (a 1,000-token/s pool) from a 1,500-token burst: a refill of
+# seconds, so that "at once" can be told from "after the wait" with a wait of 1 s, and a
+# busy machine's slow round trip has most of that second as its margin.
+SLOW_P1 = {"pools": {"default": {"capacity_tokens_s": 1_000}},
+           "classes": {"P1": {"burst_tokens": 1_500}}}  # fmt: skip
+
+
 async def test_wait_too_short_for_the_refill_answers_at_once(make_daemon: DaemonFactory) -> None:
-    qos = (await make_daemon()).client
-    await qos.acquire("P1", 1500, max_wait_ms=0)
+    qos = (await make_daemon(SLOW_P1)).client
+    await qos.acquire("P1", 1500, max_wait_ms=0, timeout_s=10)
     started = time.monotonic()
-    result = await qos.acquire("P1", 1500, max_wait_ms=100)  # needs 500 ms
+    result = await qos.acquire("P1", 1500, max_wait_ms=1_000, timeout_s=10)  # needs 5 s
     assert not result.admitted and result.reason is Reason.RATE_LIMITED
-    assert time.monotonic() - started < 0.09
-    assert result.retry_after_s > 0.1
+    assert time.monotonic() - started < 0.9  # not after waiting its 1 s
+    assert result.retry_after_s > 1.0
 
 
 async def test_wait_capped_by_class_max_wait(make_daemon: DaemonFactory) -> None:
-    qos = (await make_daemon()).client
-    await qos.acquire("P0", 3000, max_wait_ms=0)
-    # P0's max wait is 200 ms; refilling 2,400 tokens at 6,000/s takes 400 ms.
+    # P0 at 600 tokens/s (a 1,000-token/s pool) from a 3,000-token burst, its max wait
+    # 1 s: refilling 2,400 tokens takes 4 s, so the caller's 60 s would admit it.
+    slow = {"pools": {"default": {"capacity_tokens_s": 1_000}},
+            "classes": {"P0": {"burst_tokens": 3_000, "max_wait_ms": 1_000}}}  # fmt: skip
+    qos = (await make_daemon(slow)).client
+    await qos.acquire("P0", 3000, max_wait_ms=0, timeout_s=10)
     started = time.monotonic()
     result = await qos.acquire("P0", 2400, max_wait_ms=60_000)
     assert not result.admitted and result.reason is Reason.RATE_LIMITED
-    assert time.monotonic() - started < 0.19
+    assert time.monotonic() - started < 0.9  # at once: not after the class's 1 s
 
 
 async def test_lease_context_manager_releases_on_error(make_daemon: DaemonFactory) -> None:

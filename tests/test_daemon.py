@@ -36,7 +36,7 @@ from qosd_client import (
     Unavailable,
 )
 from qosd_client.v1 import qosd_pb2
-from qosd_harness import DaemonProcess, free_port
+from qosd_harness import DaemonProcess, closed_port, reserve_port
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
 from tests.waiting import eventually
 
@@ -73,24 +73,23 @@ async def test_health_and_reflection(make_daemon: DaemonFactory) -> None:
 async def test_unix_socket_and_tcp_together(make_daemon: DaemonFactory) -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = f"{directory}/sub/qosd.sock"
-        port = free_port()
-        running = await make_daemon({"server": {"listen": [f"127.0.0.1:{port}", f"unix:{path}"]}})
-        assert running.daemon.addresses == [f"127.0.0.1:{port}", f"unix:{path}"]
+        running = await make_daemon({"server": {"listen": ["127.0.0.1:0", f"unix:{path}"]}})
+        tcp, unix = running.daemon.addresses
+        assert tcp.startswith("127.0.0.1:") and tcp != "127.0.0.1:0" and unix == f"unix:{path}"
         # A gateway in another container (another uid, the pod's group) can connect.
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
         async with QosdClient(f"unix:{path}") as over_socket:
             assert (await over_socket.acquire("P1", 10)).admitted
-        async with QosdClient(f"127.0.0.1:{port}") as over_tcp:
+        async with QosdClient(tcp) as over_tcp:
             assert (await over_tcp.acquire("P1", 10)).admitted
 
 
 async def test_port_in_use_stops_start_up() -> None:
-    port = free_port()
-    listen = {"server": {"listen": [f"127.0.0.1:{port}"]}}
-    config = Config.model_validate(merge(BASE_CONFIG, listen))
-    first = await start(config)
+    first = await start(Config.model_validate(BASE_CONFIG))  # port 0: the port it got
+    (address,) = first.addresses
+    config = Config.model_validate(merge(BASE_CONFIG, {"server": {"listen": [address]}}))
     try:
-        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(StartupError, match=f"cannot listen on {address}"):
             await start(config)
     finally:
         await first.stop(0)
@@ -100,22 +99,26 @@ async def test_a_start_that_fails_late_undoes_what_it_started(tmp_path: Path) ->
     """The HTTP port is taken, so start fails after the gRPC port, the admin socket
     and the store were set up: all of them are released (the ports can be bound
     again, the socket file is gone), so a supervisor's retry finds nothing held."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        http_port = taken.getsockname()[1]
-        grpc_port = free_port()
+    # The ports must be the same in both starts (that they can be bound again is the
+    # point), so not port 0: they are reserved for the test, so that no other process
+    # takes one in between; the daemon binds them through the reservations.
+    with reserve_port() as grpc_reserved, reserve_port() as http_reserved:
+        grpc_port, http_port = grpc_reserved.port, http_reserved.port
         admin = tmp_path / "admin.sock"
         tree = {"server": {"listen": [f"127.0.0.1:{grpc_port}"], "admin_listen": [f"unix:{admin}"],
                            "http_listen": f"127.0.0.1:{http_port}"}}  # fmt: skip
-        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{http_port}"):
-            await start(Config.model_validate(merge(BASE_CONFIG, tree)))
-    assert not admin.exists()
-    again = await start(Config.model_validate(merge(BASE_CONFIG, tree)))  # all free again
-    try:
-        assert again.addresses == [f"127.0.0.1:{grpc_port}"]
-    finally:
-        await again.stop(0)
+        with socket.socket() as taken:  # a listener on the HTTP port: the first start fails
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", http_port))
+            taken.listen()
+            with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{http_port}"):
+                await start(Config.model_validate(merge(BASE_CONFIG, tree)))
+        assert not admin.exists()
+        again = await start(Config.model_validate(merge(BASE_CONFIG, tree)))  # all free again
+        try:
+            assert again.addresses == [f"127.0.0.1:{grpc_port}"]
+        finally:
+            await again.stop(0)
 
 
 @pytest.mark.parametrize("backend", ["embedded"], indirect=True)
@@ -145,15 +148,20 @@ async def test_garbage_bytes_get_a_status_not_a_crash(make_daemon: DaemonFactory
 
 @pytest.mark.parametrize("backend", ["embedded", "redis"], indirect=True)
 async def test_deadline_shorter_than_max_wait_gets_an_answer(make_daemon: DaemonFactory) -> None:
-    qos = (await make_daemon()).client
-    await qos.acquire("P2", 500, max_wait_ms=0)  # drain P2 (burst 500, 1,000/s)
+    # P2 at 100 tokens/s (a tenth of a 1,000-token/s pool) from a 500-token burst: slow
+    # enough that the caller's deadline can be 2 s, not 0.2, and still be too short
+    # for the refill; a busy machine's slow round trip then cannot pass the deadline.
+    slow = {"pools": {"default": {"capacity_tokens_s": 1_000}},
+            "classes": {"P2": {"burst_tokens": 500}}}  # fmt: skip
+    qos = (await make_daemon(slow)).client
+    await qos.acquire("P2", 500, max_wait_ms=0, timeout_s=10)  # drain P2
     began = time.monotonic()
-    result = await qos.acquire("P2", 400, max_wait_ms=5_000, timeout_s=0.2)
+    result = await qos.acquire("P2", 400, max_wait_ms=10_000, timeout_s=2.0)
     elapsed = time.monotonic() - began
-    # 400 tokens need ~400 ms; the caller gives 200 ms: qosd answers before the deadline.
+    # 400 tokens need ~4 s; the caller gives 2 s: qosd answers before the deadline.
     assert not result.admitted
     assert result.reason in (Reason.RATE_LIMITED, Reason.QUEUE_TIMEOUT)
-    assert elapsed < 0.2
+    assert elapsed < 2.0
 
 
 @pytest.mark.parametrize("backend", ["embedded", "redis", "cluster"], indirect=True)
@@ -206,40 +214,46 @@ async def test_sync_client(make_daemon: DaemonFactory) -> None:
 
 def test_unreachable_daemon_is_unavailable() -> None:
     with (
-        SyncQosdClient(f"127.0.0.1:{free_port()}", timeout_s=0.5) as qos,
+        closed_port() as port,  # held closed: no other worker's server can answer there
+        SyncQosdClient(f"127.0.0.1:{port}", timeout_s=0.5) as qos,
         pytest.raises((Unavailable, qosd_client.DeadlineExceeded)),
     ):
         qos.acquire("P1", 10)
 
 
 def test_sigterm_drains_waiters_and_exits(tmp_path: Path) -> None:
-    config = merge(BASE_CONFIG, {"server": {"listen": [f"127.0.0.1:{free_port()}"],
-                                            "drain_grace_s": 5}})  # fmt: skip
-    daemon = DaemonProcess(config, tmp_path).start()
+    # A reserved port, not port 0: after the daemon exits, nobody must listen there, and
+    # the reservation keeps any other worker's server from taking the port meanwhile.
+    with reserve_port() as reserved:
+        listen = [f"127.0.0.1:{reserved.port}"]
+        config = merge(BASE_CONFIG, {"server": {"listen": listen, "drain_grace_s": 5}})
+        daemon = DaemonProcess(config, tmp_path).start()
 
-    async def scenario() -> tuple[qosd_client.AcquireResult, float, int]:
-        async with QosdClient(daemon.address) as qos:
-            await qos.acquire("P2", 500, max_wait_ms=0)  # drain the bucket
-            waiter = asyncio.create_task(qos.acquire("P2", 500, max_wait_ms=4_000))
-            queued = await eventually(
-                lambda: qos.status("default"), lambda s: s.pool("default").cls("P2").waiting == 1
-            )
-            assert queued.pool("default").cls("P2").waiting == 1  # waiting when SIGTERM comes
-            assert daemon.process is not None
-            began = time.monotonic()
-            daemon.process.send_signal(15)
-            result = await waiter
-            answered = time.monotonic() - began
-            code = await asyncio.to_thread(daemon.process.wait, 10)
-            return result, answered, code
+        async def scenario() -> tuple[qosd_client.AcquireResult, float, int]:
+            async with QosdClient(daemon.address) as qos:
+                await qos.acquire("P2", 500, max_wait_ms=0)  # drain the bucket
+                waiter = asyncio.create_task(qos.acquire("P2", 500, max_wait_ms=4_000))
+                queued = await eventually(
+                    lambda: qos.status("default"),
+                    lambda s: s.pool("default").cls("P2").waiting == 1,
+                )
+                assert queued.pool("default").cls("P2").waiting == 1  # waiting at SIGTERM
+                assert daemon.process is not None
+                began = time.monotonic()
+                daemon.process.send_signal(15)
+                result = await waiter
+                answered = time.monotonic() - began
+                code = await asyncio.to_thread(daemon.process.wait, 30)
+                return result, answered, code
 
-    result, answered_after, code = asyncio.run(scenario())
-    assert not result.admitted and result.reason is Reason.SHUTTING_DOWN
-    assert result.retry_after_s == 0
-    assert answered_after < 1.0
-    assert code == 0
-    with SyncQosdClient(daemon.address, timeout_s=1) as qos, pytest.raises(QosdError):
-        qos.acquire("P1", 10)  # nobody listens any more
+        result, answered_after, code = asyncio.run(scenario())
+        assert not result.admitted and result.reason is Reason.SHUTTING_DOWN
+        assert result.retry_after_s == 0
+        # At once, not at its 4 s wait or the 5 s grace: 2 s leaves a busy machine room.
+        assert answered_after < 2.0
+        assert code == 0
+        with SyncQosdClient(daemon.address, timeout_s=10) as qos, pytest.raises(QosdError):
+            qos.acquire("P1", 10)  # nobody listens any more
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from google.protobuf import json_format
 from qosd.config import ConfigError, load_config
 from qosd.v1 import envoy_rls_pb2 as rls
 from qosd.v1 import envoy_rls_pb2_grpc
-from qosd_harness import RedisServer, daemon_processes, free_port
+from qosd_harness import RedisServer, daemon_processes
 from tests.conftest import DaemonFactory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,7 +252,7 @@ def _envoy_client(
 @pytest.fixture(scope="module")
 def rls_daemon(redis_standalone: RedisServer) -> Iterator[str]:
     tree = {
-        "redis": {"url": redis_standalone.url, "key_prefix": f"rls{free_port()}"},
+        "redis": {"url": redis_standalone.url, "key_prefix": f"rls{uuid.uuid4().hex[:12]}"},
         "pools": {"llm": {"capacity_tokens_s": 2_000, "models": ["llama"]}},
         "default_pool": "llm",
         "envoy_rls": {"domains": ["gateway"], "default_class": "P1"},

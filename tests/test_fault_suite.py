@@ -47,7 +47,7 @@ from typing import Any
 import openai
 import pytest
 
-from qosd_harness import RedisServer, free_port
+from qosd_harness import RedisServer
 from tests.conftest import TEST_REDIS_TIMEOUT_MS
 from tests.fault_rig import (
     CALL_TIMEOUT_S,
@@ -100,7 +100,7 @@ async def faults(tmp_path: Path) -> AsyncIterator[Rig]:
 @pytest.fixture(scope="module")
 def healthy_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """One simulated vLLM process for the cases whose upstream stays healthy."""
-    upstream = VllmProcess(free_port(), tmp_path_factory.mktemp("vllm")).start()
+    upstream = VllmProcess(tmp_path_factory.mktemp("vllm")).start()
     try:
         yield upstream
     finally:
@@ -351,7 +351,7 @@ async def test_an_upstream_fault_under_traffic(
     timeout (504, or a stream's error event). Either way requests are answered while
     the upstream is still down; leases end; once it is back, requests are served and
     sampled again."""
-    upstream = await faults.vllm(free_port())
+    upstream = await faults.vllm()
     stack = await faults.stack(shared_redis(redis_standalone), upstream.url,
                                proxy=UPSTREAM_TIMEOUTS)  # fmt: skip
     traffic = Traffic(stack, seed_of(fault, seconds)).start()
@@ -402,7 +402,7 @@ async def test_an_upstream_that_cuts_its_answers(
     breaks off is a 502 in OpenAI's format (code upstream_cut), which the SDK raises;
     a stream relays what came, then an OpenAI error event, which the SDK raises too.
     Shorter answers are whole. Every lease ends (with its estimate: usage unknown)."""
-    upstream = await faults.vllm(free_port(), "--cut-after-tokens", str(CUT_AFTER))
+    upstream = await faults.vllm("--cut-after-tokens", str(CUT_AFTER))
     stack = await faults.stack(shared_redis(redis_standalone), upstream.url,
                                proxy=UPSTREAM_TIMEOUTS)  # fmt: skip
     traffic = Traffic(stack, seed_of("cut"), max_tokens=(2, 2 * CUT_AFTER)).start()

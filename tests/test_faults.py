@@ -27,7 +27,7 @@ from qosd.server import start
 from qosd.v1 import envoy_rls_pb2 as rls
 from qosd_client import QosdClient
 from qosd_client.v1 import qosd_pb2 as pb
-from qosd_harness import DaemonProcess, RedisServer, daemon_processes, free_port
+from qosd_harness import DaemonProcess, RedisServer, daemon_processes
 from tests.conftest import BASE_CONFIG, TEST_REDIS_TIMEOUT_MS, merge
 from tests.fuzz import messages, mutations
 from tests.waiting import eventually
@@ -98,7 +98,8 @@ def fuzzed_daemon(
     config = merge(
         BASE_CONFIG,
         {
-            "server": {"listen": [f"127.0.0.1:{free_port()}"], "admin_listen": [f"unix:{admin}"]},
+            # listen: BASE_CONFIG's port 0; the ready file says which port it got.
+            "server": {"admin_listen": [f"unix:{admin}"]},
             "pools": {"default": {"capacity_tokens_s": 10_000_000}},
         },
     )
@@ -245,12 +246,16 @@ async def test_keys_of_many_tenants_and_request_ids_expire(redis_standalone: Red
 
         async def one(index: int) -> None:
             async with limit:
+                # The client's deadline is not the subject, and 64 calls at once on a busy
+                # machine (the daemon on this test's own event loop) can take more than
+                # the 1 s an Acquire with no wait gets by default: 30 s.
                 result = await client.acquire(
-                    "P1", 10, tenant=f"tenant-{index}", request_id=f"req-{index}", max_wait_ms=0
-                )
+                    "P1", 10, tenant=f"tenant-{index}", request_id=f"req-{index}", max_wait_ms=0,
+                    timeout_s=30,
+                )  # fmt: skip
                 reasons[result.reason.name] += 1
                 if result.admitted and index % 2:  # half released, half left to expire
-                    await client.release(result.lease_id, input_tokens=10)
+                    await client.release(result.lease_id, input_tokens=10, timeout_s=30)
 
         await asyncio.gather(*(one(index) for index in range(requests)))
         left = await eventually(
@@ -297,7 +302,6 @@ def cluster_with_replicas(directory: Path) -> Iterator[list[RedisServer]]:
             flags = (
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node_dir / "nodes.conf"),
-                "--cluster-port", str(free_port()),
                 "--cluster-node-timeout", "1000",
                 # Replicas sync at once, not after 5 s, and are counted as synced (in
                 # CLUSTER SLOTS) within 1 s: a replica's offset moves with the
@@ -305,7 +309,10 @@ def cluster_with_replicas(directory: Path) -> Iterator[list[RedisServer]]:
                 "--repl-diskless-sync-delay", "0",
                 "--repl-ping-replica-period", "1",
             )  # fmt: skip
-            nodes.append(RedisServer(free_port(), node_dir, flags).start())
+            # Port 0: the harness reserves the node's port and its bus port.
+            node = RedisServer(0, node_dir, flags, cluster_bus=True)
+            nodes.append(node)
+            node.start()
         cli = shutil.which("redis-cli")
         assert cli is not None, "redis-cli ships with redis-server"
         subprocess.run(
@@ -320,12 +327,12 @@ def cluster_with_replicas(directory: Path) -> Iterator[list[RedisServer]]:
         yield nodes
     finally:
         for node in nodes:
-            node.kill()
+            node.close()
 
 
 def _command(node: RedisServer, *args: str) -> Any:
     with contextlib.closing(
-        redis.Redis(port=node.port, socket_timeout=1, decode_responses=True)
+        redis.Redis(port=node.port, socket_timeout=10, decode_responses=True)
     ) as client:
         return client.execute_command(*args)  # type: ignore[no-untyped-call]
 

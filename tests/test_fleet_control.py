@@ -39,7 +39,7 @@ def bad_p0(count: int) -> list[LatencySample]:
 async def test_status_shows_rates_compliance_and_pins(make_daemon: DaemonFactory) -> None:
     running = await make_daemon(merge(P0_SLO, {"control": {"interval_s": 0.1}}))
     qos = running.client
-    status = await eventually(qos.status, lambda s: s.controller != "", 2.0)
+    status = await eventually(qos.status, lambda s: s.controller != "", 10.0)
     assert status.controller == status.daemon_id  # alone, it leads
     pool = status.pool("default")
     assert (pool.admitted_rate_tokens_s, pool.pinned, pool.last_change) == (10_000, False, None)
@@ -156,7 +156,7 @@ async def test_reports_on_one_replica_retune_acquire_on_another(
     status: Status = await eventually(
         second.client.status,
         lambda s: s.pool("default").admitted_rate_tokens_s < 10_000,
-        3.0,
+        10.0,
     )
     pool = status.pool("default")
     assert pool.admitted_rate_tokens_s == pytest.approx(9_000)  # one cut of 10 %
@@ -180,8 +180,10 @@ async def test_reports_on_one_replica_retune_acquire_on_another(
     await leader.daemon.stop(0)
     stopped_at = time.monotonic()
     other_id = other.daemon.admission.daemon_id
-    taken = await eventually(other.client.status, lambda s: s.controller == other_id, 2.0)
-    assert taken.controller == other_id and time.monotonic() - stopped_at < 1.0
+    taken = await eventually(other.client.status, lambda s: s.controller == other_id, 10.0)
+    # Well before the lease's 3 s (the other's turns are 0.1 s apart), with a busy
+    # machine's second of margin.
+    assert taken.controller == other_id and time.monotonic() - stopped_at < 2.0
 
 
 @pytest.mark.slow
@@ -223,7 +225,7 @@ async def test_leader_failover_within_the_lease_and_one_change_per_cooldown(
         reporter = asyncio.create_task(keep_reporting())
         try:
             statuses = [
-                await eventually(c.status, lambda s: s.controller != "", 3.0) for c in clients
+                await eventually(c.status, lambda s: s.controller != "", 10.0) for c in clients
             ]
             leader = statuses[0].controller
             assert leader and statuses[1].controller == leader
@@ -235,14 +237,15 @@ async def test_leader_failover_within_the_lease_and_one_change_per_cooldown(
             status = await eventually(
                 survivor.status,
                 lambda s: s.pool("default").last_change is not None,
-                4.0,
+                15.0,
             )
             change = status.pool("default").last_change
             assert change is not None and change.by == leader
             # ...then dies without a word. The survivor takes the lease when it lapses.
             processes[index].kill()
             killed_at = time.monotonic()
-            status = await eventually(survivor.status, lambda s: s.controller == survivor_id, 5.0)
+            # Waited on for 10 s; the bound under test is asserted below.
+            status = await eventually(survivor.status, lambda s: s.controller == survivor_id, 10.0)
             took_over_s = time.monotonic() - killed_at
             assert status.controller == survivor_id
             print(f"\ntook over {took_over_s:.2f} s after the leader died (lease {lease_s} s)")
@@ -250,7 +253,7 @@ async def test_leader_failover_within_the_lease_and_one_change_per_cooldown(
             status = await eventually(
                 lambda: survivor.status(history=100),
                 lambda s: sum(h.by == survivor_id for h in s.pool("default").history) >= 2,
-                8.0,
+                20.0,
             )
         finally:
             reporting = False

@@ -267,30 +267,36 @@ async def test_a_lower_waiter_without_room_leaves_the_reserve_to_the_top_class(
 
 
 async def test_the_prefill_backlog_bounds_admission(make_daemon: DaemonFactory) -> None:
-    """With a prefill model (here 1 ms per prompt token), a GPU-gated pool admits while
-    the prompts admitted would be prefilled within max_prefill_backlog_ms (100 ms), so
-    later requests wait in qosd, in priority order, rather than at the servers."""
-    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 100, "max_prefill_share": 1.0}
+    """With a prefill model (here 10 ms per prompt token), a GPU-gated pool admits
+    while the prompts admitted would be prefilled within max_prefill_backlog_ms (1 s),
+    so later requests wait in qosd, in priority order, rather than at the servers.
+    Seconds, not milliseconds: the calls' own time, long on a busy machine, is then
+    small beside the wait."""
+    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 1_000, "max_prefill_share": 1.0}
     extra = {
         "pools": {"default": pool},
+        "classes": {"P0": {"max_wait_ms": 10_000}},
         "control": {"enabled": False},  # the test states the model itself
     }
     running = await make_daemon(extra)
     qos, admission = running.client, running.daemon.admission
     await admission.store.set_prefill(
         admission.pool("default"),
-        PrefillLearned(model=(0.0, 1.0, 0.0), tolerance_ms=None, usual_tokens=0),
+        PrefillLearned(model=(0.0, 10.0, 0.0), tolerance_ms=None, usual_tokens=0),
     )
-    first = await qos.acquire("P1", 80, max_wait_ms=0)  # 80 ms of prefill
-    second = await qos.acquire("P1", 80, max_wait_ms=0)  # 80 ms ahead: within 100
+    # The backlog drains from the first admission on, which comes after this.
+    before_first = time.monotonic()
+    first = await qos.acquire("P1", 80, max_wait_ms=0, timeout_s=10)  # 800 ms of prefill
+    second = await qos.acquire("P1", 80, max_wait_ms=0, timeout_s=10)  # 800 ahead: within 1 s
     assert first.admitted and second.admitted
-    third = await qos.acquire("P1", 80, max_wait_ms=0)  # 160 ms ahead: full
+    third = await qos.acquire("P1", 80, max_wait_ms=0, timeout_s=10)  # 1.6 s ahead: full
     assert not third.admitted and third.reason is Reason.RATE_LIMITED
-    # A waiter is admitted once the backlog has drained below the bound.
-    started = time.monotonic()
-    waiter = await qos.acquire("P0", 10, max_wait_ms=2_000)
+    # A waiter is admitted once the backlog has drained below the bound: 1.6 s of it,
+    # less 1 s, after the first admission; so, whatever the calls took, no sooner
+    # than 0.6 s after this test asked for the first.
+    waiter = await qos.acquire("P0", 10, max_wait_ms=10_000)
     assert waiter.admitted
-    assert time.monotonic() - started >= 0.04  # 160 - 100 ms, less the calls' own time
+    assert time.monotonic() - before_first >= 0.6
 
 
 async def test_the_prefill_share_bounds_the_lower_classes_prompts(

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qosd.config import Config
 from qosd.server import Daemon, StartupError, start
-from qosd_harness import RedisServer, free_port, redis_server
+from qosd_harness import RedisServer, closed_port, redis_server
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import eventually
 
@@ -69,7 +69,7 @@ async def running() -> AsyncIterator[Callable[[dict[str, Any]], Awaitable[Daemon
 async def _grpc_status(daemon: Daemon, service: str = "") -> int:
     async with grpc.aio.insecure_channel(daemon.addresses[0]) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=2
+            health_pb2.HealthCheckRequest(service=service), timeout=10
         )
         return int(reply.status)
 
@@ -108,14 +108,14 @@ async def test_fail_closed_is_not_serving_while_redis_is_down(
     daemon = await running(_redis(own_redis.url, "closed"))
     assert await _grpc_status(daemon) == SERVING
     own_redis.kill()
-    took = await _wait_for(daemon, NOT_SERVING, within_s=5)
+    took = await _wait_for(daemon, NOT_SERVING, within_s=10)
     assert took < 1.5  # a check interval (0.2 s) plus the store timeout, and slack
     assert await _grpc_status(daemon, "qosd.v1.QoS") == NOT_SERVING
     status, body = await _http(daemon, "/readyz")
     assert status == 503 and not body["ready"] and "store unreachable" in body["reason"]
     assert (await _http(daemon, "/healthz"))[0] == 200  # alive, only not ready
     own_redis.start()
-    await _wait_for(daemon, SERVING, within_s=5)
+    await _wait_for(daemon, SERVING, within_s=10)
     assert (await _http(daemon, "/readyz"))[0] == 200
 
 
@@ -130,7 +130,7 @@ async def test_fail_open_keeps_serving_while_redis_is_down(
         return await _http(daemon, "/readyz")
 
     # The monitor sees the store go (a check interval plus the store timeout) ...
-    _, seen = await eventually(serving_and_ready, lambda reply: not reply[1]["store_reachable"], 5)
+    _, seen = await eventually(serving_and_ready, lambda reply: not reply[1]["store_reachable"], 10)
     assert not seen["store_reachable"]
     for _ in range(8):  # ... and several check intervals later, it still serves
         await asyncio.sleep(INTERVAL_S)
@@ -155,5 +155,5 @@ async def test_a_busy_http_port_is_a_startup_error(running: Any) -> None:
     assert first.http is not None
     with pytest.raises(StartupError, match="cannot listen"):
         await start(_config({"server": {"http_listen": first.http.address}}))
-    port = free_port()
-    assert _config({"server": {"http_listen": f"127.0.0.1:{port}"}}).server.http_listen
+    with closed_port() as port:  # only validated, never bound
+        assert _config({"server": {"http_listen": f"127.0.0.1:{port}"}}).server.http_listen

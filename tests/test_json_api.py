@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,10 +12,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from qosd_harness import free_port
+from qosd_harness import PORT_ATTEMPTS, PortReservation, PortTaken, reserve_port, wait_listening
 from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_runner
 from tests.conftest import DaemonFactory
-from tests.waiting import eventually, until
+from tests.waiting import eventually
 
 HTTP = {"server": {"http_listen": "127.0.0.1:0"}}
 
@@ -121,22 +120,14 @@ async def test_nginx_with_lua_admits_through_the_json_api(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     server.gpu.start()
-    port = free_port()
     conf = (Path(__file__).parent / "data" / "nginx_qosd.conf").read_text()
-    for name, value in {"DIR": str(tmp_path), "PORT": str(port), "QOSD": qosd,
+    for name, value in {"DIR": str(tmp_path), "QOSD": qosd,
                         "QOSD_HOST": qosd.rpartition(":")[0], "QOSD_PORT": qosd.rpartition(":")[2],
                         "UPSTREAM": f"127.0.0.1:{runner.addresses[0][1]}"}.items():  # fmt: skip
         conf = conf.replace(f"@{name}@", value)
-    (tmp_path / "nginx.conf").write_text(conf)
-    nginx = await asyncio.to_thread(  # CPython's spawn, from a thread (as run_cli)
-        subprocess.Popen,
-        ["/usr/sbin/nginx", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
-         "-e", str(tmp_path / "error.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    reservation, nginx = await _start_nginx(tmp_path, conf)
+    port = reservation.port
     try:
-        assert await until(lambda: _listening(port) or nginx.poll() is not None)
-        assert nginx.poll() is None, (tmp_path / "error.log").read_text()
         base = f"http://127.0.0.1:{port}"
         body = json.dumps({"model": "llama-3-8b", "max_tokens": 3,
                            "messages": [{"role": "user", "content": "one two"}]})  # fmt: skip
@@ -163,10 +154,37 @@ async def test_nginx_with_lua_admits_through_the_json_api(
     finally:
         nginx.terminate()
         await asyncio.to_thread(nginx.wait, 10)
+        reservation.close()
         await runner.cleanup()
         await server.gpu.stop()
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+async def _start_nginx(
+    directory: Path, conf: str
+) -> tuple[PortReservation, subprocess.Popen[bytes]]:
+    """nginx with ``conf`` (its @PORT@ filled), on a reserved port: it cannot bind port
+    0 and say which it got. Ready once it listens there itself (not another process on
+    that number); on another port if it found that one taken anyway."""
+    log = directory / "error.log"
+    for _ in range(PORT_ATTEMPTS):
+        reservation = reserve_port()
+        (directory / "nginx.conf").write_text(conf.replace("@PORT@", str(reservation.port)))
+        log_from = log.stat().st_size if log.exists() else 0
+        nginx = await asyncio.to_thread(  # CPython's spawn, from a thread (as run_cli)
+            subprocess.Popen,
+            ["/usr/sbin/nginx", "-p", str(directory), "-c", str(directory / "nginx.conf"),
+             "-e", str(log)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            await asyncio.to_thread(
+                wait_listening, nginx, [reservation.port], log, log_from, name="nginx"
+            )
+        except PortTaken:
+            reservation.close()
+            continue
+        except BaseException:
+            reservation.close()
+            raise
+        return reservation, nginx
+    raise RuntimeError(f"nginx found its port taken {PORT_ATTEMPTS} times")

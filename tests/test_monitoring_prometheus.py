@@ -28,7 +28,15 @@ from qosd.config import load_config
 from qosd.reload import ConfigReloader
 from qosd.server import Daemon, start
 from qosd_client import LatencySample, QosdClient, Reason, ServerLoad, Unauthenticated
-from qosd_harness import RedisServer, free_port, redis_server, stop_process
+from qosd_harness import (
+    PORT_ATTEMPTS,
+    PortTaken,
+    RedisServer,
+    redis_server,
+    reserve_port,
+    stop_process,
+    wait_listening,
+)
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_monitoring_dashboard import dashboard, panel_queries
 from tests.waiting import eventually, until
@@ -70,11 +78,12 @@ def daemon_config(tmp_path: Path, own_redis: RedisServer) -> dict[str, Any]:
 
 
 class Prometheus:
-    """A prometheus process on a free port, with its own storage, scraping one target
-    every second and evaluating the alert rules every second."""
+    """A prometheus process with its own storage, scraping one target every second and
+    evaluating the alert rules every second. On a reserved port (``PortReservation``),
+    held until ``stop``: prometheus takes port 0 but never says which port it got; once
+    it listens there itself, started; on another port if it found that one taken."""
 
     def __init__(self, tmp_path: Path, target: str) -> None:
-        self.port = free_port()
         config = {
             "global": {
                 "scrape_interval": "1s",
@@ -89,17 +98,34 @@ class Prometheus:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is needed (scripts/system_packages.sh installs it)"
         self.log = tmp_path / "prometheus.log"
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={path}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        for _ in range(PORT_ATTEMPTS):
+            self.reservation = reserve_port()
+            self.port = self.reservation.port
+            log_from = self.log.stat().st_size if self.log.exists() else 0
+            with self.log.open("ab") as log:
+                self.process = subprocess.Popen(
+                    [
+                        binary,
+                        f"--config.file={path}",
+                        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                        f"--web.listen-address=127.0.0.1:{self.port}",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            try:
+                wait_listening(self.process, [self.port], self.log, log_from, name="prometheus")
+                return
+            except PortTaken:
+                self.reservation.close()
+            except BaseException:
+                self.stop()
+                raise
+        raise RuntimeError(f"prometheus found its port taken {PORT_ATTEMPTS} times")
+
+    def stop(self) -> None:
+        stop_process(self.process)
+        self.reservation.close()
 
     @property
     def url(self) -> str:
@@ -148,7 +174,7 @@ async def scraped(prometheus: Prometheus, session: aiohttp.ClientSession, sample
         result = await prometheus.series(session, query)
         return float(result[0]["value"][1]) if result else 0.0
 
-    assert await eventually(seen, lambda value: value >= samples, timeout_s=10) >= samples
+    assert await eventually(seen, lambda value: value >= samples, timeout_s=30) >= samples
 
 
 async def load(
@@ -194,10 +220,10 @@ async def test_every_dashboard_query_returns_series_from_prometheus(
     config_path.write_text(yaml.safe_dump(tree))
     daemon = await start(load_config(str(config_path)))
     assert daemon.http is not None
-    prometheus = Prometheus(tmp_path, daemon.http.address)
+    prometheus = await asyncio.to_thread(Prometheus, tmp_path, daemon.http.address)
     try:
         async with aiohttp.ClientSession() as session:
-            assert await eventually(lambda: prometheus.ready(session), bool, timeout_s=15)
+            assert await eventually(lambda: prometheus.ready(session), bool, timeout_s=30)
             await load(daemon, tree["auth"]["control"]["token_file"], prometheus, session)
             # A config file that does not validate: refused, the running config stays.
             reloader = ConfigReloader(
@@ -231,17 +257,17 @@ async def test_every_dashboard_query_returns_series_from_prometheus(
                     if not await prometheus.series(session, query)
                 ]
 
-            missing = await eventually(empty, lambda left: not left, timeout_s=15, interval_s=0.5)
+            missing = await eventually(empty, lambda left: not left, timeout_s=30, interval_s=0.5)
             # The rules file evaluates on real series without an error (a vector
             # match that finds duplicates would say so here, not in promtool's tests).
             rules = await eventually(
                 lambda: prometheus.rules(session),
                 lambda found: all(rule["health"] == "ok" for rule in found),
-                timeout_s=5,
+                timeout_s=15,
                 interval_s=0.5,
             )
     finally:
-        stop_process(prometheus.process)
+        prometheus.stop()
         await daemon.stop(0)
     assert not missing, json.dumps(missing, indent=1) + prometheus.log.read_text()[-2000:]
     assert len(rules) == 16

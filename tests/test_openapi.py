@@ -73,11 +73,13 @@ MAX_REQUEST_TOKENS = 512
 #: negative: not).
 MAX_EXAMPLES = 40
 #: Seconds for one fuzz run (the JSON API's, or the proxy's), shared evenly among its
-#: operations and modes: past its share, a run draws its remaining examples but sends
-#: none. Well above what 2 loaded CPUs need (about 5 s each).
+#: operations and modes: past its share, once it has sent MIN_SENT, a run draws its
+#: remaining examples but sends none. Well above what 2 loaded CPUs need (about 5 s
+#: each).
 BUDGET_S = 20.0
-#: The fewest examples a run must have sent in its share, so that a run starved by a
-#: slow machine fails rather than passes having tested little.
+#: The fewest examples a run must send, its share of the time spent or not: a busy
+#: machine makes a run take longer, never test less (one sent 7 in its 1.7 s on a
+#: machine with a core kept busy, when the share alone ended it).
 MIN_SENT = 10
 #: Two examples in three are steered (the simplest one is).
 STEERED = st.sampled_from((True, True, False))
@@ -179,6 +181,7 @@ class Fuzzer:
     ) -> None:
         """Hypothesis's examples of ``operation`` in ``mode``, within ``share_s``."""
         deadline = time.monotonic() + share_s
+        least = MIN_SENT if _takes_input(operation.definition.raw) else 1
 
         @hypothesis.settings(
             max_examples=MAX_EXAMPLES,
@@ -190,15 +193,18 @@ class Fuzzer:
         )
         @hypothesis.given(case=operation.as_strategy(generation_mode=mode), data=st.data())
         def run(case: Case[Any], data: st.DataObject) -> None:
-            if time.monotonic() > deadline:
-                return
+            # Every draw before the time check: an example that drew on one run and
+            # stopped before drawing on a later one (past the deadline, as a busy
+            # machine makes likely) is inconsistent data generation to Hypothesis.
             if steer is not None and data.draw(STEERED, "steered"):
                 steer(case, data)
+            sent = self.findings.sent[operation.label, mode.value]
+            if time.monotonic() > deadline and sent >= least:
+                return
             self.send(case, mode.value)
 
         run()
         sent = self.findings.sent[operation.label, mode.value]
-        least = MIN_SENT if _takes_input(operation.definition.raw) else 1
         assert sent >= least, f"{operation.label} ({mode.value}): {sent} examples in {share_s} s"
 
     def send(self, case: Case[Any], phase: str) -> None:

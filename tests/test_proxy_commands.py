@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qosd_harness import free_port, start_command, stop_process
+from qosd_harness import start_command, stop_process
 
 
 def curl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -24,16 +24,17 @@ def test_sim_vllm_and_the_proxy_start_as_written(tmp_path: Path) -> None:
         ["sim-vllm", "--listen", "127.0.0.1:0", "--model", "llama-3-8b"], tmp_path, "vllm"
     )
     upstream = f"http://127.0.0.1:{ready['port']}"
-    http, grpc = free_port(), free_port()
     proxy = None
     try:
+        # Every listener on port 0: the ready file says which ports they got.
         proxy, ready = start_command(
-            ["proxy", "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{http}",
-             "--grpc-listen", f"127.0.0.1:{grpc}", "--upstream", f"llama-3-8b={upstream}",
+            ["proxy", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+             "--grpc-listen", "127.0.0.1:0", "--upstream", f"llama-3-8b={upstream}",
              "--log-level", "INFO"],
             tmp_path, "proxy",
         )  # fmt: skip
         base = f"http://{ready['address']}"
+        http, (grpc,) = ready["http"], ready["grpc"]
         body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "one two"}],
                 "max_tokens": 3}  # fmt: skip
         answer = curl(f"{base}/v1/chat/completions", "-H", "content-type: application/json",
@@ -42,13 +43,13 @@ def test_sim_vllm_and_the_proxy_start_as_written(tmp_path: Path) -> None:
         assert code == "200"
         assert json.loads(text)["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
                                              "total_tokens": 5}  # fmt: skip
-        assert curl(f"http://127.0.0.1:{http}/healthz").stdout.endswith("200")
-        assert curl(f"http://127.0.0.1:{http}/readyz").stdout.endswith("200")
-        metrics = curl(f"http://127.0.0.1:{http}/metrics").stdout
+        assert curl(f"http://{http}/healthz").stdout.endswith("200")
+        assert curl(f"http://{http}/readyz").stdout.endswith("200")
+        metrics = curl(f"http://{http}/metrics").stdout
         assert 'qosd_proxy_requests_total{class="P0",code="200",model="llama-3-8b"} 1.0' in metrics
         assert 'qosd_acquire_decisions_total{class="P0",decision="admitted"' in metrics
         status = subprocess.run(
-            [sys.executable, "-m", "qosd.cli", "status", "-a", f"127.0.0.1:{grpc}"],
+            [sys.executable, "-m", "qosd.cli", "status", "-a", grpc],
             capture_output=True, text=True, timeout=30, check=True,
         )  # fmt: skip
         assert "pool default:" in status.stdout

@@ -103,6 +103,12 @@ def acl_denials(server: RedisServer) -> list[Any]:
     return list(redis_command(server.port, "ACL", "LOG"))
 
 
+def acl_log_reset(server: RedisServer) -> None:
+    """Forgets the denials of the module's earlier tests (a wrong password's, on
+    purpose), in whatever order they ran: a test counts its own."""
+    assert redis_command(server.port, "ACL", "LOG", "RESET") == "OK"
+
+
 @pytest.mark.parametrize("how", ["url", "env"])
 async def test_a_daemon_works_as_an_acl_user(acl_redis: RedisServer, how: str) -> None:
     env = {"QOSD_LISTEN": "127.0.0.1:0", "QOSD_REDIS_URL": acl_redis.url}
@@ -112,6 +118,7 @@ async def test_a_daemon_works_as_an_acl_user(acl_redis: RedisServer, how: str) -
         )
     else:
         env |= {"QOSD_REDIS_USERNAME": ACL_USER, "QOSD_REDIS_PASSWORD": ACL_PASSWORD}
+    acl_log_reset(acl_redis)
     daemon = await start(load_config(env=env))
     try:
         async with QosdClient(daemon.addresses[0]) as qos:
@@ -129,6 +136,7 @@ async def test_every_store_call_runs_under_the_minimal_acl(acl_redis: RedisServe
     refused command inside a script fails the call, and ACL LOG would show it)."""
     url = acl_redis.url.replace("redis://", f"redis://{ACL_USER}:{ACL_PASSWORD}@")
     config = Config.model_validate(merge(BASE_CONFIG, {"redis": {"url": url}}))
+    acl_log_reset(acl_redis)
     store = RedisStore(config.redis, tombstone_ms=60_000, daemon_id=DAEMON)
     await store.start()
     try:

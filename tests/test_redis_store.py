@@ -32,7 +32,13 @@ from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 from qosd.server import start
 from qosd.store.redis import RedisStore
 from qosd_client import LatencySample, QosdClient, Reason
-from qosd_harness import RedisCluster, RedisServer, free_port, redis_command, redis_server
+from qosd_harness import (
+    RedisCluster,
+    RedisServer,
+    closed_port,
+    redis_command,
+    redis_server,
+)
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import unread_bytes, until
 
@@ -458,19 +464,22 @@ async def test_a_cluster_daemon_finds_the_cluster_through_its_seeds_when_its_nod
 ) -> None:
     """A daemon started while the node its URL names is down (after a failover, say)
     reads the topology from the next seed, and admits; with no other seed it cannot."""
-    dead = f"redis://127.0.0.1:{free_port()}/0"
-    seeds = ",".join(f"127.0.0.1:{node.port}" for node in redis_cluster3.nodes)
-    base = {"QOSD_REDIS_URL": dead, "QOSD_REDIS_MODE": "cluster", "QOSD_LISTEN": "127.0.0.1:0"}
-    for env, admitted in (({**base, "QOSD_REDIS_CLUSTER_SEEDS": seeds}, True), (base, False)):
-        daemon = await start(load_config(env={**env, "QOSD_REDIS_KEY_PREFIX": uuid.uuid4().hex}))
-        try:
-            async with QosdClient(daemon.addresses[0]) as qos:
-                answer = await qos.acquire("P1", 10)
-            assert answer.admitted is admitted, answer
-            if not admitted:
-                assert answer.reason is Reason.BACKEND_UNAVAILABLE
-        finally:
-            await daemon.stop(0)
+    with closed_port() as port:  # held closed: no other worker's Redis can answer there
+        dead = f"redis://127.0.0.1:{port}/0"
+        seeds = ",".join(f"127.0.0.1:{node.port}" for node in redis_cluster3.nodes)
+        base = {"QOSD_REDIS_URL": dead, "QOSD_REDIS_MODE": "cluster", "QOSD_LISTEN": "127.0.0.1:0"}
+        for env, admitted in (({**base, "QOSD_REDIS_CLUSTER_SEEDS": seeds}, True), (base, False)):
+            daemon = await start(
+                load_config(env={**env, "QOSD_REDIS_KEY_PREFIX": uuid.uuid4().hex})
+            )
+            try:
+                async with QosdClient(daemon.addresses[0]) as qos:
+                    answer = await qos.acquire("P1", 10)
+                assert answer.admitted is admitted, answer
+                if not admitted:
+                    assert answer.reason is Reason.BACKEND_UNAVAILABLE
+            finally:
+                await daemon.stop(0)
 
 
 def test_cluster_seeds_are_checked_at_load() -> None:

@@ -19,7 +19,14 @@ import pytest
 from qosd.config import ConfigError, load_config
 from qosd.server import start
 from qosd_client import QosdClient, Reason
-from qosd_harness import free_port, redis_server_binary
+from qosd_harness import (
+    PORT_ATTEMPTS,
+    PortReservation,
+    PortTaken,
+    redis_server_binary,
+    reserve_port,
+    wait_listening,
+)
 from tests.tls import Authority, Pem, authority
 
 
@@ -56,17 +63,40 @@ def tls_redis() -> Iterator[TlsRedis]:
         ca = authority(directory)
         server = ca.issue(directory, "redis", server=True)
         client = ca.issue(directory, "qosd", server=False)
-        port = free_port()
+        process, reservation = _start_tls_redis(directory, ca, server)
+        port = reservation.port
+        try:
+            deadline = time.monotonic() + 30
+            while not _answers_over_tls(port, ca.cert, client):
+                assert process.poll() is None, (directory / "redis.log").read_text()
+                assert time.monotonic() < deadline, "redis-server with TLS did not answer"
+                time.sleep(0.02)
+            yield TlsRedis(port, ca, client, directory)
+        finally:
+            process.kill()
+            process.wait(5)
+            reservation.close()
+
+
+def _start_tls_redis(
+    directory: Path, ca: Authority, server: Pem
+) -> tuple[subprocess.Popen[bytes], PortReservation]:
+    """redis-server with TLS only, on a reserved port (it cannot bind port 0 and say
+    which it got), listening there itself; on another port if it found one taken."""
+    log = directory / "redis.log"
+    for _ in range(PORT_ATTEMPTS):
+        reservation = reserve_port()
+        log_from = log.stat().st_size if log.exists() else 0
         process = subprocess.Popen(
             [
                 redis_server_binary(),
                 "--port", "0",
-                "--tls-port", str(port),
+                "--tls-port", str(reservation.port),
                 "--bind", "127.0.0.1",
                 "--save", "",
                 "--appendonly", "no",
-                "--dir", name,
-                "--logfile", str(directory / "redis.log"),
+                "--dir", str(directory),
+                "--logfile", str(log),
                 "--tls-cert-file", str(server.cert),
                 "--tls-key-file", str(server.key),
                 "--tls-ca-cert-file", str(ca.cert),
@@ -76,15 +106,15 @@ def tls_redis() -> Iterator[TlsRedis]:
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 10
-            while not _answers_over_tls(port, ca.cert, client):
-                assert process.poll() is None, (directory / "redis.log").read_text()
-                assert time.monotonic() < deadline, "redis-server with TLS did not answer"
-                time.sleep(0.02)
-            yield TlsRedis(port, ca, client, directory)
-        finally:
-            process.kill()
-            process.wait(5)
+            wait_listening(process, [reservation.port], log, log_from, name="redis-server")
+        except PortTaken:
+            reservation.close()
+            continue
+        except BaseException:
+            reservation.close()
+            raise
+        return process, reservation
+    raise RuntimeError(f"redis-server found its port taken {PORT_ATTEMPTS} times")
 
 
 async def _first_answer(env: dict[str, str]) -> Reason:

@@ -26,7 +26,7 @@ from qosd.reload import ConfigReloader, plan_reload
 from qosd.server import Daemon, start
 from qosd.store.redis import RedisStore
 from qosd_client import InvalidRequest, QosdClient, Reason
-from qosd_harness import RedisServer, free_port
+from qosd_harness import RedisServer, closed_port
 from tests.conftest import BASE_CONFIG, merge
 from tests.waiting import eventually
 
@@ -242,9 +242,8 @@ async def test_a_restart_only_change_is_reported_and_not_applied(
     daemon, reloader = await started(path, {})
     listening = list(daemon.addresses)
     try:
-        write_config(
-            path, {"server": {"listen": [f"127.0.0.1:{free_port()}"]}, "fail_mode": "open"}
-        )
+        with closed_port() as port:  # a listen address that only the plan compares
+            write_config(path, {"server": {"listen": [f"127.0.0.1:{port}"]}, "fail_mode": "open"})
         plan = await reloader.reload("test")
         assert plan is not None and plan.restart == ("server.listen",)
         assert plan.live == ("fail_mode",)

@@ -3,7 +3,6 @@ reporter; and ``qosd demo`` end to end."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 from qosd.config import Config
 from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
-from qosd_harness import daemon_processes, free_port
+from qosd_harness import closed_port, daemon_processes
 from qosd_sim.experiment import (
     CapacityChoice,
     Policy,
@@ -56,6 +55,7 @@ from qosd_sim.results import (
     timeline,
 )
 from qosd_sim.seeds import summed_up
+from tests.waiting import until
 
 ROWS = [TraceRow(float(t), 1_000, 100) for t in range(0, 101)]  # one a second for 100 s
 
@@ -180,40 +180,41 @@ async def test_reporter_batches_and_never_raises() -> None:
             async with LatencyReporter(qos, batch_size=10, flush_interval_s=5.0) as reporter:
                 for _ in range(25):
                     reporter.record(LatencySample("llm", "P1", ttft_ms=10.0, tpot_ms=5.0))
-                for _ in range(50):
-                    if reporter.stats.sent >= 20:
-                        break
-                    await asyncio.sleep(0.02)
+                # Under the 5 s flush interval (which would send all 25), with room for
+                # a busy machine.
+                await until(lambda: reporter.stats.sent >= 20, timeout_s=4)
                 assert reporter.stats.sent == 20  # two full batches, without waiting 5 s
                 reporter.record(LatencySample("llm", "P9", ttft_ms=1.0))  # unknown class
             assert reporter.stats.sent == 25  # the rest flushed on close
             assert reporter.stats.refused == 1
             assert (await qos.status("llm")).pool("llm").cls("P1").latency.samples == 25
     # qosd gone: recording still returns at once; the failed batch is counted, not raised.
-    async with QosdClient(f"127.0.0.1:{free_port()}", timeout_s=0.2) as qos:
-        reporter = LatencyReporter(qos, batch_size=5, max_buffered=5, call_timeout_s=0.2)
-        reporter.start()
-        began = time.monotonic()
-        for _ in range(12):
-            reporter.record(LatencySample("llm", "P1", ttft_ms=1.0))
-        assert time.monotonic() - began < 0.05
-        await reporter.close()
+    # A port held closed: no other worker's daemon can be there to answer.
+    with closed_port() as port:
+        async with QosdClient(f"127.0.0.1:{port}", timeout_s=0.2) as qos:
+            reporter = LatencyReporter(qos, batch_size=5, max_buffered=5, call_timeout_s=0.2)
+            reporter.start()
+            began = time.monotonic()
+            for _ in range(12):
+                reporter.record(LatencySample("llm", "P1", ttft_ms=1.0))
+            # Less than one call's timeout: no record waited on a call. (Not tighter: a
+            # busy machine may hold the loop for tens of milliseconds.)
+            assert time.monotonic() - began < 0.2
+            await reporter.close()
         assert reporter.stats.sent == 0
         assert reporter.stats.dropped >= 7  # 7 pushed out of the full buffer, then a batch
         assert reporter.stats.failed_calls >= 1
 
 
 async def test_reporter_survives_errors_that_are_not_qosds() -> None:
-    qos = QosdClient(f"127.0.0.1:{free_port()}")
-    await qos.close()  # a closed channel raises grpc's UsageError, not a QosdError
+    with closed_port() as port:  # never connected to: the channel is closed first
+        qos = QosdClient(f"127.0.0.1:{port}")
+        await qos.close()  # a closed channel raises grpc's UsageError, not a QosdError
     reporter = LatencyReporter(qos, batch_size=1, flush_interval_s=0.01)
     reporter.start()
     for round_ in range(1, 3):
         reporter.record(LatencySample("llm", "P1", ttft_ms=1.0))
-        for _ in range(100):
-            if reporter.stats.failed_calls >= round_:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: reporter.stats.failed_calls >= round_, timeout_s=10)  # noqa: B023
         assert reporter.stats.failed_calls == round_  # still sending after a failure
     await reporter.close()  # does not raise
     assert reporter.stats.dropped == 2

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import subprocess
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,6 @@ from qosd_harness import (
     OtlpReceiver,
     RedisServer,
     daemon_processes,
-    free_port,
     otlp_receiver,
 )
 from qosd_sim.experiment import simulator_process
@@ -55,8 +55,8 @@ def traced_daemon(
     """A daemon process on Redis, configured by its file to export to the receiver."""
     _, endpoint = receiver
     tree = {
-        "redis": {"url": redis_standalone.url, "key_prefix": f"trace{free_port()}"},
-        "server": {"http_listen": f"127.0.0.1:{free_port()}"},  # the JSON API's
+        "redis": {"url": redis_standalone.url, "key_prefix": f"trace{uuid.uuid4().hex[:12]}"},
+        "server": {"http_listen": "127.0.0.1:0"},  # the JSON API's, in the ready file
         "pools": {"llm": {"capacity_tokens_s": 10_000, "models": ["llm"]}},
         "default_pool": "llm",
         "cost": {"output_weight": 1.0},
@@ -323,7 +323,7 @@ async def test_otel_environment_alone_turns_tracing_on_and_sampling_follows_the_
 ) -> None:
     """No tracing section at all: the standard variables configure everything."""
     collector, endpoint = receiver
-    tree = {"redis": {"url": redis_standalone.url, "key_prefix": f"env{free_port()}"}}
+    tree = {"redis": {"url": redis_standalone.url, "key_prefix": f"env{uuid.uuid4().hex[:12]}"}}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
         patch.setenv("OTEL_SERVICE_NAME", "qosd-sidecar")

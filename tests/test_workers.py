@@ -31,7 +31,7 @@ from qosd.config import ConfigError, load_config
 from qosd.workers import available_cpus, cgroup_cpu_limit, resolve_workers
 from qosd_client import QosdClient
 from qosd_client.types import Status
-from qosd_harness import DaemonProcess, RedisServer, free_port
+from qosd_harness import DaemonProcess, RedisServer, closed_port
 from tests.conftest import TEST_REDIS_TIMEOUT_MS
 from tests.waiting import eventually, wait_until
 
@@ -323,8 +323,10 @@ def serve(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]
 
 
 def test_the_embedded_store_refuses_workers_before_anything_starts() -> None:
-    port = free_port()
-    done = serve("--workers", "2", "--listen", f"127.0.0.1:{port}")
+    # A port held closed, never bound: were the refusal to come after the bind, that
+    # bind would fail at once (exit 1) rather than serve on some port until the timeout.
+    with closed_port() as port:
+        done = serve("--workers", "2", "--listen", f"127.0.0.1:{port}")
     assert done.returncode == 2
     assert "server.workers: more than one worker (2) needs Redis" in done.stderr
     assert "qosd serving" not in done.stderr

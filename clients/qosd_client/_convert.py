@@ -77,10 +77,13 @@ def acquire_request(
 
 
 def acquire_timeout(default_s: float, max_wait_ms: int | None, timeout_s: float | None) -> float:
+    """An Acquire's deadline: the call's own, else the client's default, stretched to
+    cover a longer ``max_wait_ms`` and the answer after it. Never shorter than the
+    default: a wait of 0 still needs the time a busy daemon takes to answer."""
     if timeout_s is not None:
         return timeout_s
     if max_wait_ms is not None:
-        return max_wait_ms / 1000 + ANSWER_MARGIN_S
+        return max(default_s, max_wait_ms / 1000 + ANSWER_MARGIN_S)
     return default_s
 
 

@@ -322,7 +322,12 @@ class RedisStore:
         await self._cancels.close()
         if self._orphans:
             await asyncio.gather(*self._orphans, return_exceptions=True)
-        await self._client.close()
+        try:
+            await self._client.close()
+        except Exception as exc:  # redis-py's own TimeoutError among them
+            # Closing sockets is best effort: a slow close (redis-py bounds it by the
+            # connect timeout) must not fail a daemon's stop.
+            log.warning("redis connections not closed cleanly: %s", exc)
 
     async def ping(self) -> None:
         await self._client.execute_on_primaries("PING")
