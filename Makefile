@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint unit bench proto contract check-image clean system
+.PHONY: demo test test-fast test-busy lint unit bench proto contract check-image clean system
 
 # Four distributions from this tree, in one pip call so that pip takes them all from
 # here: clients/ (qosd-client: the gateway's client and the qosd.v1 stubs), . (qosd:
@@ -51,6 +51,31 @@ TEST_WORKERS ?= 2
 unit: $(BIN)/.installed
 	rm -rf results/coverage
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=term --cov-report=json
+
+# The suite as a busy, shared CI machine runs it (docs/testing.md, "A busy machine"), to
+# find the next flake before CI does: one core kept busy by a spinning process (pinned
+# to CPU BUSY_CPU where taskset exists) while the whole suite runs on TEST_WORKERS
+# workers in a shuffled order (files, and tests within each file: pytest-random-order,
+# seeded; BUSY_SEED=N repeats an order), then the files that start servers and
+# processes and time what they do, BUSY_COUNT times each test (pytest-repeat). No
+# coverage. The spinner is killed at the end, also when a test fails or on Ctrl-C.
+ifndef BUSY_SEED
+BUSY_SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+endif
+BUSY_CPU ?= 0
+BUSY_COUNT ?= 2
+BUSY_FILES ?= tests/test_daemon.py tests/test_health.py tests/test_outage.py \
+	tests/test_proxy.py tests/test_proxy_commands.py tests/test_redis_sentinel.py \
+	tests/test_faults.py tests/test_fleet_control.py tests/test_workers.py
+BUSY_PYTEST = $(BIN)/pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	--random-order-bucket=module --random-order-seed=$(BUSY_SEED)
+test-busy: $(BIN)/.installed
+	@pin=$$(command -v taskset >/dev/null 2>&1 && echo "taskset -c $(BUSY_CPU)"); \
+	$$pin python3 -c 'while True: pass' & hog=$$!; \
+	trap 'kill $$hog 2>/dev/null' EXIT INT TERM; \
+	echo "test-busy: a busy core (pid $$hog), shuffled with BUSY_SEED=$(BUSY_SEED)"; \
+	$(BUSY_PYTEST) -q && \
+	$(BUSY_PYTEST) -q --count $(BUSY_COUNT) $(BUSY_FILES)
 
 bench: $(BIN)/.installed  ## needs h2load (apt-get install nghttp2-client)
 	$(BIN)/python benchmarks/decisions.py --json results/decisions.json
