@@ -18,6 +18,11 @@ virtual environment, ``--litellm-venv``; one worker, no database, no limits).
   requests back to back for ``--seconds``; completed requests per second. Direct
   shows what the server and the load generator sustain without a proxy: a proxy
   cannot exceed it here.
+
+``--against TREE`` (repeatable) adds the qosd proxy of another checkout (a clean
+``git worktree`` of an older commit, say) as one more target, started with that
+tree on PYTHONPATH, so that a change to the proxy is measured before and after in one
+run, in the same shuffled rounds. ``--no-litellm`` leaves LiteLLM out.
 """
 
 from __future__ import annotations
@@ -48,8 +53,15 @@ PROXY_CPU, SERVER_CPU = 1, 0
 
 
 @contextmanager
-def qosd_command(args: list[str], directory: Path, name: str) -> Iterator[dict[str, Any]]:
-    process, ready = start_command(args, directory, name)
+def qosd_command(
+    args: list[str], directory: Path, name: str, tree: Path | None = None
+) -> Iterator[dict[str, Any]]:
+    """``qosd ARGS`` running, from this checkout, or from ``tree`` when one is given."""
+    env = None
+    if tree is not None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in ("", "clients", "harness"))
+    process, ready = start_command(args, directory, name, env=env)
     try:
         yield {**ready, "pid": process.pid}
     finally:
@@ -96,6 +108,14 @@ async def low_load(targets: dict[str, str], rounds: int, seed: int) -> dict[str,
         if name != "direct":
             out[name]["added_p50_ms"] = round(p50 - percentile(direct, 0.5), 3)
             out[name]["added_p99_ms"] = round(p99 - percentile(direct, 0.99), 3)
+    for name in (n for n in latencies if n.startswith("qosd@")):
+        # The same round's two requests, paired: the median of what this tree adds
+        # over the other, less swayed by the machine's moods than two p50s apart.
+        mine, theirs = latencies["qosd"], latencies[name]
+        paired = [a - b for a, b in zip(mine, theirs, strict=True)]
+        difference = percentile(mine, 0.5) - percentile(theirs, 0.5)
+        out["qosd"][f"minus_{name}_p50_ms"] = round(difference, 3)
+        out["qosd"][f"minus_{name}_paired_median_ms"] = round(statistics.median(paired), 3)
     return out
 
 
@@ -131,32 +151,50 @@ def main() -> int:
     parser.add_argument(
         "--litellm-venv", type=Path, default=Path(tempfile.gettempdir()) / "litellm-venv"
     )
+    parser.add_argument(
+        "--against", type=Path, action="append", default=[], metavar="TREE",
+        help="also measure the qosd proxy of this checkout (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     pin = len(os.sched_getaffinity(0)) >= 2
+    # Recorded as the run starts: a tree edited while it runs must not name the result.
+    commit = source_commit(Path(__file__).resolve().parents[1])
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch, ExitStack() as stack:
         work = Path(scratch)
         server = stack.enter_context(qosd_command(
             ["sim-vllm", "--listen", "127.0.0.1:0", "--model", MODEL, "--gpu", "speed=1000",
              "--max-waiting", "100000"], work, "vllm"))  # fmt: skip
         upstream = f"http://127.0.0.1:{server['port']}"
-        proxy = stack.enter_context(qosd_command(
-            ["proxy", "--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0",
-             "--upstream", f"{MODEL}={upstream}", "--log-level", "WARNING"],
-            work, "proxy"))  # fmt: skip
-        litellm, litellm_leader = stack.enter_context(litellm_proxy(
-            args.litellm_venv, {"model_list": [model_entry(MODEL, upstream)],
-                                "litellm_settings": {"drop_params": True}},
-            work / "litellm"))  # fmt: skip
-        targets = {"direct": upstream, "qosd": f"http://{proxy['address']}", "litellm": litellm}
+        proxy_args = ["proxy", "--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0",
+                      "--upstream", f"{MODEL}={upstream}", "--log-level", "WARNING"]  # fmt: skip
+        proxies = {"qosd": stack.enter_context(qosd_command(proxy_args, work, "proxy"))}
+        trees = {}
+        for tree in args.against:
+            name = f"qosd@{source_commit(tree.resolve())}"
+            trees[name] = {"path": str(tree.resolve()), "commit": source_commit(tree.resolve())}
+            proxies[name] = stack.enter_context(
+                qosd_command(proxy_args, work, name.replace("@", "-"), tree.resolve())
+            )
+        targets = {"direct": upstream}
+        targets.update({name: f"http://{p['address']}" for name, p in proxies.items()})
+        litellm_leader = None
+        if not args.no_litellm:
+            targets["litellm"], litellm_leader = stack.enter_context(litellm_proxy(
+                args.litellm_venv, {"model_list": [model_entry(MODEL, upstream)],
+                                    "litellm_settings": {"drop_params": True}},
+                work / "litellm"))  # fmt: skip
         print(f"low load: {args.requests} rounds", flush=True)
         low = asyncio.run(low_load(targets, args.requests, args.seed))
         print(json.dumps(low, indent=2), flush=True)
         if pin:  # the proxies on a core of their own; the server and load here
             os.sched_setaffinity(0, {SERVER_CPU})
             pin_tree(server["pid"], SERVER_CPU)
-            pin_tree(proxy["pid"], PROXY_CPU)
-            for pid in group_pids(litellm_leader):
+            for running in proxies.values():
+                pin_tree(running["pid"], PROXY_CPU)
+            for pid in group_pids(litellm_leader) if litellm_leader is not None else []:
                 pin_tree(pid, PROXY_CPU)
         peak: dict[str, Any] = {}
         for name, url in targets.items():
@@ -166,14 +204,18 @@ def main() -> int:
         "low_load": low,
         "one_core": peak,
         "pinned": pin,
-        "litellm_version": version(args.litellm_venv),
-        "commit": source_commit(Path(__file__).resolve().parents[1]),
+        "litellm_version": None if args.no_litellm else version(args.litellm_venv),
+        "commit": commit,
+        "against": trees,
+        "load_average_at_start": load_at_start,
         "command": "python -m benchmarks.proxy_overhead "
         + " ".join(
             f"--{k.replace('_', '-')} {v}"
             for k, v in vars(args).items()
             if k in ("requests", "concurrency", "seconds", "seed")
-        ),
+        )
+        + "".join(f" --against {tree}" for tree in args.against)
+        + (" --no-litellm" if args.no_litellm else ""),
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -589,13 +589,19 @@ def redis_sentinel(
 
 
 def start_command(
-    args: Sequence[str], directory: Path, name: str, timeout_s: float = 60.0
+    args: Sequence[str],
+    directory: Path,
+    name: str,
+    timeout_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Starts ``qosd ARGS --ready-file ...`` (any command that writes one) with its
     output in ``directory/NAME.log``, and waits for its ready file: the process and
     what the file says. Raises RuntimeError, with the log's tail, if it exits first;
     ``PortTaken`` when what it said was that an address is in use. ``timeout_s`` is
-    generous: a start on a busy machine is slow, and a failed one is seen at once."""
+    generous: a start on a busy machine is slow, and a failed one is seen at once.
+    ``env``: the process's whole environment (say, a PYTHONPATH that runs another
+    checkout's qosd beside this one); this process's when None."""
     directory.mkdir(parents=True, exist_ok=True)
     ready = directory / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
@@ -605,6 +611,7 @@ def start_command(
         process = subprocess.Popen(
             [sys.executable, "-m", "qosd.cli", *args, "--ready-file", str(ready)],
             stdout=log, stderr=log, start_new_session=True,
+            env=None if env is None else dict(env),
         )  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
