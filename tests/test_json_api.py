@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from qosd_harness import PORT_ATTEMPTS, PortReservation, PortTaken, reserve_port, wait_listening
+from qosd_harness import PortReservation, spawn_on_reserved_port
 from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_runner
 from tests.conftest import DaemonFactory
 from tests.waiting import eventually
@@ -163,28 +163,14 @@ async def _start_nginx(
     directory: Path, conf: str
 ) -> tuple[PortReservation, subprocess.Popen[bytes]]:
     """nginx with ``conf`` (its @PORT@ filled), on a reserved port: it cannot bind port
-    0 and say which it got. Ready once it listens there itself (not another process on
-    that number); on another port if it found that one taken anyway."""
-    log = directory / "error.log"
-    for _ in range(PORT_ATTEMPTS):
-        reservation = reserve_port()
-        (directory / "nginx.conf").write_text(conf.replace("@PORT@", str(reservation.port)))
-        log_from = log.stat().st_size if log.exists() else 0
-        nginx = await asyncio.to_thread(  # CPython's spawn, from a thread (as run_cli)
-            subprocess.Popen,
-            ["/usr/sbin/nginx", "-p", str(directory), "-c", str(directory / "nginx.conf"),
-             "-e", str(log)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            await asyncio.to_thread(
-                wait_listening, nginx, [reservation.port], log, log_from, name="nginx"
-            )
-        except PortTaken:
-            reservation.close()
-            continue
-        except BaseException:
-            reservation.close()
-            raise
-        return reservation, nginx
-    raise RuntimeError(f"nginx found its port taken {PORT_ATTEMPTS} times")
+    0 and say which it got. Started from a thread: CPython's spawn, as run_cli does."""
+
+    def argv_for(port: int) -> list[str]:
+        (directory / "nginx.conf").write_text(conf.replace("@PORT@", str(port)))
+        return ["/usr/sbin/nginx", "-p", str(directory), "-c", str(directory / "nginx.conf"),
+                "-e", str(directory / "error.log")]  # fmt: skip
+
+    nginx, reservation = await asyncio.to_thread(
+        spawn_on_reserved_port, "nginx", argv_for, directory / "error.log"
+    )
+    return reservation, nginx

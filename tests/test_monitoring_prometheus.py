@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,15 +27,7 @@ from qosd.config import load_config
 from qosd.reload import ConfigReloader
 from qosd.server import Daemon, start
 from qosd_client import LatencySample, QosdClient, Reason, ServerLoad, Unauthenticated
-from qosd_harness import (
-    PORT_ATTEMPTS,
-    PortTaken,
-    RedisServer,
-    redis_server,
-    reserve_port,
-    stop_process,
-    wait_listening,
-)
+from qosd_harness import RedisServer, redis_server, spawn_on_reserved_port, stop_process
 from tests.conftest import BASE_CONFIG, merge
 from tests.test_monitoring_dashboard import dashboard, panel_queries
 from tests.waiting import eventually, until
@@ -98,30 +89,18 @@ class Prometheus:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is needed (scripts/system_packages.sh installs it)"
         self.log = tmp_path / "prometheus.log"
-        for _ in range(PORT_ATTEMPTS):
-            self.reservation = reserve_port()
-            self.port = self.reservation.port
-            log_from = self.log.stat().st_size if self.log.exists() else 0
-            with self.log.open("ab") as log:
-                self.process = subprocess.Popen(
-                    [
-                        binary,
-                        f"--config.file={path}",
-                        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                        f"--web.listen-address=127.0.0.1:{self.port}",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            try:
-                wait_listening(self.process, [self.port], self.log, log_from, name="prometheus")
-                return
-            except PortTaken:
-                self.reservation.close()
-            except BaseException:
-                self.stop()
-                raise
-        raise RuntimeError(f"prometheus found its port taken {PORT_ATTEMPTS} times")
+        self.process, self.reservation = spawn_on_reserved_port(
+            "prometheus",
+            lambda port: [
+                binary,
+                f"--config.file={path}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            self.log,
+            output_to_log=True,
+        )
+        self.port = self.reservation.port
 
     def stop(self) -> None:
         stop_process(self.process)

@@ -19,14 +19,7 @@ import pytest
 from qosd.config import ConfigError, load_config
 from qosd.server import start
 from qosd_client import QosdClient, Reason
-from qosd_harness import (
-    PORT_ATTEMPTS,
-    PortReservation,
-    PortTaken,
-    redis_server_binary,
-    reserve_port,
-    wait_listening,
-)
+from qosd_harness import PortReservation, redis_server_binary, spawn_on_reserved_port
 from tests.tls import Authority, Pem, authority
 
 
@@ -84,37 +77,24 @@ def _start_tls_redis(
     """redis-server with TLS only, on a reserved port (it cannot bind port 0 and say
     which it got), listening there itself; on another port if it found one taken."""
     log = directory / "redis.log"
-    for _ in range(PORT_ATTEMPTS):
-        reservation = reserve_port()
-        log_from = log.stat().st_size if log.exists() else 0
-        process = subprocess.Popen(
-            [
-                redis_server_binary(),
-                "--port", "0",
-                "--tls-port", str(reservation.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(directory),
-                "--logfile", str(log),
-                "--tls-cert-file", str(server.cert),
-                "--tls-key-file", str(server.key),
-                "--tls-ca-cert-file", str(ca.cert),
-                "--tls-auth-clients", "yes",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            wait_listening(process, [reservation.port], log, log_from, name="redis-server")
-        except PortTaken:
-            reservation.close()
-            continue
-        except BaseException:
-            reservation.close()
-            raise
-        return process, reservation
-    raise RuntimeError(f"redis-server found its port taken {PORT_ATTEMPTS} times")
+
+    def argv_for(port: int) -> list[str]:
+        return [
+            redis_server_binary(),
+            "--port", "0",
+            "--tls-port", str(port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(directory),
+            "--logfile", str(log),
+            "--tls-cert-file", str(server.cert),
+            "--tls-key-file", str(server.key),
+            "--tls-ca-cert-file", str(ca.cert),
+            "--tls-auth-clients", "yes",
+        ]  # fmt: skip
+
+    return spawn_on_reserved_port("redis-server", argv_for, log)
 
 
 async def _first_answer(env: dict[str, str]) -> Reason:

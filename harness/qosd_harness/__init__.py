@@ -141,19 +141,62 @@ def wait_listening(
     deadline = time.monotonic() + timeout_s
     while not set(ports) <= listening_ports(process.pid):
         if process.poll() is not None:
-            said = ""
-            if log is not None and log.exists():
-                with log.open("rb") as file:
-                    file.seek(log_from)
-                    said = file.read().decode(errors="replace")
-            if ADDRESS_IN_USE in said.lower():
-                raise PortTaken(f"{name} on {list(ports)}: {said[-500:]}")
-            raise RuntimeError(f"{name} exited with {process.returncode}: {said[-2000:]}")
+            raise _start_failed(f"{name} on {list(ports)}", process, log, log_from)
         if time.monotonic() > deadline:
             process.kill()
             process.wait()
             raise RuntimeError(f"{name} was not listening on {list(ports)} within {timeout_s}s")
         time.sleep(0.01)
+
+
+def spawn_on_reserved_port(
+    name: str,
+    argv_for: Callable[[int], Sequence[str]],
+    log: Path,
+    *,
+    output_to_log: bool = False,
+    timeout_s: float = 60.0,
+) -> tuple[subprocess.Popen[bytes], PortReservation]:
+    """Starts a server that cannot bind port 0 and say which port it got (nginx,
+    prometheus, a TLS-only redis-server): ``argv_for(port)`` on a reserved port, ready
+    once the process itself listens there (``wait_listening``). ``log``: where it writes
+    its log (its own output with ``output_to_log``). On another port when it found that
+    one taken anyway, up to PORT_ATTEMPTS times. The reservation is held for the
+    server's life: close it after stopping the server."""
+    for _ in range(PORT_ATTEMPTS):
+        reservation = reserve_port()
+        try:
+            log_from = _log_size(log)
+            with log.open("ab") if output_to_log else contextlib.nullcontext() as output:
+                process = subprocess.Popen(
+                    list(argv_for(reservation.port)),
+                    stdout=output or subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT if output else subprocess.DEVNULL,
+                )
+            wait_listening(process, [reservation.port], log, log_from, timeout_s, name)
+        except PortTaken:
+            reservation.close()
+            continue
+        except BaseException:
+            reservation.close()
+            raise
+        return process, reservation
+    raise RuntimeError(f"{name} found its port taken {PORT_ATTEMPTS} times")
+
+
+def _start_failed(
+    what: str, process: subprocess.Popen[Any], log: Path | None, log_from: int
+) -> Exception:
+    """What a process that exited while starting raises: ``PortTaken`` when its log
+    (after byte ``log_from``) says an address is in use, else RuntimeError; the log's
+    tail in the message either way."""
+    said = ""
+    if log is not None and log.exists():
+        with log.open("rb") as file:
+            file.seek(log_from)
+            said = file.read().decode(errors="replace")
+    failed = PortTaken if ADDRESS_IN_USE in said.lower() else RuntimeError
+    return failed(f"{what} exited with {process.returncode}: {said[-2000:]}")
 
 
 def _log_size(path: Path) -> int:
@@ -616,11 +659,7 @@ def start_command(
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if process.poll() is not None:
-            with log_path.open("rb") as file:
-                file.seek(log_from)
-                said = file.read().decode(errors="replace")
-            failed = PortTaken if ADDRESS_IN_USE in said.lower() else RuntimeError
-            raise failed(f"qosd {args[0]} exited with {process.returncode}: {said[-2000:]}")
+            raise _start_failed(f"qosd {args[0]}", process, log_path, log_from)
         if time.monotonic() > deadline:
             process.kill()
             process.wait()
