@@ -138,14 +138,34 @@ def wait_listening(
     byte ``log_from``, where it writes), RuntimeError if it exits otherwise or is not
     listening within ``timeout_s`` (generous: a start on a busy machine is slow, and a
     failed one is seen at once by the exit)."""
+    _wait_started(
+        process,
+        lambda: set(ports) <= listening_ports(process.pid),
+        f"{name} on {list(ports)}",
+        log,
+        log_from,
+        timeout_s,
+    )
+
+
+def _wait_started(
+    process: subprocess.Popen[Any],
+    started: Callable[[], bool],
+    what: str,
+    log: Path | None,
+    log_from: int,
+    timeout_s: float,
+) -> None:
+    """Polls ``started`` until it holds; raises ``_start_failed``'s error if the
+    process exits first, and kills it and raises RuntimeError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not set(ports) <= listening_ports(process.pid):
+    while not started():
         if process.poll() is not None:
-            raise _start_failed(f"{name} on {list(ports)}", process, log, log_from)
+            raise _start_failed(what, process, log, log_from)
         if time.monotonic() > deadline:
             process.kill()
             process.wait()
-            raise RuntimeError(f"{name} was not listening on {list(ports)} within {timeout_s}s")
+            raise RuntimeError(f"{what} did not start within {timeout_s}s")
         time.sleep(0.01)
 
 
@@ -656,15 +676,7 @@ def start_command(
             stdout=log, stderr=log, start_new_session=True,
             env=None if env is None else dict(env),
         )  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if process.poll() is not None:
-            raise _start_failed(f"qosd {args[0]}", process, log_path, log_from)
-        if time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            raise RuntimeError(f"qosd {args[0]} did not become ready within {timeout_s}s")
-        time.sleep(0.02)
+    _wait_started(process, ready.exists, f"qosd {args[0]}", log_path, log_from, timeout_s)
     return process, json.loads(ready.read_text())
 
 
