@@ -304,22 +304,25 @@ async def test_the_prefill_share_bounds_the_lower_classes_prompts(
 ) -> None:
     """With a prefill share of 0.5, the backlog clock counts each prefill twice its
     time: below the top class, prompts are admitted while the clock is within the
-    bound (1 s here), so they keep the servers prefilling at most half the time. The
-    top class is bounded by the real prefill backlog (half the share clock's, here)."""
-    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 1_000, "max_prefill_share": 0.5}
+    bound (10 s here), so they keep the servers prefilling at most half the time. The
+    top class is bounded by the real prefill backlog (half the share clock's, here).
+    The backlog drains as time passes: every step below keeps a second or more from
+    its answer's turning, so a machine that takes its time between calls (a busy CI
+    machine took over 150 ms with a 1 s bound) cannot change one."""
+    pool = {"max_in_flight": 100, "max_prefill_backlog_ms": 10_000, "max_prefill_share": 0.5}
     running = await make_daemon({"pools": {"default": pool}, "control": {"enabled": False}})
     qos, admission = running.client, running.daemon.admission
     await admission.store.set_prefill(
         admission.pool("default"),
-        PrefillLearned(model=(0.0, 1.0, 0.0), tolerance_ms=None, usual_tokens=0),
+        PrefillLearned(model=(0.0, 10.0, 0.0), tolerance_ms=None, usual_tokens=0),
     )
-    assert (await qos.acquire("P1", 450, max_wait_ms=0)).admitted  # alone: 900 ms ahead
-    assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # within 1 s: 1.1 s
+    assert (await qos.acquire("P1", 450, max_wait_ms=0)).admitted  # alone: 9 s ahead
+    assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted  # within 10 s: 11 s
     held = await qos.acquire("P1", 1, max_wait_ms=0)
     assert not held.admitted and held.reason is Reason.RATE_LIMITED
-    # 1.1 s on the share clock is 0.55 s of prefill ahead: P0 goes, until 1 s of it.
-    assert (await qos.acquire("P0", 400, max_wait_ms=0)).admitted  # 0.95 s
-    assert (await qos.acquire("P0", 200, max_wait_ms=0)).admitted  # 1.15 s
+    # 11 s on the share clock is 5.5 s of prefill ahead: P0 goes, until 10 s of it.
+    assert (await qos.acquire("P0", 400, max_wait_ms=0)).admitted  # 9.5 s
+    assert (await qos.acquire("P0", 200, max_wait_ms=0)).admitted  # 11.5 s
     full = await qos.acquire("P0", 1, max_wait_ms=0)
     assert not full.admitted and full.reason is Reason.RATE_LIMITED
 
