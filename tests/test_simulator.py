@@ -4,25 +4,29 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc.aio as triton
+import tritonclient.http.aio as http_triton
 from tritonclient.utils import InferenceServerException
 
 from qosd_client import QosdClient
-from qosd_harness import daemon_processes
+from qosd_harness import daemon_processes, start_command, stop_process
 from qosd_sim import calibration
+from qosd_sim.errors import QUEUE_FULL
 from qosd_sim.experiment import read_busy_seconds, simulator_process
 from qosd_sim.gateway import token_inputs
 from qosd_sim.gpu import Engine, GpuModel, Sequence, run_virtual, saturated_throughput
-from qosd_sim.server import RealTimeGpu
+from qosd_sim.server import MAX_CATCH_UP_S, RealTimeGpu, SimulatorSettings
 
 # --- the cost model, in virtual time ------------------------------------------------------
 
@@ -519,6 +523,12 @@ async def test_a_200k_prompt_end_to_end_and_the_busy_counter() -> None:
         assert busy == pytest.approx(expected, rel=0.01)
         text = await asyncio.to_thread(_fetch, server.metrics_url)
         assert "# TYPE qosd_sim_gpu_busy_seconds counter" in text
+        # Beside it, the GPU time lost to the host's lateness, in the same exposition.
+        values = _scrape(server.metrics_url)
+        assert values['qosd_sim_gpu_lost_seconds{model="llm"}'] >= 0.0
+        assert values['qosd_sim_gpu_late_wakeups_total{model="llm"}'] >= 0
+        assert "# TYPE qosd_sim_gpu_lost_seconds counter" in text
+        assert "# TYPE qosd_sim_gpu_late_wakeups_total counter" in text
 
 
 async def test_metrics_use_tritons_names(simulator: tuple[str, str]) -> None:
@@ -544,7 +554,8 @@ async def test_metrics_use_tritons_names(simulator: tuple[str, str]) -> None:
     assert after[inf] == after[count]
     text = await asyncio.to_thread(_fetch, metrics_url)
     assert "# TYPE nv_inference_request_success counter" in text
-    assert "_total" not in text  # Triton's names, not prometheus_client's
+    # Triton's names, not prometheus_client's (the simulator's own are named apart).
+    assert not [line for line in text.splitlines() if "nv_" in line and "_total" in line]
 
 
 def _fetch(url: str) -> str:
@@ -594,3 +605,243 @@ async def test_reports_reach_qosd() -> None:
             # 20 tokens at speed 4: TPOT is about one decode step, ~3 ms.
             assert 1.0 < window.tpot.p50_ms < 20.0
             assert window.compliance == 1.0
+
+
+# --- the queue cap (--max-waiting), as vLLM-like servers refuse beyond it ----------------
+
+ONE_SLOT = GpuModel(speed=4.0, prefill_chunk_tokens=None, max_batch=1)
+
+
+@contextlib.contextmanager
+def _sim_triton(directory: Path, gpu: GpuModel, *flags: str) -> Iterator[dict[str, int]]:
+    """``qosd sim-triton FLAGS`` on free ports: its ready file (port, metrics_port,
+    http_port)."""
+    options = [f"--gpu={name}={getattr(gpu, name)}" for name in gpu.__dataclass_fields__]
+    process, ready = start_command(
+        ["sim-triton", "--port", "0", "--metrics-port", "0", "--http-port", "0", *options,
+         *flags],
+        directory,
+        "sim-triton",
+    )  # fmt: skip
+    try:
+        yield ready
+    finally:
+        stop_process(process)
+
+
+async def _stream_outcome(
+    client: triton.InferenceServerClient, input_tokens: int, output_tokens: int
+) -> tuple[str | None, int]:
+    """(the error's message, or None, and the tokens streamed) of one request alone on
+    its own stream."""
+
+    async def one() -> AsyncIterator[dict[str, object]]:
+        yield {"model_name": "llm", "inputs": _inputs(input_tokens, output_tokens)}
+
+    tokens = 0
+    responses = client.stream_infer(one())
+    try:
+        async for result, error in responses:
+            if error is not None:
+                return error.message(), tokens
+            tokens += int(result.as_numpy("token_count")[0])
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        responses.cancel()
+    return None, tokens
+
+
+async def _burst_behind_a_running_request(
+    ready: dict[str, int], count: int, while_full: Callable[[], Awaitable[None]] | None = None
+) -> tuple[list[tuple[str | None, int]], int]:
+    """A long request takes the one batch slot; ``count`` short ones then arrive at
+    once, each on its own stream. Once all but one have an answer (the one that waits,
+    under a cap of 1), ``while_full`` runs, if given. The short ones' outcomes, and the
+    long one's tokens."""
+    async with triton.InferenceServerClient(f"127.0.0.1:{ready['port']}") as client:
+        running = asyncio.Event()
+        blocker = asyncio.create_task(_stream_times(client, 100, 500, running))
+        await asyncio.wait_for(running.wait(), 10)  # holds the slot for ~2 s
+        answered: asyncio.Queue[None] = asyncio.Queue()
+
+        async def short() -> tuple[str | None, int]:
+            outcome = await _stream_outcome(client, 100, 2)
+            answered.put_nowait(None)
+            return outcome
+
+        shorts = [asyncio.create_task(short()) for _ in range(count)]
+        if while_full is not None:
+            for _ in range(count - 1):
+                await asyncio.wait_for(answered.get(), 10)
+            await while_full()
+        outcomes = await asyncio.gather(*shorts)
+        long_tokens = sum(tokens for _, tokens in await blocker)
+    return outcomes, long_tokens
+
+
+def _rejected(ready: dict[str, int]) -> float:
+    metrics = _scrape(f"http://127.0.0.1:{ready['metrics_port']}/metrics")
+    return metrics['nv_inference_request_failure{model="llm",reason="REJECTED",version="1"}']
+
+
+async def test_a_full_queue_refuses_requests_at_once(tmp_path: Path) -> None:
+    """With ``--max-waiting 1``, one request may wait for the busy slot; the others
+    that arrive meanwhile are refused at once, never run, with a message that starts
+    with QUEUE_FULL: a stream error, gRPC UNAVAILABLE for ModelInfer and HTTP 503, each
+    counted as REJECTED. The waiting one and the running one complete."""
+    with _sim_triton(tmp_path, ONE_SLOT, "--max-waiting", "1") as ready:
+
+        async def refused_unary_and_http() -> None:
+            async with triton.InferenceServerClient(f"127.0.0.1:{ready['port']}") as client:
+                with pytest.raises(InferenceServerException) as unary:
+                    await client.infer("llm", _inputs(100, 2))
+            assert unary.value.status() == "StatusCode.UNAVAILABLE"
+            assert unary.value.message().startswith(QUEUE_FULL)
+            async with http_triton.InferenceServerClient(f"127.0.0.1:{ready['http_port']}") as rest:
+                with pytest.raises(InferenceServerException) as http:
+                    await rest.infer("llm", token_inputs(100, 2, http_triton))
+            assert http.value.status() == "503"
+            assert http.value.message().startswith(QUEUE_FULL)
+
+        outcomes, long_tokens = await _burst_behind_a_running_request(
+            ready, 4, refused_unary_and_http
+        )
+        rejected = await asyncio.to_thread(_rejected, ready)
+    refusals = [error for error, tokens in outcomes if error is not None]
+    assert len(refusals) == 3
+    assert all(error.startswith(QUEUE_FULL) for error in refusals), refusals
+    assert [tokens for error, tokens in outcomes if error is None] == [2]
+    assert all(tokens == 0 for error, tokens in outcomes if error is not None)
+    assert long_tokens == 500
+    assert rejected == 3 + 2  # the streams, the unary call and the HTTP one
+
+
+async def test_without_a_queue_cap_nothing_is_refused(tmp_path: Path) -> None:
+    with _sim_triton(tmp_path, ONE_SLOT) as ready:
+        outcomes, long_tokens = await _burst_behind_a_running_request(ready, 4)
+        rejected = await asyncio.to_thread(_rejected, ready)
+    assert outcomes == [(None, 2)] * 4
+    assert long_tokens == 500
+    assert rejected == 0
+
+
+@pytest.mark.fast
+def test_a_queue_cap_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_waiting"):
+        SimulatorSettings(max_waiting=0)
+    assert SimulatorSettings().max_waiting is None  # no cap unless asked
+
+
+def test_the_command_refuses_a_queue_cap_below_one() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "qosd.cli", "sim-triton", "--max-waiting", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--max-waiting must be at least 1" in done.stderr
+
+
+# --- GPU time lost to the host's lateness -------------------------------------------------
+
+
+async def _until(
+    events: AsyncIterator[object], condition: Callable[[], bool], timeout_s: float = 10.0
+) -> None:
+    """Reads ``events`` until ``condition`` holds after one (the GPU's own state)."""
+
+    async def read() -> None:
+        async for _ in events:
+            if condition():
+                return
+        raise AssertionError("the stream ended first")
+
+    await asyncio.wait_for(read(), timeout_s)
+
+
+def _block_the_loop(seconds: float) -> None:
+    """The fault simulated: a slow host, or a callback that blocks the event loop."""
+    time.sleep(seconds)
+
+
+async def test_a_blocked_event_loop_loses_gpu_time() -> None:
+    """The event loop blocked for 0.3 s while an iteration is due: the GPU restarts
+    MAX_CATCH_UP_S behind the clock, and the time between the due iteration's end and
+    that restart is lost: about the block less 50 ms, counted with one late wake-up."""
+    model = GpuModel(speed=10.0)  # ~1.6 ms decode steps: the stream iterates back to back
+    gpu = RealTimeGpu(model)
+    gpu.start()
+    try:
+        stream = gpu.generate(Sequence("long", 100, 100_000, submitted_at=time.monotonic()), 1)
+        async with contextlib.aclosing(stream):
+            await _until(stream, lambda: gpu.iterations >= 20)
+            lost, late = gpu.lost_seconds, gpu.late_wakeups
+            # The fault: the loop blocked, as by a slow callback, while an iteration is
+            # in flight (the stream decodes back to back), due within one step.
+            blocked_at = time.monotonic()
+            _block_the_loop(0.3)
+            unblocked_at = time.monotonic()
+            await _until(stream, lambda: gpu.late_wakeups > late)
+        step_s = model.decode_s(1, 100 + gpu.iterations)
+        lost = gpu.lost_seconds - lost
+        # The due iteration ended by one step after the block began (give or take the
+        # few ms by which uvloop's timers, in whole ms from the loop's cached clock, may
+        # fire early); the GPU woke after the block and restarted MAX_CATCH_UP_S before.
+        assert lost >= unblocked_at - blocked_at - MAX_CATCH_UP_S - step_s - 0.01
+        assert lost == pytest.approx(0.3 - MAX_CATCH_UP_S, abs=0.05)
+        assert gpu.late_wakeups - late >= 1
+    finally:
+        await gpu.stop()
+
+
+async def test_an_unblocked_gpu_loses_no_time() -> None:
+    gpu = RealTimeGpu(GpuModel(speed=10.0))
+    gpu.start()
+    try:
+        stream = gpu.generate(Sequence("long", 100, 100_000, submitted_at=time.monotonic()), 1)
+        async with contextlib.aclosing(stream):
+            await _until(stream, lambda: gpu.iterations >= 100)
+        # A loop that keeps up catches up on its small delays: nothing is lost (short of
+        # a stall of this busy machine's own beyond MAX_CATCH_UP_S).
+        assert gpu.lost_seconds == pytest.approx(0.0, abs=0.05)
+    finally:
+        await gpu.stop()
+
+
+async def test_time_lost_counts_from_when_the_gpu_had_work() -> None:
+    """A late wake-up after the GPU ran out of work loses only the time since work
+    came again (a request that arrived after the last iteration ended), not the whole
+    gap since that iteration."""
+    gpu = RealTimeGpu(GpuModel(speed=0.1, prefill_chunk_tokens=None))  # 160 ms passes
+    gpu.start()
+    try:
+        first = Sequence("first", 10, 2, submitted_at=time.monotonic())
+        stream = gpu.generate(first, 1)
+        async with contextlib.aclosing(stream):
+            await anext(stream)  # its first token: its last pass (its second) now runs
+            lost, late = gpu.lost_seconds, gpu.late_wakeups
+            # Arrives after that pass ends (within 160 ms), and before the GPU wakes.
+            second = Sequence("second", 10, 1, submitted_at=time.monotonic() + 0.3)
+            served = asyncio.create_task(_count(gpu.generate(second)))
+            # The fault, once the second request is submitted: a callback that blocks
+            # the loop past the first's last pass and the second's arrival.
+            asyncio.get_running_loop().call_soon(_block_the_loop, 0.8)
+            assert await asyncio.wait_for(served, 10) == 1
+            assert [e.finished async for e in stream] == [True]
+        assert first.finished_at is not None and second.started_at is not None
+        assert second.submitted_at - first.finished_at > 0.1  # the GPU had nothing to do
+        assert gpu.late_wakeups > late
+        # The GPU restarted at the second's start; before the second arrived, it was
+        # idle, not late: only the time since counts.
+        lost = gpu.lost_seconds - lost
+        assert lost == pytest.approx(second.started_at - second.submitted_at)
+        assert lost > 0.2
+    finally:
+        await gpu.stop()
+
+
+async def _count(events: AsyncIterator[object]) -> int:
+    return sum([1 async for _ in events])

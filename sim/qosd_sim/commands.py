@@ -79,6 +79,13 @@ def add_sim_triton(commands: Any) -> None:
     sim.add_argument("--model", default="llm", help="the model name it serves")
     sim.add_argument("--qosd", default="", metavar="ADDR", help="Report latencies to this qosd")
     sim.add_argument("--stream-every", type=int, default=0, help="stream a response every N tokens")
+    sim.add_argument(
+        "--max-waiting",
+        type=int,
+        metavar="N",
+        help="refuse a request (UNAVAILABLE, 'queue full') that arrives while N wait to "
+        "start, as vLLM-like servers cap their queue (default: no cap)",
+    )
     add_gpu_options(sim)
     sim.add_argument("--ready-file", help="write {pid, port, metrics_port} as JSON once serving")
     sim.add_argument("--log-level", default="WARNING")
@@ -92,6 +99,8 @@ def _sim_triton(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_level)
     try:
+        if args.max_waiting is not None and args.max_waiting < 1:
+            raise ValueError("--max-waiting must be at least 1")
         gpu = GpuModel.from_options(dict(gpu_option(item) for item in args.gpu))
     except ValueError as exc:
         print(f"qosd sim-triton: {exc}", file=sys.stderr)
@@ -105,6 +114,7 @@ def _sim_triton(args: argparse.Namespace) -> int:
         gpu=gpu,
         qosd_target=args.qosd,
         stream_every=args.stream_every,
+        max_waiting=args.max_waiting,
     )
     return serve_until_signalled(settings, args.ready_file)
 

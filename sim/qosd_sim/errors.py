@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import grpc
 
+#: How the message of a request refused for a full queue (``--max-waiting``) starts,
+#: on every front end: clients and gateways tell a refusal to retry from a failure by it.
+QUEUE_FULL = "queue full"
+
 
 class BadRequest(Exception):
-    """A request the server refuses; ``code`` is its gRPC status (HTTP answers 400)."""
+    """A request the server refuses; ``code`` is its gRPC status (HTTP answers 400, or
+    503 for UNAVAILABLE)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class QueueFull(BadRequest):
+    """Refused on arrival, never run: the engine already had ``max_waiting`` requests
+    waiting. gRPC UNAVAILABLE (HTTP 503), as a server that sheds load answers; the
+    message starts with ``QUEUE_FULL``."""
+
+    def __init__(self, max_waiting: int) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{QUEUE_FULL}: the server has {max_waiting} requests waiting (--max-waiting)",
+        )

@@ -4,7 +4,8 @@ Enough of the protocol for ``tritonclient.http`` (sync and aio): health, model
 readiness and ``POST /v2/models/{model}[/versions/{v}]/infer`` with JSON tensors or
 the binary tensor extension (``Inference-Header-Content-Length``). Requests run on
 the same simulated GPU as the gRPC ones; answers are JSON. Errors are 400 with
-``{"error": ...}``, as Triton answers them.
+``{"error": ...}``, as Triton answers them; a refusal for a full queue (gRPC
+UNAVAILABLE) is 503, as Triton maps that status.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import grpc
 from aiohttp import web
 from tritonclient.grpc import service_pb2
 
@@ -58,7 +60,7 @@ def kserve_http_app(servicer: InferenceBackend) -> web.Application:
                 total += tokens
         except BadRequest as exc:
             servicer.metrics.failure(servicer.model_name, "REJECTED")
-            return _error(str(exc))
+            return _error(str(exc), 503 if exc.code == grpc.StatusCode.UNAVAILABLE else 400)
         body = {
             "model_name": servicer.model_name,
             "model_version": "1",
@@ -77,8 +79,8 @@ def kserve_http_app(servicer: InferenceBackend) -> web.Application:
     return app
 
 
-def _error(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
 
 def _to_grpc_request(

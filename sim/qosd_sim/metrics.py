@@ -37,6 +37,8 @@ class _ModelCounters:
     failures: dict[str, int] = field(default_factory=dict)  # by reason
     pending: Callable[[], int] = lambda: 0
     busy: Callable[[float], float] | None = None  # busy seconds at a monotonic time
+    lost: Callable[[], float] | None = None  # GPU seconds lost to late wake-ups
+    late_wakeups: Callable[[], int] | None = None
     first_response_counts: list[int] = field(default_factory=list)
     first_response_sum_ms: float = 0.0
     first_response_count: int = 0
@@ -74,6 +76,17 @@ class TritonMetrics:
         apart so that no dashboard mistakes them for one."""
         with self._lock:
             self._model(model).busy = seconds
+
+    def watch_lost(
+        self, model: str, seconds: Callable[[], float], late_wakeups: Callable[[], int]
+    ) -> None:
+        """Where the simulator's ``qosd_sim_gpu_lost_seconds`` (GPU time lost to the
+        host's lateness: its event loop woke too late to run iterations back to back)
+        and ``qosd_sim_gpu_late_wakeups_total`` (how often) come from. Rendered beside
+        ``qosd_sim_gpu_busy_seconds``; not Triton metrics either."""
+        with self._lock:
+            counters = self._model(model)
+            counters.lost, counters.late_wakeups = seconds, late_wakeups
 
     def first_response(self, model: str, ms: float) -> None:
         with self._lock:
@@ -158,6 +171,7 @@ class TritonMetrics:
                     f"# TYPE {name} counter",
                 ]
                 lines += [f'{name}{{model="{m}"}} {seconds(now):.6f}' for m, seconds in busy]
+                lines += _lateness(models)
                 name = "qosd_sim_monotonic_seconds"
                 lines += [
                     f"# HELP {name} The simulator's monotonic clock when it read "
@@ -166,6 +180,29 @@ class TritonMetrics:
                     f"{name} {now:.6f}",
                 ]
         return "\n".join(lines) + "\n"
+
+
+def _lateness(models: list[tuple[str, _ModelCounters]]) -> list[str]:
+    """``qosd_sim_gpu_lost_seconds`` and ``qosd_sim_gpu_late_wakeups_total``."""
+    watched = [(m, c.lost, c.late_wakeups) for m, c in models]
+    readings = [(m, lost(), late()) for m, lost, late in watched if lost and late]
+    if not readings:
+        return []
+    name = "qosd_sim_gpu_lost_seconds"
+    lines = [
+        f"# HELP {name} Seconds of simulated GPU time lost because the host woke the "
+        "simulator too late to run iterations back to back (simulator only)",
+        f"# TYPE {name} counter",
+    ]
+    lines += [f'{name}{{model="{m}"}} {lost:.6f}' for m, lost, _ in readings]
+    name = "qosd_sim_gpu_late_wakeups_total"
+    lines += [
+        f"# HELP {name} Wake-ups of the simulated GPU between iterations more than its "
+        "50 ms catch-up late (simulator only)",
+        f"# TYPE {name} counter",
+    ]
+    lines += [f'{name}{{model="{m}"}} {late}' for m, _, late in readings]
+    return lines
 
 
 def _number(value: float) -> str:

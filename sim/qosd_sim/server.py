@@ -16,6 +16,10 @@ Streaming (``ModelStreamInfer``) answers each request with a response at its fir
 token, one every ``stream_every`` tokens if set, and a last one flagged
 ``triton_final_response``; each carries ``token_count``, the tokens since the previous
 response. Unary ``ModelInfer`` answers once, at the end.
+
+With ``max_waiting`` (``--max-waiting``), a request that arrives while that many wait
+to start is refused at once, as vLLM-like servers cap their queue: gRPC UNAVAILABLE, or
+a stream error, with a message that starts with ``errors.QUEUE_FULL``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from qosd.server import write_ready_file
 from qosd_client import LatencySample, QosdClient
 from qosd_client.reporter import LatencyReporter
-from qosd_sim.errors import BadRequest
+from qosd_sim.errors import BadRequest, QueueFull
 from qosd_sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
 from qosd_sim.http_api import kserve_http_app
 from qosd_sim.metrics import TritonMetrics, serve_metrics
@@ -49,6 +53,12 @@ T = TypeVar("T")
 
 INPUT_NAMES = ("input_tokens", "output_tokens")
 OUTPUT_NAME = "token_count"
+
+
+#: How far behind the clock the simulated GPU restarts after a late wake-up of the
+#: event loop: it catches up on this much (its tokens come late, but it produced them
+#: in time); any more is GPU time lost.
+MAX_CATCH_UP_S = 0.05
 
 
 class RealTimeGpu:
@@ -64,6 +74,12 @@ class RealTimeGpu:
         # (busy seconds of completed iterations, the running one's start and duration),
         # replaced whole, so that the metrics thread reads a consistent state.
         self._busy: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        #: GPU seconds lost to the host's lateness: how much later than it could have
+        #: the simulated GPU started iterations after wake-ups more than
+        #: ``MAX_CATCH_UP_S`` late (a slow host makes a slower GPU than the model).
+        self.lost_seconds = 0.0
+        #: Wake-ups, between back-to-back iterations, more than ``MAX_CATCH_UP_S`` late.
+        self.late_wakeups = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="simulated-gpu")
@@ -85,11 +101,18 @@ class RealTimeGpu:
     async def _run(self) -> None:
         # Iterations run back to back against absolute deadlines: a late wake-up of the
         # event loop delays when tokens are delivered, not when the GPU would have
-        # produced them, so lag does not add up into a slower GPU than the model.
+        # produced them, so lag does not add up into a slower GPU than the model. Up to
+        # MAX_CATCH_UP_S of it: beyond, the GPU restarts that far back, and the rest is
+        # lost (lost_seconds), lest an event loop blocked for long replay a burst.
         busy_until: float | None = None
         while True:
             now = time.monotonic()
-            start = now if busy_until is None else max(busy_until, now - 0.05)
+            start = now
+            if busy_until is not None:
+                start = max(busy_until, now - MAX_CATCH_UP_S)
+                if start > busy_until:
+                    self.late_wakeups += 1
+                    self.lost_seconds += start - self._ready_since(busy_until, start)
             iteration = self.engine.plan(start)
             if iteration is None:
                 busy_until = None
@@ -110,6 +133,15 @@ class RealTimeGpu:
             self.iterations += 1
             for event in self.engine.complete(busy_until):
                 self._deliver(event)
+
+    def _ready_since(self, busy_until: float, start: float) -> float:
+        """When, between the last iteration's end and ``start``, the GPU had work again:
+        at once if some request was left running, else when the first of those waiting
+        arrived (at ``start`` if none had by then: then nothing was lost)."""
+        if self.engine.running:
+            return busy_until
+        arrivals = (s.submitted_at for s in self.engine.waiting if s.submitted_at <= start)
+        return max(busy_until, min(arrivals, default=start))
 
     def _deliver(self, event: TokenEvent) -> None:
         queue = self._queues.get(event.sequence)
@@ -217,14 +249,19 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         metrics: TritonMetrics | None = None,
         reporter: LatencyReporter | None = None,
         stream_every: int = 0,
+        max_waiting: int | None = None,
     ) -> None:
+        """``max_waiting``: refuse a request that arrives while the engine has this
+        many waiting (``QueueFull``), as vLLM-like servers cap their queue; None: no cap."""
         self.gpu = gpu
         self.model_name = model_name
         self.metrics = metrics or TritonMetrics()
         self.metrics.watch_pending(model_name, lambda: gpu.engine.queued)
         self.metrics.watch_busy(model_name, gpu.busy_seconds)
+        self.metrics.watch_lost(model_name, lambda: gpu.lost_seconds, lambda: gpu.late_wakeups)
         self.reporter = reporter
         self.stream_every = stream_every
+        self.max_waiting = max_waiting
 
     # Health and metadata -------------------------------------------------------------
 
@@ -320,6 +357,14 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
     ) -> AsyncIterator[tuple[int, bool]]:
         """Runs one request on the GPU; yields (tokens since last, final)."""
         parsed = self._parse(request, traceparent)
+        # Waiting as vLLM counts it: not yet started. Engine.queued, not
+        # len(engine.waiting): it also counts a request the engine has moved to its
+        # running set ahead of the iteration that starts it (vLLM's scheduler keeps
+        # such a request in its waiting queue), and it is what sim-vllm reports as
+        # num_requests_waiting and caps with --max-waiting. Checked and submitted with
+        # no await between them, so concurrent arrivals cannot all pass the check.
+        if self.max_waiting is not None and self.gpu.engine.queued >= self.max_waiting:
+            raise QueueFull(self.max_waiting)
         received = time.monotonic()
         sequence = Sequence(
             request.id or uuid.uuid4().hex,
@@ -460,6 +505,13 @@ class SimulatorSettings:
     gpu: GpuModel = field(default_factory=GpuModel)
     qosd_target: str = ""  # where to Report latencies; empty: do not report
     stream_every: int = 0
+    #: Refuse a request (gRPC UNAVAILABLE, "queue full") that arrives while this many
+    #: wait to start, as vLLM-like servers cap their queue; None: no cap.
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
 
 
 class StartupError(Exception):
@@ -486,6 +538,7 @@ async def run_simulator(
         metrics=metrics,
         reporter=reporter,
         stream_every=settings.stream_every,
+        max_waiting=settings.max_waiting,
     )
     # No SO_REUSEPORT: a second server on a busy port must fail, not share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
