@@ -250,16 +250,19 @@ def test_priority_scheduling_takes_waiting_requests_by_priority() -> None:
 
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.fast
-def test_priority_scheduling_preempts_a_running_request_of_lower_priority(
+def test_only_opt_in_preemption_lets_a_waiting_request_take_a_running_ones_slot(
     chunked: bool,
 ) -> None:
-    """One batch slot, a low-priority request decoding in it: a top-priority arrival
-    takes the slot at once (vLLM preempts), and the low one resumes after it,
-    recomputing its prompt and output so far, its tokens counted once. Without
-    priority scheduling the arrival waits for the slot."""
+    """One batch slot, a low-priority request decoding in it, a top-priority arrival.
+    As vLLM V1 runs (priority scheduling, no preemption for waiting requests) and
+    without priority scheduling, the arrival waits for the slot. With the opt-in
+    ``preempt_for_waiting`` (vLLM V0's), it takes the slot at once, and the low one
+    resumes after it, recomputing its prompt and output so far, its tokens counted
+    once."""
 
-    def run(priority_scheduling: bool) -> tuple[Sequence, Sequence, int, list[int]]:
+    def run(priority_scheduling: bool, preempt: bool) -> tuple[Sequence, Sequence, int, list[int]]:
         model = GpuModel(max_batch=1, priority_scheduling=priority_scheduling,
+                         preempt_for_waiting=preempt,
                          prefill_chunk_tokens=2_048 if chunked else None)  # fmt: skip
         engine = Engine(model)
         low = Sequence("low", 500, 40, submitted_at=0.0, priority=2)
@@ -276,16 +279,51 @@ def test_priority_scheduling_preempts_a_running_request_of_lower_priority(
             counted += [e.generated for e in engine.complete(now) if e.sequence is low]
         return low, top, engine.preemptions, counted
 
-    low, top, preemptions, counted = run(priority_scheduling=True)
+    low, top, preemptions, counted = run(priority_scheduling=True, preempt=True)
     assert preemptions == 1
     assert top.finished_at is not None and low.finished_at is not None
     assert top.finished_at < low.finished_at
     assert low.recomputed == 10 and low.generated == 40
     assert counted == list(range(1, 41))  # every token once, in order, resumed at 11
-    low, top, preemptions, _ = run(priority_scheduling=False)
-    assert preemptions == 0
-    assert low.finished_at is not None and top.started_at is not None
-    assert top.started_at >= low.finished_at
+    for priority_scheduling in (True, False):
+        low, top, preemptions, _ = run(priority_scheduling, preempt=False)
+        assert preemptions == 0
+        assert low.finished_at is not None and top.started_at is not None
+        assert top.started_at >= low.finished_at
+
+
+@pytest.mark.fast
+def test_a_better_priority_overtakes_waiting_requests_that_have_not_started() -> None:
+    """As vLLM V1 admits: a request joins the running set only in an iteration whose
+    budget starts it, so one that waits behind a long prompt's chunks has not started,
+    and a later top-priority arrival goes before it. With the opt-in
+    ``admit_beyond_budget`` (the engine before issue 37) it had joined the running
+    set already, and the arrival went after it."""
+
+    def first_tokens(admit_beyond_budget: bool) -> tuple[float, float]:
+        model = GpuModel(priority_scheduling=True, admit_beyond_budget=admit_beyond_budget)
+        engine = Engine(model)
+        long = Sequence("long", 8_192, 4, submitted_at=0.0, priority=2)
+        low = Sequence("low", 2_000, 4, submitted_at=0.0, priority=2)
+        top = Sequence("top", 2_000, 4, submitted_at=0.0, priority=0)
+        engine.submit(long)
+        engine.submit(low)
+        now = 0.0
+        while not (low.done and top.done):
+            if top.submitted_at == 0.0 and long.prefilled > 0 and not top.done:
+                top.submitted_at = now
+                engine.submit(top)
+            iteration = engine.plan(now)
+            assert iteration is not None
+            now += iteration.duration_s
+            engine.complete(now)
+        assert low.first_token_at is not None and top.first_token_at is not None
+        return low.first_token_at, top.first_token_at
+
+    low_first, top_first = first_tokens(admit_beyond_budget=False)
+    assert top_first < low_first
+    low_first, top_first = first_tokens(admit_beyond_budget=True)
+    assert low_first < top_first
 
 
 @pytest.mark.fast
@@ -607,7 +645,7 @@ async def test_reports_reach_qosd() -> None:
             assert window.compliance == 1.0
 
 
-# --- the queue cap (--max-waiting), as vLLM-like servers refuse beyond it ----------------
+# --- the queue cap (--max-num-queued-reqs), as vLLM refuses beyond it ---------------------
 
 ONE_SLOT = GpuModel(speed=4.0, prefill_chunk_tokens=None, max_batch=1)
 
@@ -686,11 +724,12 @@ def _rejected(ready: dict[str, int]) -> float:
 
 
 async def test_a_full_queue_refuses_requests_at_once(tmp_path: Path) -> None:
-    """With ``--max-waiting 1``, one request may wait for the busy slot; the others
-    that arrive meanwhile are refused at once, never run, with a message that starts
-    with QUEUE_FULL: a stream error, gRPC UNAVAILABLE for ModelInfer and HTTP 503, each
-    counted as REJECTED. The waiting one and the running one complete."""
-    with _sim_triton(tmp_path, ONE_SLOT, "--max-waiting", "1") as ready:
+    """With ``--max-num-queued-reqs 2``, the running request and one more may be in
+    flight; the others that arrive meanwhile are refused at once, never run, with a
+    message that starts with QUEUE_FULL: a stream error, gRPC UNAVAILABLE for
+    ModelInfer and HTTP 503, each counted as REJECTED. The waiting one and the running
+    one complete."""
+    with _sim_triton(tmp_path, ONE_SLOT, "--max-num-queued-reqs", "2") as ready:
 
         async def refused_unary_and_http() -> None:
             async with triton.InferenceServerClient(f"127.0.0.1:{ready['port']}") as client:
@@ -728,21 +767,21 @@ async def test_without_a_queue_cap_nothing_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.fast
 def test_a_queue_cap_below_one_is_refused() -> None:
-    with pytest.raises(ValueError, match="max_waiting"):
-        SimulatorSettings(max_waiting=0)
-    assert SimulatorSettings().max_waiting is None  # no cap unless asked
+    with pytest.raises(ValueError, match="max_queued"):
+        SimulatorSettings(max_queued=0)
+    assert SimulatorSettings().max_queued is None  # no cap unless asked
 
 
 def test_the_command_refuses_a_queue_cap_below_one() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "qosd.cli", "sim-triton", "--max-waiting", "0"],
+        [sys.executable, "-m", "qosd.cli", "sim-triton", "--max-num-queued-reqs", "0"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert done.returncode == 2
-    assert "--max-waiting must be at least 1" in done.stderr
+    assert "--max-num-queued-reqs must be at least 1" in done.stderr
 
 
 # --- GPU time lost to the host's lateness -------------------------------------------------

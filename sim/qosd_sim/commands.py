@@ -80,11 +80,12 @@ def add_sim_triton(commands: Any) -> None:
     sim.add_argument("--qosd", default="", metavar="ADDR", help="Report latencies to this qosd")
     sim.add_argument("--stream-every", type=int, default=0, help="stream a response every N tokens")
     sim.add_argument(
-        "--max-waiting",
+        "--max-num-queued-reqs",
+        dest="max_queued",
         type=int,
         metavar="N",
-        help="refuse a request (UNAVAILABLE, 'queue full') that arrives while N wait to "
-        "start, as vLLM-like servers cap their queue (default: no cap)",
+        help="refuse a request (UNAVAILABLE, 'queue full') that arrives while N are in "
+        "flight, waiting or running, as vLLM's flag of that name does (default: no cap)",
     )
     add_gpu_options(sim)
     sim.add_argument("--ready-file", help="write {pid, port, metrics_port} as JSON once serving")
@@ -99,8 +100,8 @@ def _sim_triton(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_level)
     try:
-        if args.max_waiting is not None and args.max_waiting < 1:
-            raise ValueError("--max-waiting must be at least 1")
+        if args.max_queued is not None and args.max_queued < 1:
+            raise ValueError("--max-num-queued-reqs must be at least 1")
         gpu = GpuModel.from_options(dict(gpu_option(item) for item in args.gpu))
     except ValueError as exc:
         print(f"qosd sim-triton: {exc}", file=sys.stderr)
@@ -114,7 +115,7 @@ def _sim_triton(args: argparse.Namespace) -> int:
         gpu=gpu,
         qosd_target=args.qosd,
         stream_every=args.stream_every,
-        max_waiting=args.max_waiting,
+        max_queued=args.max_queued,
     )
     return serve_until_signalled(settings, args.ready_file)
 

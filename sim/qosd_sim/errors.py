@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-#: How the message of a request refused for a full queue (``--max-waiting``) starts,
+#: How the message of a request refused for a full queue (``--max-num-queued-reqs``) starts,
 #: on every front end: clients and gateways tell a refusal to retry from a failure by it.
 QUEUE_FULL = "queue full"
 
@@ -19,12 +19,13 @@ class BadRequest(Exception):
 
 
 class QueueFull(BadRequest):
-    """Refused on arrival, never run: the engine already had ``max_waiting`` requests
-    waiting. gRPC UNAVAILABLE (HTTP 503), as a server that sheds load answers; the
-    message starts with ``QUEUE_FULL``."""
+    """Refused on arrival, never run: the engine already had ``max_queued`` requests in
+    flight, waiting or running. gRPC UNAVAILABLE (HTTP 503), as vLLM answers beyond
+    ``--max-num-queued-reqs``; the message starts with ``QUEUE_FULL``."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_queued: int) -> None:
         super().__init__(
             grpc.StatusCode.UNAVAILABLE,
-            f"{QUEUE_FULL}: the server has {max_waiting} requests waiting (--max-waiting)",
+            f"{QUEUE_FULL}: the server has {max_queued} requests in flight, waiting or "
+            "running (--max-num-queued-reqs)",
         )

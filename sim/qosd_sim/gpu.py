@@ -33,9 +33,22 @@ iteration, so a short prompt behind a long one starts within an iteration or two
 
 **Capacity**: at most ``max_batch`` sequences run at once, and their prompts plus
 outputs must fit in ``kv_capacity_tokens`` of KV cache; the rest wait, first come
-first served (or by priority), as in a server without QoS. A sequence is never
-preempted (vLLM preempts the lowest priority when its KV cache runs out; the
-replays here seldom fill it).
+first served (or by priority), as in a server without QoS.
+
+**As vLLM V1 schedules** (``docs/simulator.md#fidelity-to-vllms-scheduler`` cites
+its code for each): a chunked iteration serves the running sequences first (a decode
+token each, then the chunk of a prompt already started), and only then admits
+waiting ones, each only if the iteration's budget has a token left for it, so a
+request that has not started stays in the (priority-ordered) waiting queue, where a
+later request of a better priority overtakes it. A running sequence is never
+preempted to admit a waiting one. Two departures remain, both opt-in and off by
+default: ``preempt_for_waiting`` (V0's priority preemption, and what open vLLM
+pull requests propose) and ``admit_beyond_budget`` (this engine's behaviour before
+issue 37: every waiting request that fits joins the running set at once). One
+departure is not opt-in: a sequence reserves KV for its whole output at admission,
+where vLLM allocates blocks as tokens come and preempts when they run out (the
+replays' peak KV use is reported beside their results, so a reader can see whether
+the difference could matter).
 """
 
 from __future__ import annotations
@@ -74,10 +87,17 @@ class GpuModel:
     #: ``--long-prefill-token-threshold``), so prompts behind a long one share the
     #: budget with it rather than wait for it; None: no cap.
     long_prefill_token_threshold: int | None = None
-    #: Waiting requests go by their priority (lower first), then arrival, and one that
-    #: finds no batch slot or KV room preempts a running request of lower priority
-    #: (vLLM's ``--scheduling-policy priority``); False: by arrival alone.
+    #: Waiting requests go by their priority (lower first), then arrival (vLLM's
+    #: ``--scheduling-policy priority``); False: by arrival alone.
     priority_scheduling: bool = False
+    #: Opt-in, not vLLM V1: with priority scheduling, a waiting request that finds no
+    #: batch slot or KV room preempts a running request of lower priority (vLLM V0,
+    #: and open pull requests for vLLM issue #40004).
+    preempt_for_waiting: bool = False
+    #: Opt-in, not vLLM V1: a chunked iteration admits every waiting request that
+    #: fits, whether or not its budget has room to start it (the engine before issue
+    #: 37); False: admitted only with a token of the budget, as V1 does.
+    admit_beyond_budget: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -115,6 +135,8 @@ class GpuModel:
         """The engine's name in results: its prefill, and ``-priority`` where waiting
         requests go by priority and (chunked) long prompts share each iteration."""
         name = "chunked" if self.chunked else "unchunked"
+        if self.chunked and self.prefill_chunk_tokens != VLLM_A100_BATCHED_TOKENS:
+            name += f"-{self.prefill_chunk_tokens}"
         return f"{name}-priority" if self.priority_scheduling else name
 
     def attention_us(self, start: int, tokens: int) -> float:
@@ -285,10 +307,10 @@ class Engine:
         return head
 
     def _victim_for(self, head: Sequence) -> Sequence | None:
-        """With priority scheduling, a running request of lower priority than ``head``
-        makes room for it, as vLLM's scheduler preempts: the lowest priority, and the
-        latest arrival among those."""
-        if not self.model.priority_scheduling:
+        """With ``preempt_for_waiting`` (and priority scheduling), a running request of
+        lower priority than ``head`` makes room for it: the lowest priority, and the
+        latest arrival among those (vLLM V0's choice). vLLM V1 never does this."""
+        if not (self.model.priority_scheduling and self.model.preempt_for_waiting):
             return None
         lower = [s for s in self.running if s.priority > head.priority]
         return max(lower, key=lambda s: (s.priority, s.submitted_at), default=None)
@@ -343,24 +365,32 @@ class Engine:
 
     def _plan_chunked(self, now: float, budget: int) -> Iteration | None:
         # One fused pass, as vLLM V1 schedules it: a token for every decoding
-        # sequence, then prefill chunks, oldest request first, within the budget,
-        # each at most the long-prefill threshold where there is one.
+        # sequence, then the chunks of prompts already running, oldest first, then
+        # waiting requests, in the queue's order, while the budget lasts; each chunk
+        # at most the long-prefill threshold where there is one.
         cap = self.model.long_prefill_token_threshold
-        while self._admit_head(now) is not None:
-            pass
+        if self.model.admit_beyond_budget:
+            while self._admit_head(now) is not None:
+                pass
         decode = [s for s in self.running if s.prefilled == s.prefill_target]
         left = budget - len(decode)
         prefill: list[tuple[Sequence, int]] = []
+
+        def take(sequence: Sequence) -> int:
+            remaining = sequence.prefill_target - sequence.prefilled
+            if sequence.started_at is None:
+                sequence.started_at = now
+            chunk = min(remaining, left, cap or remaining)
+            prefill.append((sequence, chunk))
+            return chunk
+
         for sequence in self.running:
             if left <= 0:
                 break
-            remaining = sequence.prefill_target - sequence.prefilled
-            if remaining > 0:
-                if sequence.started_at is None:
-                    sequence.started_at = now
-                chunk = min(remaining, left, cap or remaining)
-                prefill.append((sequence, chunk))
-                left -= chunk
+            if sequence.prefilled < sequence.prefill_target:
+                left -= take(sequence)
+        while left > 0 and (admitted := self._admit_head(now)) is not None:
+            left -= take(admitted)
         if not decode and not prefill:
             return None
         duration = self.model.iteration_s(

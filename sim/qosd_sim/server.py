@@ -17,9 +17,10 @@ token, one every ``stream_every`` tokens if set, and a last one flagged
 ``triton_final_response``; each carries ``token_count``, the tokens since the previous
 response. Unary ``ModelInfer`` answers once, at the end.
 
-With ``max_waiting`` (``--max-waiting``), a request that arrives while that many wait
-to start is refused at once, as vLLM-like servers cap their queue: gRPC UNAVAILABLE, or
-a stream error, with a message that starts with ``errors.QUEUE_FULL``.
+With ``max_queued`` (``--max-num-queued-reqs``), a request that arrives while that many
+are in flight, waiting or running, is refused at once, as vLLM refuses beyond its
+``--max-num-queued-reqs``: gRPC UNAVAILABLE, or a stream error, with a message that
+starts with ``errors.QUEUE_FULL``.
 """
 
 from __future__ import annotations
@@ -249,10 +250,11 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         metrics: TritonMetrics | None = None,
         reporter: LatencyReporter | None = None,
         stream_every: int = 0,
-        max_waiting: int | None = None,
+        max_queued: int | None = None,
     ) -> None:
-        """``max_waiting``: refuse a request that arrives while the engine has this
-        many waiting (``QueueFull``), as vLLM-like servers cap their queue; None: no cap."""
+        """``max_queued``: refuse a request that arrives while the engine has this many
+        in flight, waiting or running (``QueueFull``), as vLLM's
+        ``--max-num-queued-reqs`` does; None: no cap, vLLM's default."""
         self.gpu = gpu
         self.model_name = model_name
         self.metrics = metrics or TritonMetrics()
@@ -261,7 +263,7 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
         self.metrics.watch_lost(model_name, lambda: gpu.lost_seconds, lambda: gpu.late_wakeups)
         self.reporter = reporter
         self.stream_every = stream_every
-        self.max_waiting = max_waiting
+        self.max_queued = max_queued
 
     # Health and metadata -------------------------------------------------------------
 
@@ -357,14 +359,11 @@ class SimulatedTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: i
     ) -> AsyncIterator[tuple[int, bool]]:
         """Runs one request on the GPU; yields (tokens since last, final)."""
         parsed = self._parse(request, traceparent)
-        # Waiting as vLLM counts it: not yet started. Engine.queued, not
-        # len(engine.waiting): it also counts a request the engine has moved to its
-        # running set ahead of the iteration that starts it (vLLM's scheduler keeps
-        # such a request in its waiting queue), and it is what sim-vllm reports as
-        # num_requests_waiting and caps with --max-waiting. Checked and submitted with
-        # no await between them, so concurrent arrivals cannot all pass the check.
-        if self.max_waiting is not None and self.gpu.engine.queued >= self.max_waiting:
-            raise QueueFull(self.max_waiting)
+        # In flight as vLLM's --max-num-queued-reqs counts it: waiting and running
+        # (AsyncLLM.check_admission). Checked and submitted with no await between
+        # them, so concurrent arrivals cannot all pass the check.
+        if self.max_queued is not None and self.gpu.engine.pending >= self.max_queued:
+            raise QueueFull(self.max_queued)
         received = time.monotonic()
         sequence = Sequence(
             request.id or uuid.uuid4().hex,
@@ -506,12 +505,12 @@ class SimulatorSettings:
     qosd_target: str = ""  # where to Report latencies; empty: do not report
     stream_every: int = 0
     #: Refuse a request (gRPC UNAVAILABLE, "queue full") that arrives while this many
-    #: wait to start, as vLLM-like servers cap their queue; None: no cap.
-    max_waiting: int | None = None
+    #: are in flight, waiting or running (vLLM's --max-num-queued-reqs); None: no cap.
+    max_queued: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_waiting is not None and self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
+        if self.max_queued is not None and self.max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, got {self.max_queued}")
 
 
 class StartupError(Exception):
@@ -538,7 +537,7 @@ async def run_simulator(
         metrics=metrics,
         reporter=reporter,
         stream_every=settings.stream_every,
-        max_waiting=settings.max_waiting,
+        max_queued=settings.max_queued,
     )
     # No SO_REUSEPORT: a second server on a busy port must fail, not share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
