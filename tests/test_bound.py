@@ -15,7 +15,7 @@ from qosd_sim.objectives import FIXED_P0, SCALED, Objectives
 pytestmark = pytest.mark.fast
 
 
-def _feasible(jobs: tuple[Job, ...]) -> bool:
+def _feasible(jobs: tuple[Job, ...], slack_s: float = 1e-12) -> bool:
     """Whether one preemptive machine can finish every job in its window: Horn's
     interval condition, checked directly on every (release, deadline) pair."""
     for job_a, job_b in itertools.product(jobs, repeat=2):
@@ -23,7 +23,7 @@ def _feasible(jobs: tuple[Job, ...]) -> bool:
         if end <= start:
             continue
         inside = sum(j.work_s for j in jobs if j.release_s >= start and j.deadline_s <= end)
-        if inside > end - start + 1e-12:
+        if inside > end - start + slack_s:
             return False
     return all(j.reachable for j in jobs)
 
@@ -46,6 +46,9 @@ def test_the_bound_is_the_optimum_of_the_relaxation() -> None:
         assert bound.exact
         assert bound.on_time == _most_on_time(jobs)
         assert bound.offered == len(jobs)
+        # The set it names is that large, and one machine does finish it on time.
+        assert len(bound.chosen) == bound.on_time
+        assert _feasible(tuple(jobs[i] for i in bound.chosen), slack_s=1e-6)
 
 
 def test_clusters_apart_and_unreachable_requests() -> None:
@@ -73,6 +76,9 @@ def test_a_solver_stopped_early_still_gives_an_upper_bound() -> None:
     early = solve(jobs, time_limit_s=0.0)
     assert exact.exact and not early.exact
     assert early.on_time >= exact.on_time
+    # Its set is still one that is on time, only perhaps not the largest.
+    assert 0 < len(early.chosen) <= exact.on_time == len(exact.chosen)
+    assert _feasible(tuple(jobs[i] for i in early.chosen), slack_s=1e-6)
 
 
 def _on_time_in_a_run(gpu: GpuModel, requests: list[tuple[float, int, int]], o: Objectives) -> int:

@@ -68,6 +68,11 @@ class Bound:
     unreachable: int  # requests whose prefill alone outlasts their objective
     clusters: int
     solved_clusters: int  # clusters that needed the programme
+    #: Positions (in the order given) of a set of ``chosen_count`` requests that a
+    #: preemptive single machine does finish on time: the programme's optimal set, the
+    #: solver's best set where it ran out of time (then fewer than ``on_time``). What
+    #: ``qosd_sim.references`` replays on the engine as the clairvoyant reference.
+    chosen: tuple[int, ...] = ()
 
     @property
     def share(self) -> float | None:
@@ -111,19 +116,24 @@ def on_time_bound(
 
 def solve(jobs: Sequence[Job], *, time_limit_s: float = 10.0) -> Bound:
     """The most of ``jobs`` a preemptive single machine finishes by their deadlines
-    (or an upper bound on it, when the solver runs out of time)."""
+    (or an upper bound on it, when the solver runs out of time), and a set that does."""
+    position = {id(job): i for i, job in enumerate(jobs)}
     reachable = sorted((j for j in jobs if j.reachable), key=lambda j: j.release_s)
     on_time, exact, clusters, solved = 0, True, 0, 0
+    chosen: list[int] = []
     for cluster in _clusters(reachable):
         clusters += 1
         if _edf_all_on_time(cluster):
             on_time += len(cluster)
+            chosen += (position[id(job)] for job in cluster)
             continue
         solved += 1
-        most, optimal = _most_on_time(cluster, time_limit_s)
+        most, optimal, picked = _most_on_time(cluster, time_limit_s)
         on_time += most
+        chosen += (position[id(job)] for job in picked)
         exact = exact and optimal
-    return Bound(len(jobs), on_time, exact, len(jobs) - len(reachable), clusters, solved)
+    unreachable = len(jobs) - len(reachable)
+    return Bound(len(jobs), on_time, exact, unreachable, clusters, solved, tuple(sorted(chosen)))
 
 
 def _clusters(jobs: Sequence[Job]) -> Iterable[list[Job]]:
@@ -140,9 +150,10 @@ def _clusters(jobs: Sequence[Job]) -> Iterable[list[Job]]:
         yield current
 
 
-def _edf_all_on_time(jobs: Sequence[Job]) -> bool:
+def _edf_all_on_time(jobs: Sequence[Job], slack_s: float = 1e-12) -> bool:
     """Whether preemptive earliest-deadline-first finishes every job by its deadline
-    (it does whenever any preemptive schedule can: Jackson's rule)."""
+    (it does whenever any preemptive schedule can: Jackson's rule), within
+    ``slack_s``."""
     ordered = sorted(jobs, key=lambda j: j.release_s)
     ready: list[tuple[float, float]] = []  # (deadline, work left)
     now, index = 0.0, 0
@@ -158,14 +169,15 @@ def _edf_all_on_time(jobs: Sequence[Job]) -> bool:
         now += run
         if run < left:
             heapq.heappush(ready, (deadline, left - run))
-        elif now > deadline + 1e-12:
+        elif now > deadline + slack_s:
             return False
     return True
 
 
-def _most_on_time(jobs: Sequence[Job], time_limit_s: float) -> tuple[int, bool]:
+def _most_on_time(jobs: Sequence[Job], time_limit_s: float) -> tuple[int, bool, list[Job]]:
     """The programme of the module's docstring for one cluster: (at most this many on
-    time, solved to optimality)."""
+    time, solved to optimality, a set that is on time: the optimum, or the solver's
+    best feasible set, or the greedy one where it found none)."""
     points = sorted({j.release_s for j in jobs} | {j.deadline_s for j in jobs})
     lengths_ms = np.diff(np.array(points)) * 1000
     index = {t: i for i, t in enumerate(points)}
@@ -199,9 +211,25 @@ def _most_on_time(jobs: Sequence[Job], time_limit_s: float) -> tuple[int, bool]:
     integral = np.concatenate([np.ones(n, dtype=np.int64), np.zeros(column - n, dtype=np.int64)])
     result = milp(cost, integrality=integral, bounds=bounds, constraints=constraints,
                   options={"time_limit": time_limit_s, "disp": False})  # fmt: skip
+    picked = _greedy_on_time(jobs)
+    if result.x is not None:
+        solved_set = [job for job, x in zip(jobs, result.x[:n], strict=True) if x > 0.5]
+        # The programme's slack is 1e-9 s: its set is checked within a microsecond.
+        if len(solved_set) >= len(picked) and _edf_all_on_time(solved_set, 1e-6):
+            picked = solved_set
     if result.status == 0 and result.fun is not None:
-        return round(-result.fun), True
+        return round(-result.fun), True, picked
     dual = getattr(result, "mip_dual_bound", None)
     if dual is not None and math.isfinite(dual):
         best = min(best, math.floor(-dual + 1e-6))
-    return best, False
+    return best, False, picked
+
+
+def _greedy_on_time(jobs: Sequence[Job]) -> list[Job]:
+    """A set that preemptive EDF finishes on time, built by deadline: each job joins
+    if the set stays on time. Feasible, seldom optimal: the fallback set."""
+    picked: list[Job] = []
+    for job in sorted(jobs, key=lambda j: j.deadline_s):
+        if _edf_all_on_time([*picked, job]):
+            picked.append(job)
+    return picked
