@@ -592,8 +592,9 @@ def test_daemon_config_holds_only_what_an_operator_knows() -> None:
     assert "long_prefill_tokens" not in unchunked["pools"]["llm"]
     static = daemon_config(Policy.STATIC, capacity_cost_s=20_000, output_weight=4.0,
                            redis_url=None, gpu=gpu)  # fmt: skip
-    assert static["pools"]["llm"] == {"capacity_tokens_s": 20_000, "models": ["llm"]}
-    assert not static["control"]["enabled"]
+    # Static has the same servers' gate (issue 37), and no SLO loop.
+    assert static["pools"]["llm"] == pool
+    assert not static["control"]["enabled"] and admit["control"]["enabled"]
     refuse = daemon_config(Policy.QOSD, capacity_cost_s=20_000, output_weight=4.0,
                            redis_url=None, gpu=gpu, admit_long_prompts=False)  # fmt: skip
     assert [c["max_cost_tokens"] for c in refuse["classes"].values()] == [20_000] * 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -32,10 +33,17 @@ import uvloop
 from qosd.config import Config
 from qosd_client import QosdClient, Status
 from qosd_harness import daemon_processes, stop_process
-from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS, Gateway, RequestRecord
+from qosd_sim.gateway import (
+    EXPECTED_OUTPUT_TOKENS,
+    PATIENT,
+    ClientHabits,
+    Gateway,
+    RequestRecord,
+    RetryPolicy,
+)
 from qosd_sim.gpu import GpuModel, run_virtual, saturated_throughput
 from qosd_sim.gpu import Sequence as GpuSequence
-from qosd_sim.objectives import CLASSES, Objectives
+from qosd_sim.objectives import CLASSES, SCALED, Objectives, Scoring
 from qosd_sim.replay import (
     SEED_LONG_PROMPT_TOKENS,
     ClassRule,
@@ -50,8 +58,18 @@ MODEL = "llm"
 
 class Policy(Enum):
     FIFO = "fifo"  # no QoS: every request straight to the server
+    # FIFO whose clients give up at their TTFT objective, as real clients time out.
+    FIFO_DEADLINE = "fifo-deadline"
+    # No admission: the server's priority scheduling (the class's rank) with a queue
+    # cap, refused beyond it, and the client retrying as the openai SDK does.
+    VLLM_NATIVE = "vllm-native"
     STATIC = "static"  # qosd's buckets at the seed's fixed 60/35/5, no SLO loop
     QOSD = "qosd"  # qosd in full: buckets, waiting room and the SLO loop
+
+    @property
+    def admits(self) -> bool:
+        """Whether a qosd daemon decides (static, qosd), or the server takes all."""
+        return self in (Policy.STATIC, Policy.QOSD)
 
 
 @dataclass(frozen=True)
@@ -63,10 +81,18 @@ class SimulatorAddresses:
 
 @contextlib.contextmanager
 def simulator_process(
-    gpu: GpuModel, *, qosd_target: str = "", stream_every: int = 0, timeout_s: float = 20.0
+    gpu: GpuModel,
+    *,
+    qosd_target: str = "",
+    stream_every: int = 0,
+    max_queued: int | None = None,
+    timeout_s: float = 20.0,
 ) -> Iterator[SimulatorAddresses]:
-    """Runs ``qosd sim-triton`` as a child on free ports."""
+    """Runs ``qosd sim-triton`` as a child on free ports; ``max_queued``: its cap on
+    requests in flight (``--max-num-queued-reqs``; None: none)."""
     options = [f"--gpu={name}={getattr(gpu, name)}" for name in gpu.__dataclass_fields__]
+    if max_queued is not None:
+        options.append(f"--max-num-queued-reqs={max_queued}")
     with tempfile.TemporaryDirectory(prefix="qosd-sim-") as directory:
         ready = Path(directory) / "ready.json"
         log_path = Path(directory) / "sim.log"
@@ -353,11 +379,13 @@ def daemon_config(
       weight. With ``admit_long_prompts`` False, 20,000 for every class: a request
       costing more (a 32K prompt) is refused at once with COST_EXCEEDS_BURST. Never
       below the class's burst (config validation requires it).
-    - ``qosd`` gates the pool by the server's own limits: ``max_in_flight`` its batch
-      slots (vLLM's ``max_num_seqs``), ``max_in_flight_tokens`` its KV cache, and
-      ``chunked_prefill`` and ``servers_schedule_by_priority`` as the server runs.
-      What else it needs (how long a prompt's prefill takes) it learns from reports.
-    - ``static`` keeps the seed's design: token buckets alone, no SLO loop."""
+    - Every policy that admits gates the pool by the server's own limits:
+      ``max_in_flight`` its batch slots (vLLM's ``max_num_seqs``),
+      ``max_in_flight_tokens`` its KV cache, and ``chunked_prefill`` and
+      ``servers_schedule_by_priority`` as the server runs. What else it needs (how
+      long a prompt's prefill takes) it learns from reports.
+    - ``static`` keeps the seed's design otherwise: token buckets and the gate, no SLO
+      loop."""
     tree = (base or Config()).model_dump(mode="json")
     tree["redis"]["url"] = redis_url
     # Runs may share a Redis; they must not share state.
@@ -372,7 +400,7 @@ def daemon_config(
         debt = largest * cls["weight"] if admit_long_prompts else 20_000.0
         burst = cls["burst_tokens"] or cls["burst_s"] * cls["share"] * capacity_cost_s
         cls["max_cost_tokens"] = float(math.ceil(max(debt, burst)))
-    if policy is Policy.QOSD:
+    if policy.admits:
         tree["pools"][MODEL].update(
             max_in_flight=gpu.max_batch,
             max_in_flight_tokens=float(gpu.kv_capacity_tokens),
@@ -408,9 +436,42 @@ class PolicyRun:
     # (seconds since the replay began, the simulated GPU's cumulative busy seconds),
     # read from its /metrics every second and at the end of the arrival window.
     busy: list[tuple[float, float]] = field(default_factory=list)
+    #: Times the pool's configured capacity (static's sweep); None: as configured.
+    capacity_factor: float | None = None
+    #: GPU seconds the simulated server lost to its host's late wake-ups, and how
+    #: many there were, read at the end of the run (None: not read).
+    gpu_lost_s: float | None = None
+    gpu_late_wakeups: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The run's name in results: the policy, and ``@factor`` for a sweep point."""
+        if self.capacity_factor is None:
+            return self.policy.value
+        return f"{self.policy.value}@{self.capacity_factor:g}"
 
 
 BUSY_METRIC = "qosd_sim_gpu_busy_seconds"
+
+
+LOST_METRIC = "qosd_sim_gpu_lost_seconds"
+LATE_WAKEUPS_METRIC = "qosd_sim_gpu_late_wakeups_total"
+
+
+def read_gpu_losses(metrics_url: str, model: str = MODEL) -> tuple[float, int]:
+    """The simulated GPU's seconds lost to late wake-ups of its host, and how many
+    late wake-ups there were, from its /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for metric in (LOST_METRIC, LATE_WAKEUPS_METRIC):
+        prefix = f'{metric}{{model="{model}"'
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                found[metric] = float(line.rpartition(" ")[2])
+    if len(found) < 2:
+        raise RuntimeError(f"{metrics_url} has no {LOST_METRIC} for {model!r}")
+    return found[LOST_METRIC], int(found[LATE_WAKEUPS_METRIC])
 
 
 def read_busy_seconds(metrics_url: str, model: str = MODEL) -> tuple[float, float]:
@@ -484,6 +545,7 @@ async def _replay(
     on_record: Callable[[RequestRecord], None] | None,
     on_tick: Callable[[float, RatePoint | None], None] | None,
     acquire_timeout_s: float = 5.0,
+    habits: ClientHabits = PATIENT,
 ) -> PolicyRun:
     run = PolicyRun(policy, [])
     client = triton.InferenceServerClient(triton_address)
@@ -496,8 +558,9 @@ async def _replay(
     try:
         ranks = {name: rank for rank, name in enumerate(CLASSES)}
         gateway = Gateway(
-            client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks, replicas=replicas
-        )
+            client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks,
+            replicas=replicas, habits=habits,
+        )  # fmt: skip
         background.append(
             asyncio.create_task(sample_busy(metrics_url, run.busy, started, window_s))
         )
@@ -516,6 +579,9 @@ async def _replay(
         run.duration_s = time.monotonic() - started
         with contextlib.suppress(Exception):
             run.busy.append(await busy_sample(metrics_url, started))
+        with contextlib.suppress(Exception):
+            losses = await asyncio.to_thread(read_gpu_losses, metrics_url)
+            run.gpu_lost_s, run.gpu_late_wakeups = losses
         if qos is not None:
             status = await qos.status(MODEL, history=100)
             run.adjustments = [
@@ -549,14 +615,23 @@ def run_policy(
     on_tick: Callable[[float, RatePoint | None], None] | None = None,
     config_overrides: Callable[[dict[str, Any]], None] | None = None,
     daemons: int = 1,
+    capacity_factor: float | None = None,
+    objectives: Scoring = SCALED,
+    queue_cap: int | None = None,
 ) -> PolicyRun:
     """Starts the parts a policy needs, replays the workload, stops everything.
 
     ``window_s``: the arrival window, at whose end the GPU's busy time is read too.
     ``daemons``: how many qosd daemons share the store (``redis_url``); the gateway
-    spreads requests over them, and the servers report to the first."""
-    if policy is Policy.FIFO:
-        with simulator_process(gpu) as simulator:
+    spreads requests over them, and the servers report to the first.
+    ``capacity_factor``: the pool's capacity is ``capacity_cost_s`` times this (a
+    point of static's sweep). ``objectives``: where fifo-deadline's clients give up.
+    ``queue_cap``: vllm-native's server refuses beyond this many waiting."""
+    if not policy.admits:
+        native = policy is Policy.VLLM_NATIVE
+        server_gpu = dataclasses.replace(gpu, priority_scheduling=True) if native else gpu
+        give_up = give_up_at_ttft(objectives) if policy is Policy.FIFO_DEADLINE else None
+        with simulator_process(server_gpu, max_queued=queue_cap if native else None) as simulator:
             return uvloop.run(
                 _replay(
                     policy,
@@ -568,12 +643,13 @@ def run_policy(
                     window_s=window_s,
                     on_record=on_record,
                     on_tick=on_tick,
+                    habits=ClientHabits(give_up, RetryPolicy() if native else None),
                 )
             )
     tree = daemon_config(
         policy,
         base=base_config,
-        capacity_cost_s=capacity_cost_s,
+        capacity_cost_s=capacity_cost_s * (capacity_factor or 1.0),
         output_weight=output_weight,
         redis_url=redis_url,
         admit_long_prompts=admit_long_prompts,
@@ -584,7 +660,7 @@ def run_policy(
         daemon_processes(tree, daemons) as (daemon, *replicas),
         simulator_process(gpu, qosd_target=daemon.address) as simulator,
     ):
-        return uvloop.run(
+        run = uvloop.run(
             _replay(
                 policy,
                 workload,
@@ -600,3 +676,16 @@ def run_policy(
                 + 2.0,
             )
         )
+    run.capacity_factor = capacity_factor
+    return run
+
+
+def give_up_at_ttft(objectives: Scoring) -> Callable[[Request], float | None]:
+    """A client's patience for its first token: its class's TTFT objective for its
+    prompt, in seconds (None where the class has none: it waits)."""
+
+    def give_up_s(request: Request) -> float | None:
+        ttft_ms = objectives[request.qos_class].ttft_for(request.input_tokens)
+        return None if ttft_ms is None else ttft_ms / 1000
+
+    return give_up_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,10 +22,13 @@ import numpy as np
 import tritonclient.grpc.aio as triton
 
 from qosd_client import Outcome, QosdClient, QosdError
+from qosd_sim.errors import QUEUE_FULL
 from qosd_sim.replay import Request
 
 #: The output length a gateway asks qosd to budget for, before it knows the real one.
 EXPECTED_OUTPUT_TOKENS = 256
+#: How a record's ``error`` starts when its client gave up waiting (not a failure).
+GAVE_UP = "gave up"
 
 
 @dataclass(slots=True)
@@ -42,6 +46,8 @@ class RequestRecord:
     completed: bool = False
     tokens_seen: int = 0  # output tokens the server's responses carried
     error: str = ""
+    late_ms: float = 0.0  # how far behind its scheduled arrival the gateway sent it
+    retries: int = 0  # times the gateway sent it again after the server refused it
 
     @property
     def tpot_ms(self) -> float | None:
@@ -78,7 +84,7 @@ class ReplayLoop:
         raise NotImplementedError
 
     async def _one(self, request: Request, arrived: float) -> None:
-        record = RequestRecord(request)
+        record = RequestRecord(request, late_ms=max(0.0, (time.monotonic() - arrived) * 1000))
         self.records.append(record)
         try:
             await self._infer(request, record, arrived)
@@ -119,6 +125,41 @@ class ReplayLoop:
             await asyncio.gather(*pending, return_exceptions=True)
 
 
+class ServerRefused(RuntimeError):
+    """The server refused the request at once (its queue was full): nothing ran."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a client retries a refusal, as the official ``openai`` Python SDK does by
+    default (``_base_client``: 2 retries; ``min(0.5 x 2^n, 8)`` seconds before retry
+    n+1, times a jitter of 1 - 0.25 x U[0, 1)); the server sends no Retry-After."""
+
+    max_retries: int = 2
+    initial_s: float = 0.5
+    max_s: float = 8.0
+    jitter: float = 0.25
+
+    def delay_s(self, retries_so_far: int, rng: random.Random) -> float:
+        base = min(self.initial_s * 2.0**retries_so_far, self.max_s)
+        return base * (1 - self.jitter * rng.random())
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHabits:
+    """How the gateway's clients behave beyond sending: ``give_up_s``, seconds after
+    its arrival at which a request's client stops waiting for the first token (None:
+    never; per request, as clients with a timeout do); ``retry``, how a refusal by the
+    server is retried (None: not)."""
+
+    give_up_s: Callable[[Request], float | None] | None = None
+    retry: RetryPolicy | None = None
+
+
+#: Clients that wait as long as it takes and never retry.
+PATIENT = ClientHabits()
+
+
 class Gateway(ReplayLoop):
     """Replays a workload around qosd and Triton; one instance per run."""
 
@@ -132,6 +173,7 @@ class Gateway(ReplayLoop):
         on_record: Callable[[RequestRecord], None] | None = None,
         class_ranks: Mapping[str, int] | None = None,
         replicas: Sequence[QosdClient] = (),
+        habits: ClientHabits = PATIENT,
     ) -> None:
         """``class_ranks``: without qosd, each class's priority for servers that
         schedule by it (0 first), as a gateway that knows its classes would pass it;
@@ -139,6 +181,8 @@ class Gateway(ReplayLoop):
         more daemons of the same fleet; request i calls ``[qos, *replicas][i % n]``,
         as gateway replicas behind a load balancer would."""
         super().__init__(on_record)
+        self._give_up_s = habits.give_up_s
+        self._retry = habits.retry
         self._class_ranks = class_ranks or {}
         self._daemons = [qos, *replicas] if qos is not None else []
         self._triton = triton_client
@@ -168,7 +212,8 @@ class Gateway(ReplayLoop):
         try:
             async for result, error in responses:
                 if error is not None:
-                    raise RuntimeError(str(error))
+                    refused = QUEUE_FULL in str(error)
+                    raise (ServerRefused if refused else RuntimeError)(str(error))
                 yield result
         finally:
             responses.cancel()
@@ -199,27 +244,73 @@ class Gateway(ReplayLoop):
             priority = decision.server_priority + 1
         record.admitted = True
         outcome = Outcome.ERROR
+        give_up = self._give_up_s(request) if self._give_up_s is not None else None
         try:
-            async with contextlib.aclosing(self._stream(request, lease_id, priority)) as stream:
-                async for result in stream:
-                    now = time.monotonic()
-                    response = result.get_response()
-                    if response.raw_output_contents:
-                        record.tokens_seen += int(result.as_numpy("token_count")[0])
-                        if record.ttft_ms is None:
-                            record.ttft_ms = (now - arrived) * 1000
-                    final = response.parameters.get("triton_final_response")
-                    if final is not None and final.bool_param:
-                        record.e2e_ms = (now - arrived) * 1000
-                        record.completed = True
-                        break
+            async with asyncio.timeout(None) as patience:
+                if give_up is not None:
+                    left = arrived + give_up - time.monotonic()
+                    patience.reschedule(asyncio.get_running_loop().time() + left)
+                await self._served(request, record, arrived, lease_id, priority, patience)
             outcome = Outcome.OK if record.completed else Outcome.ERROR
+        except TimeoutError:
+            if give_up is None or record.ttft_ms is not None:
+                raise
+            record.error = f"{GAVE_UP} after {give_up * 1000:.0f} ms without a first token"
+            outcome = Outcome.CANCELLED
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED
             raise
         finally:
             if lease_id and qos is not None:
                 await self._release(qos, lease_id, request, record, outcome)
+
+    async def _served(
+        self,
+        request: Request,
+        record: RequestRecord,
+        arrived: float,
+        lease_id: str,
+        priority: int,
+        patience: asyncio.Timeout,
+    ) -> None:
+        """Streams the request, sent again after a refusal as ``retry`` says; once the
+        first token is in, the client's ``patience`` no longer applies."""
+        rng = random.Random(request.index)
+        while True:
+            try:
+                await self._stream_once(request, record, arrived, lease_id, priority, patience)
+                return
+            except ServerRefused:
+                if self._retry is None or record.retries >= self._retry.max_retries:
+                    record.admitted = False
+                    record.decision = "QUEUE_FULL"
+                    return
+                await asyncio.sleep(self._retry.delay_s(record.retries, rng))
+                record.retries += 1
+
+    async def _stream_once(
+        self,
+        request: Request,
+        record: RequestRecord,
+        arrived: float,
+        lease_id: str,
+        priority: int,
+        patience: asyncio.Timeout,
+    ) -> None:
+        async with contextlib.aclosing(self._stream(request, lease_id, priority)) as stream:
+            async for result in stream:
+                now = time.monotonic()
+                response = result.get_response()
+                if response.raw_output_contents:
+                    record.tokens_seen += int(result.as_numpy("token_count")[0])
+                    if record.ttft_ms is None:
+                        record.ttft_ms = (now - arrived) * 1000
+                        patience.reschedule(None)
+                final = response.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    record.e2e_ms = (now - arrived) * 1000
+                    record.completed = True
+                    break
 
     async def _release(
         self,
