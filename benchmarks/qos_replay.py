@@ -10,23 +10,49 @@ starts, and a simulated GPU (chunked prefill by default, as vLLM V1 and SGLang r
 ``--engine unchunked`` for the seed's case) into which a 32K-token prompt arrives
 every ``--inject-every`` s.
 
-- ``fifo``: no QoS, every request straight to the server;
-- ``static``: qosd's buckets at the seed's fixed 60/35/5, no SLO loop;
-- ``qosd``: buckets, waiting room, the GPU gate and the SLO loop.
+- ``qosd``: buckets, waiting room, the servers' gate and the SLO loop;
+- ``static``: qosd's buckets at the seed's fixed 60/35/5 and the same gate, no SLO
+  loop, swept over the pool's capacity (``--static-factors``: 0.6 to 1.4 times the
+  load test's), each point a run named ``static@F``;
+- ``vllm-native``: no admission: the server's own priority scheduling (the class's
+  rank) with a queue cap (``--queue-cap``), refused beyond it, and the client
+  retrying as the official ``openai`` SDK does (2 retries, 0.5 s then 1 s, jittered);
+- ``fifo-deadline``: no QoS, and clients that give up at their TTFT objective, as
+  real clients time out;
+- ``fifo`` (not run by default: with no timeouts and no queue cap it scores 0 by
+  construction): every request straight to the server.
 
-Every cell runs under several seeds (``--seeds``, 11, 12 and 13 by default: seeds no
-design was chosen on). A seed picks where in the trace the replay starts, the classes
-(a seeded hash: P0 20 %, P1 50 %, P2 30 %; the injected prompts are P1) and, with
-``--bursty``, the bursts. Requests are scored by the benchmark's own objectives
-(``qosd_sim.objectives``), never by qosd's config; P0 is also reported against a
-proven upper bound (``qosd_sim.bound``). qosd is configured as an operator would:
-the pool's capacity from a load test of the server that knows nothing of the trace,
-and the server's own limits.
+Every cell runs under ten seeds (``--seeds``, 11 to 20: seeds no design was chosen
+on; designs are chosen on 1 to 3). A seed picks where in the trace the replay
+starts, the classes (a seeded hash: P0 20 %, P1 50 %, P2 30 %; the injected prompts
+are P1) and, with ``--bursty``, the bursts. Requests are scored by the benchmark's own
+objectives (``qosd_sim.objectives``), never by qosd's config. qosd is configured as an
+operator would: the pool's capacity from a load test of the server that knows
+nothing of the trace, and the server's own limits.
+
+Beside the policies, per seed: P0's proven upper bound (``qosd_sim.bound``) and two
+achievable references, schedules the engine itself runs with P0 alone
+(``qosd_sim.references``): ``P0_online`` (admit when a forward run predicts the
+request on time) and ``P0_clairvoyant`` (the bound's set, replayed).
+
+The headline goodput is the trace's requests' (``trace_goodput_of_trace_saturated``:
+against the FCFS-saturated throughput of the trace, a reference, not a ceiling); the
+injected prompts' goodput is reported on its own line. ``frontier`` lists every
+policy's mean P0 and goodput (the static sweep's points included), ``intervals`` the
+paired bootstrap 95 % intervals of qosd minus each baseline over the seeds.
+
+**Pinned runs.** A run records its commit as it starts and refuses a tree whose
+sources differ from it (``--dev`` runs one anyway, marked as a development run), or
+runs from a clean worktree of ``--commit REV``. One run at a time on a machine (a
+lock; a second waits). Each run records how late the gateway sent (p99 beyond 50 ms
+marks the run ``late_run``) and the GPU time the simulated server lost to late
+wake-ups.
 
 Prints a table per policy and class and one per policy, and writes a JSON file (the
 means in ``policies``, the worst seed in ``worst``, each seed whole in ``per_seed``),
-the markdown tables, the per-request records and two PNG plots of the first seed.
-Every field: ``docs/simulator.md``; definitions: ``sim/qosd_sim/results.py``.
+the markdown tables, the per-request records, two PNG plots of the first seed and a
+Pareto figure of the cell (``_pareto.png``). Every field: ``docs/simulator.md``;
+definitions: ``sim/qosd_sim/results.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +61,9 @@ import argparse
 import dataclasses
 import gzip
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +73,13 @@ from typing import Any
 import yaml
 
 from qosd.config import Config
-from qosd_harness import redis_server, source_commit
+from qosd_harness import (
+    changed_paths,
+    clean_worktree,
+    one_at_a_time,
+    redis_server,
+    source_commit,
+)
 from qosd_sim.bound import on_time_bound
 from qosd_sim.experiment import (
     MODEL,
@@ -58,11 +93,13 @@ from qosd_sim.experiment import (
     run_policy,
     workload_capacity,
 )
+from qosd_sim.frontier import frontier_of, headline_of
 from qosd_sim.gateway import RequestRecord
 from qosd_sim.gpu import VLLM_A100_BATCHED_TOKENS, GpuModel
 from qosd_sim.objectives import CLASSES, SCORINGS, describe
 from qosd_sim.openai_experiment import run_policy_openai
-from qosd_sim.plots import plot_runs
+from qosd_sim.plots import plot_pareto, plot_runs
+from qosd_sim.references import p0_clairvoyant, p0_online
 from qosd_sim.replay import (
     BurstProcess,
     BurstTargets,
@@ -71,8 +108,8 @@ from qosd_sim.replay import (
     arrival_shape,
     read_trace,
 )
-from qosd_sim.results import ClassFacts, RunSamples, policy_summary, timeline
-from qosd_sim.seeds import DEVELOPMENT_SEEDS, REPORTED_SEEDS, summed_up
+from qosd_sim.results import ClassFacts, RunSamples, lateness, policy_summary, timeline
+from qosd_sim.seeds import DEVELOPMENT_SEEDS, REPORTED_SEEDS, paired_intervals, summed_up
 from qosd_sim.workload import SeededWorkload, WorkloadSpec, seeded_workload
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023_conv.csv"
@@ -87,6 +124,16 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _interval(figure: dict[str, Any] | None) -> str:
+    if not figure or figure.get("mean") is None:
+        return "n/a"
+    return f"{figure['mean']:+.3f} [{figure['low']:+.3f}, {figure['high']:+.3f}]"
+
+
 def print_table(results: dict[str, Any]) -> str:
     """Two markdown tables of the seeds' means (worst seed in brackets): per policy
     and class, then per policy."""
@@ -94,10 +141,10 @@ def print_table(results: dict[str, Any]) -> str:
     bound = results["bound"][HEADLINE]
     header = (
         "| policy | class | attained / offered (worst) | attained / admitted | TTFT p99 ms | "
-        "TPOT p99 ms | admitted / offered | rejected | timed out | unfinished | "
+        "TPOT p99 ms | admitted / offered | rejected | timed out | gave up | unfinished | "
         "worst wait ms | served token share |"
     )
-    lines = [header, "|" + "---|" * 2 + "---:|" * 10]
+    lines = [header, "|" + "---|" * 2 + "---:|" * 11]
     for policy, classes in results["policies"].items():
         for name in CLASSES:
             c = classes[name]
@@ -106,36 +153,75 @@ def print_table(results: dict[str, Any]) -> str:
                 f"({_pct(worst[policy][name]['attainment_of_offered'])}) | "
                 f"{_pct(c['slo_attainment'])} | {_num(c['ttft_p99_ms'])} | "
                 f"{_num(c['tpot_p99_ms'])} | {c['admitted']:.0f}/{c['offered']:.0f} | "
-                f"{c['rejected']:.0f} | {c['timed_out']:.0f} | {c['unfinished']:.0f} | "
+                f"{c['rejected']:.0f} | {c['timed_out']:.0f} | {c.get('gave_up', 0):.0f} | "
+                f"{c['unfinished']:.0f} | "
                 f"{c['worst_wait_ms']:,.0f} | {_pct(c['served_token_share'])} |"
             )
+    references = results.get("references", {})
+    online = references.get("P0_online", {})
+    clairvoyant = references.get("P0_clairvoyant", {})
     lines += [
         "",
-        f"P0 bound (mean of seeds, worst): {_pct(bound['P0'])}, {_pct(bound['P0_worst'])}",
+        f"P0 on time, of offered (mean of seeds, worst): proven bound {_pct(bound['P0'])} "
+        f"({_pct(bound['P0_worst'])}); achievable with P0 alone on this engine: the "
+        f"bound's set replayed {_pct(clairvoyant.get('P0'))} "
+        f"({_pct(clairvoyant.get('P0_worst'))}), online forward-run admission "
+        f"{_pct(online.get('P0'))} ({_pct(online.get('P0_worst'))})",
         "",
-        "| policy | P0 / bound | P0, fixed 500 ms | goodput / saturated over the span (worst) "
-        "| trace only | busy | long prompts admitted | qosd unavailable | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Trace goodput: the trace's requests on time, tokens/s over the span, against the "
+        "trace's FCFS-saturated throughput (a reference, not a ceiling). The injected "
+        "32K prompts on their own line.",
+        "",
+        "| policy | P0 of offered (worst) | P0 / bound | P0 / online | P0, fixed 500 ms "
+        "| trace goodput (worst) | injected goodput, tokens/s | busy | long prompts admitted "
+        "| gateway late p99 ms | GPU s lost | qosd unavailable | errors |",
+        "|---|" + "---:|" * 12,
     ]
     for policy, classes in results["policies"].items():
         total = classes["all"]
         errors = sum(classes[name]["errors"] for name in CLASSES)
         unavailable = sum(classes[name].get("unavailable", 0) for name in CLASSES)
         fixed = results["fixed_p0"]["policies"][policy]["P0"]["attainment_of_offered"]
+        lost = total.get("gpu_lost_s")
         lines.append(
-            f"| {policy} | {_pct(classes['P0'].get('fraction_of_bound'))} | {_pct(fixed)} | "
-            f"{total['goodput_span_of_saturated']:.3f} "
-            f"({worst[policy]['all']['goodput_span_of_saturated']:.3f}) | "
-            f"{total['trace_goodput_span_of_saturated']:.3f} | "
+            f"| {policy} | {_pct(classes['P0']['attainment_of_offered'])} "
+            f"({_pct(worst[policy]['P0']['attainment_of_offered'])}) | "
+            f"{_pct(classes['P0'].get('fraction_of_bound'))} | "
+            f"{_pct(classes['P0'].get('fraction_of_online'))} | {_pct(fixed)} | "
+            f"{_ratio(total.get('trace_goodput_of_trace_saturated'))} "
+            f"({_ratio(worst[policy]['all'].get('trace_goodput_of_trace_saturated'))}) | "
+            f"{_num(total.get('injected_goodput_tokens_s'))} | "
             f"{_pct(total['busy_fraction'])} | "
             f"{total['long_prompts_admitted']:.1f}/{total['long_prompts_offered']:.0f} | "
-            f"{unavailable:.0f} | {errors:.0f} |"
+            f"{_num(total.get('gateway_late_p99_ms'))} | "
+            f"{'-' if lost is None else f'{lost:.2f}'} | {unavailable:.0f} | {errors:.0f} |"
         )
+    intervals = results.get("intervals") or {}
+    if intervals:
+        lines += [
+            "",
+            "qosd minus each baseline, mean over seeds [paired bootstrap 95 % interval]:",
+            "",
+            "| baseline | P0 of offered | trace goodput |",
+            "|---|---:|---:|",
+        ]
+        for baseline, figures in intervals.items():
+            cells = [_interval(figures[figure]) for figure in ("P0", "goodput")]
+            lines.append(f"| {baseline} | {cells[0]} | {cells[1]} |")
+    headline = results.get("headline")
+    if headline:
+        lines += [
+            "",
+            f"Headline: qosd P0 {_pct(headline['qosd']['P0'])}, trace goodput "
+            f"{_ratio(headline['qosd']['goodput'])}; best baseline at its P0 "
+            f"({headline['rule']}): {headline['baseline']} P0 "
+            f"{_pct(headline['baseline_P0'])}, goodput {_ratio(headline['baseline_goodput'])}.",
+        ]
     return "\n".join(lines)
 
 
 RECORD_FIELDS = ("decision", "admitted", "waited_ms", "ttft_ms", "e2e_ms", "completed",
-                 "tokens_seen", "error")  # fmt: skip
+                 "tokens_seen", "error", "late_ms", "retries")  # fmt: skip
 
 
 def _run_record(run: PolicyRun) -> dict[str, Any]:
@@ -144,6 +230,8 @@ def _run_record(run: PolicyRun) -> dict[str, Any]:
         "adjustments": run.adjustments,
         "rates": [[p.t_s, p.pool_rate] for p in run.rates],
         "busy": [list(sample) for sample in run.busy],
+        "gpu_lost_s": run.gpu_lost_s,
+        "gpu_late_wakeups": run.gpu_late_wakeups,
         "records": [
             [*dataclasses.astuple(r.request), *(getattr(r, f) for f in RECORD_FIELDS)]
             for r in run.records
@@ -151,17 +239,24 @@ def _run_record(run: PolicyRun) -> dict[str, Any]:
     }
 
 
-def _load_run(policy: str, run: dict[str, Any]) -> PolicyRun:
+def _load_run(name: str, run: dict[str, Any]) -> PolicyRun:
+    """A run from a records file; ``name`` is its name in results (``static@0.6``).
+    Files from before issue 37 lack the last record fields: they keep their defaults."""
+    policy, _, factor = name.partition("@")
     width = len(dataclasses.fields(Request))
     records = []
     for row in run["records"]:
         record = RequestRecord(Request(*row[:width]))
-        for name, value in zip(RECORD_FIELDS, row[width:], strict=True):
-            setattr(record, name, value)
+        for field_name, value in zip(RECORD_FIELDS, row[width:], strict=False):
+            setattr(record, field_name, value)
         records.append(record)
     rates = [RatePoint(t, rate, {}, {}, {}) for t, rate in run["rates"]]
     busy = [(t, b) for t, b in run["busy"]]
-    return PolicyRun(Policy(policy), records, rates, run["duration_s"], run["adjustments"], busy)
+    return PolicyRun(
+        Policy(policy), records, rates, run["duration_s"], run["adjustments"], busy,
+        capacity_factor=float(factor) if factor else None,
+        gpu_lost_s=run.get("gpu_lost_s"), gpu_late_wakeups=run.get("gpu_late_wakeups"),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,7 +275,7 @@ class SeedRun:
             "trace_capacity_tokens_s": w.trace_capacity_tokens_s,
             "burst_process": None if w.burst_process is None else w.burst_process.as_dict(),
             "workload": [dataclasses.astuple(r) for r in w.requests],
-            "runs": {run.policy.value: _run_record(run) for run in self.runs},
+            "runs": {run.name: _run_record(run) for run in self.runs},
         }
 
     @classmethod
@@ -243,16 +338,24 @@ def evaluate(
     gpu: GpuModel,
     facts: dict[str, ClassFacts],
 ) -> dict[str, Any]:
-    """One seed's results: its workload, the P0 bound under each scoring, and each
-    policy's outcomes."""
+    """One seed's results: its workload, the P0 bound under each scoring, the
+    achievable P0 references (headline scoring), and each policy's outcomes."""
     drawn = seed_run.workload
     workload = drawn.requests
     trace = [r for r in workload if not r.injected]
     capacity = workload_capacity(gpu, workload, 1.0)  # everything the gateway sent
-    p0 = [(r.at_s, r.input_tokens) for r in workload if r.qos_class == "P0"]
+    p0_requests = [r for r in workload if r.qos_class == "P0"]
+    p0 = [(r.at_s, r.input_tokens) for r in p0_requests]
     bounds = {
         name: {"P0": on_time_bound(gpu, p0, scoring["P0"], time_limit_s=args.bound_time_limit)}
         for name, scoring in SCORINGS.items()
+    }
+    objectives = SCORINGS[HEADLINE]["P0"]
+    references = {
+        "P0_online": p0_online(gpu, p0_requests, objectives),
+        "P0_clairvoyant": p0_clairvoyant(
+            gpu, p0_requests, objectives, bounds[HEADLINE]["P0"].chosen
+        ),
     }
     result: dict[str, Any] = {
         "seed": drawn.seed,
@@ -267,6 +370,7 @@ def evaluate(
         "workload_shape": arrival_shape([r.at_s for r in trace], args.duration).as_dict(),
         "burst_process": None if drawn.burst_process is None else drawn.burst_process.as_dict(),
         "bound": {s: {c: b.as_dict() for c, b in by.items()} for s, by in bounds.items()},
+        "references": {name: ref.as_dict() for name, ref in references.items()},
         "policies": {},
         "fixed_p0": {},
         "timelines": {},
@@ -280,6 +384,7 @@ def evaluate(
                 samples,
                 window_s=args.duration,
                 capacity_tokens_s=capacity,
+                trace_capacity_tokens_s=drawn.trace_capacity_tokens_s,
                 facts=facts,
                 output_weight=args.output_weight,
             )
@@ -292,11 +397,19 @@ def evaluate(
                 round(attained / share, 4) if share and attained is not None else None
             )
         summary = by_scoring[HEADLINE]
+        online = references["P0_online"].share
+        attained = summary["P0"]["attainment_of_offered"]
+        summary["P0"]["fraction_of_online"] = (
+            round(attained / online, 4) if online and attained is not None else None
+        )
+        summary["all"]["capacity_factor"] = run.capacity_factor
+        summary["all"]["gpu_lost_s"] = run.gpu_lost_s
+        summary["all"]["gpu_late_wakeups"] = run.gpu_late_wakeups
         if run.adjustments:
             summary["all"]["adjustments"] = run.adjustments
-        result["policies"][run.policy.value] = summary
-        result["fixed_p0"][run.policy.value] = {"P0": by_scoring["fixed_p0"]["P0"]}
-        result["timelines"][run.policy.value] = timeline(
+        result["policies"][run.name] = summary
+        result["fixed_p0"][run.name] = {"P0": by_scoring["fixed_p0"]["P0"]}
+        result["timelines"][run.name] = timeline(
             run.records,
             facts,
             output_weight=args.output_weight,
@@ -308,6 +421,11 @@ def evaluate(
 
 
 def parse_args() -> argparse.Namespace:
+    return build_parser().parse_args()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags (also how other benchmarks name a cell the same way)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -320,13 +438,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", type=float, default=1.5, help="offered load / GPU capacity")
     parser.add_argument(
         "--engine",
-        choices=["chunked", "unchunked", "chunked-priority", "unchunked-priority"],
+        choices=list(ENGINES),
         default="chunked",
         help="the simulated server's prefill: chunked under a token budget per iteration "
-        "(vLLM V1, SGLang), or unchunked (vLLM V0, the seed's stall); -priority: the "
-        "server schedules by the priority the gateway passes (vLLM's --scheduling-policy "
-        "priority), and chunked, caps each prompt's tokens per iteration at "
-        "--long-prefill-threshold",
+        "(vLLM V1, SGLang; chunked-512: a 512-token budget, Sarathi-Serve's), or "
+        "unchunked (vLLM V0, the seed's stall); -priority: the server schedules by the "
+        "priority the gateway passes (vLLM's --scheduling-policy priority), and chunked, "
+        "caps each prompt's tokens per iteration at --long-prefill-threshold",
     )
     parser.add_argument(
         "--server",
@@ -415,7 +533,36 @@ def parse_args() -> argparse.Namespace:
         "serves within P0's objectives, its saturated throughput (optimistic: the SLO "
         "loop must cut it), or half the first (too low: the loop must raise it)",
     )
-    parser.add_argument("--policies", default="fifo,static,qosd")
+    parser.add_argument(
+        "--policies",
+        default="qosd,static,vllm-native,fifo-deadline",
+        help="comma-separated, of qosd, static (swept over --static-factors), "
+        "vllm-native, fifo-deadline, fifo",
+    )
+    parser.add_argument(
+        "--static-factors",
+        default="0.6,0.8,1.0,1.2,1.4",
+        help="static's sweep: the pool's capacity as these multiples of the load test's",
+    )
+    parser.add_argument(
+        "--queue-cap",
+        type=int,
+        default=2 * GpuModel().max_batch,
+        help="vllm-native: the server refuses a request while this many are in flight, "
+        "waiting and running (vLLM's --max-num-queued-reqs, 503 beyond; default: twice "
+        "the batch slots, 256 running and 256 waiting)",
+    )
+    parser.add_argument(
+        "--commit",
+        metavar="REV",
+        help="run from a clean git worktree of this commit, whatever this checkout holds",
+    )
+    parser.add_argument(
+        "--dev",
+        action="store_true",
+        help="a development run: allowed from a tree whose sources differ from its "
+        "commit, and marked so in the results (a reported run refuses such a tree)",
+    )
     parser.add_argument(
         "--set",
         dest="settings",
@@ -441,25 +588,100 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", required=True, help="results file")
     parser.add_argument("--markdown", help="table file (default: beside --json)")
     parser.add_argument("--plots", help="PNG prefix (default: beside --json)")
-    return parser.parse_args()
+    return parser
+
+
+#: The engines ``--engine`` names: (chunked, the budget if not --chunk-tokens, priority).
+ENGINES = {
+    "chunked": (True, None, False),
+    "chunked-512": (True, 512, False),
+    "unchunked": (False, None, False),
+    "chunked-priority": (True, None, True),
+    "unchunked-priority": (False, None, True),
+}
 
 
 def gpu_model(args: argparse.Namespace) -> GpuModel:
     """The simulated server ``--engine`` names."""
-    chunked = args.engine.startswith("chunked")
-    priority = args.engine.endswith("-priority")
+    chunked, budget, priority = ENGINES[args.engine]
     return GpuModel(
-        prefill_chunk_tokens=args.chunk_tokens if chunked else None,
+        prefill_chunk_tokens=(budget or args.chunk_tokens) if chunked else None,
         long_prefill_token_threshold=args.long_prefill_threshold if chunked and priority else None,
         priority_scheduling=priority,
     )
 
 
+#: The sources a run depends on: a reported run refuses a tree where any differ.
+SOURCES = ("qosd", "sim", "clients", "harness", "benchmarks", "proto", "pyproject.toml")
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT_FLAGS = ("--json", "--markdown", "--plots", "--trace")
+
+
+def contenders(args: argparse.Namespace) -> list[tuple[Policy, float | None]]:
+    """The runs of each seed: a policy, and static's capacity factor for each point
+    of its sweep (None for the rest)."""
+    factors = [float(f) for f in args.static_factors.split(",") if f.strip()]
+    runs: list[tuple[Policy, float | None]] = []
+    for name in (n.strip() for n in args.policies.split(",") if n.strip()):
+        policy = Policy(name)
+        if args.server == "vllm" and policy in (Policy.VLLM_NATIVE, Policy.FIFO_DEADLINE):
+            raise SystemExit(f"--server vllm runs fifo, static and qosd only, not {name}")
+        if policy is Policy.STATIC:
+            runs += [(policy, factor) for factor in factors]
+        else:
+            runs.append((policy, None))
+    return runs
+
+
+def pinned_rerun(args: argparse.Namespace) -> int:
+    """``--commit REV``: this command again, from a clean worktree of REV, its paths
+    made absolute; that run pins itself (its tree is clean) and takes the lock."""
+    argv: list[str] = []
+    words = iter(sys.argv[1:])
+    for word in words:
+        flag, equals, value = word.partition("=")
+        if flag == "--commit":
+            if not equals:
+                next(words, None)
+        elif flag in OUTPUT_FLAGS and equals:
+            argv.append(f"{flag}={Path(value).resolve()}")
+        elif word in OUTPUT_FLAGS:
+            argv += [word, str(Path(next(words)).resolve())]
+        else:
+            argv.append(word)
+    if args.trace and not any(w.partition("=")[0] == "--trace" for w in argv):
+        argv += ["--trace", str(Path(args.trace).resolve())]  # the default, from here
+    with clean_worktree(ROOT, args.commit) as tree:
+        paths = [str(tree / part) for part in ("", "clients", "sim", "harness")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        script = tree / "benchmarks" / "qos_replay.py"
+        print(f"running from a clean worktree of {args.commit} at {tree}", flush=True)
+        return subprocess.run([sys.executable, str(script), *argv], env=env, check=False).returncode
+
+
 def main() -> int:
     args = parse_args()
+    if args.commit:
+        return pinned_rerun(args)
+    # Recorded as the run starts, and refused where the sources differ from it: a
+    # tree edited during a long matrix must not name its results.
+    commit = source_commit(ROOT)
+    changed = changed_paths(ROOT, SOURCES)
+    if changed and not args.dev and not args.from_records:
+        raise SystemExit(
+            "refusing to run from a tree whose sources differ from its commit "
+            f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): commit them, "
+            "run --commit REV, or mark a development run with --dev"
+        )
+    with one_at_a_time("qosd-qos-replay"):
+        return run_cell(args, commit, changed)
+
+
+def run_cell(args: argparse.Namespace, commit: str, changed: list[str]) -> int:
+    """Replays (or reloads, ``--from-records``) one cell and writes its results."""
     gpu = gpu_model(args)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    policies = [Policy(name.strip()) for name in args.policies.split(",")]
+    runs = contenders(args)
     settings = config_settings(args.settings)
     base = Config()
     facts = ClassFacts.from_config(base)
@@ -480,17 +702,24 @@ def main() -> int:
     # Before the runs: a folder that is not there must not cost a run's results.
     records_path.parent.mkdir(parents=True, exist_ok=True)
     rows = read_trace(args.trace)
+    started_at = time.time()
+    load_at_start = os.getloadavg()[0]
     if args.from_records:
         with gzip.open(records_path, "rt", encoding="utf-8") as handle:
             seed_runs = [SeedRun.from_record(data) for data in json.load(handle)]
     else:
-        seed_runs = replay_seeds(args, rows, gpu, seeds, policies, pool, settings)
+        seed_runs = replay_seeds(args, rows, gpu, seeds, runs, pool, settings)
         with gzip.open(records_path, "wt", encoding="utf-8") as handle:
             json.dump([s.as_record() for s in seed_runs], handle)
     per_seed = [evaluate(s, args, gpu, facts) for s in seed_runs]
+    summed = summed_up(per_seed)
     results: dict[str, Any] = {
         "command": " ".join(sys.argv),
-        "commit": source_commit(Path(__file__).resolve().parents[1]),
+        "commit": commit,
+        "development_run": bool(changed) or not set(seeds).isdisjoint(DEVELOPMENT_SEEDS),
+        "changed_at_start": changed,
+        "started_at_unix_s": round(started_at),
+        "load_average_at_start": round(load_at_start, 2),
         "trace": args.trace or "bundled sample",
         "engine": gpu.engine,
         "server": args.server,
@@ -508,6 +737,8 @@ def main() -> int:
         "inject_class": args.inject_class,
         "output_weight": args.output_weight,
         "qosd_settings": args.settings,
+        "static_factors": [f for p, f in runs if p is Policy.STATIC],
+        "queue_cap": args.queue_cap,
         "scorings": {name: describe(scoring) for name, scoring in SCORINGS.items()},
         "gpu": dataclasses.asdict(gpu),
         "configured_capacity": args.capacity,
@@ -519,10 +750,33 @@ def main() -> int:
         "qosd_max_cost_tokens": {
             n: c["max_cost_tokens"] for n, c in qosd_config["classes"].items()
         },
-        **summed_up(per_seed),
+        **summed,
+        "references": summed_references(per_seed),
+        "frontier": frontier_of(summed["policies"], summed["worst"]),
+        "intervals": paired_intervals(per_seed),
+        "late_runs": [
+            {"seed": s["seed"], "policy": name}
+            for s in per_seed
+            for name, summary in s["policies"].items()
+            if summary["all"].get("late_run")
+        ],
         "per_seed": per_seed,
     }
+    results["headline"] = headline_of(results)
     return write_outputs(args, results, seed_runs[0], facts)
+
+
+def summed_references(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each reference's share of P0 on time: the mean over seeds, and the worst."""
+    out: dict[str, Any] = {}
+    for name in per_seed[0]["references"]:
+        shares = [s["references"][name]["share"] for s in per_seed]
+        present = [v for v in shares if v is not None]
+        out[name] = {
+            "P0": round(statistics.fmean(present), 4) if present else None,
+            "P0_worst": min(present) if present else None,
+        }
+    return out
 
 
 def replay_seeds(
@@ -530,11 +784,11 @@ def replay_seeds(
     rows: list[TraceRow],
     gpu: GpuModel,
     seeds: list[int],
-    policies: list[Policy],
+    runs: list[tuple[Policy, float | None]],
     pool: PoolCapacity,
     settings: Callable[[dict[str, Any]], None],
 ) -> list[SeedRun]:
-    """Every seed's workload, replayed under every policy, one after another."""
+    """Every seed's workload, replayed under every contender, one after another."""
     seed_runs = []
     with redis_server() as redis:
         for seed in seeds:
@@ -551,24 +805,38 @@ def replay_seeds(
                 + ("n/a" if shape.interarrival_cv is None else f"{shape.interarrival_cv:.1f}"),
                 flush=True,
             )
-            for policy in policies:
+            for policy, factor in runs:
                 began = time.monotonic()
-                run = run_policy_openai if args.server == "vllm" else run_policy
-                seed_run.runs.append(
-                    run(
-                        policy,
-                        drawn.requests,
-                        gpu=gpu,
-                        capacity_cost_s=pool.cost_s,
-                        output_weight=args.output_weight,
-                        redis_url=redis.url,
-                        drain_s=args.drain,
-                        window_s=args.duration,
+                if args.server == "vllm":
+                    run = run_policy_openai(
+                        policy, drawn.requests, gpu=gpu,
+                        capacity_cost_s=pool.cost_s * (factor or 1.0),
+                        output_weight=args.output_weight, redis_url=redis.url,
+                        drain_s=args.drain, window_s=args.duration,
                         admit_long_prompts=args.long_prompts == "admit",
                         config_overrides=settings if policy is Policy.QOSD else None,
-                    )
+                    )  # fmt: skip
+                    run.capacity_factor = factor
+                else:
+                    run = run_policy(
+                        policy, drawn.requests, gpu=gpu, capacity_cost_s=pool.cost_s,
+                        output_weight=args.output_weight, redis_url=redis.url,
+                        drain_s=args.drain, window_s=args.duration,
+                        admit_long_prompts=args.long_prompts == "admit",
+                        config_overrides=settings if policy is Policy.QOSD else None,
+                        capacity_factor=factor, objectives=SCORINGS[HEADLINE],
+                        queue_cap=args.queue_cap,
+                    )  # fmt: skip
+                seed_run.runs.append(run)
+                late = lateness([r.late_ms for r in run.records])
+                lost = "n/a" if run.gpu_lost_s is None else f"{run.gpu_lost_s:.2f}s"
+                print(
+                    f"  {run.name}: ran in {time.monotonic() - began:.0f}s; gateway late p99 "
+                    f"{late['gateway_late_p99_ms']:.0f} ms"
+                    + (" (marked late)" if late["late_run"] else "")
+                    + f"; GPU time lost {lost}",
+                    flush=True,
                 )
-                print(f"  {policy.value}: ran in {time.monotonic() - began:.0f}s", flush=True)
             seed_runs.append(seed_run)
     return seed_runs
 
@@ -588,8 +856,11 @@ def write_outputs(
     markdown.write_text(table + "\n")
     prefix = Path(args.plots) if args.plots else json_path.with_suffix("")
     scoring = SCORINGS[HEADLINE]
-    for path in plot_runs(first.runs, scoring, facts, prefix, args.output_weight):
+    # Over time, one run of each policy: static at the load test's capacity.
+    shown = [run for run in first.runs if run.capacity_factor in (None, 1.0)]
+    for path in plot_runs(shown, scoring, facts, prefix, args.output_weight):
         print(f"wrote {path} (seed {first.workload.seed})")
+    print(f"wrote {plot_pareto(results, prefix)}")
     print(f"wrote {json_path} and {markdown}")
     return 0
 

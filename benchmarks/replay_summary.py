@@ -18,6 +18,10 @@ worst seed where a goal is judged on it (definitions in docs/simulator.md):
 
 It writes the table as markdown, and the same figures as JSON beside it.
 
+``--headline`` prints, per cell of issue 37's yardstick, what the README shows: qosd's
+P0 and trace goodput, the best baseline at qosd's P0 (``headline``) with the paired
+bootstrap intervals of qosd minus it, and P0's references and bound.
+
 ``--against OLD.json`` compares one cell run twice instead (say, before and after a
 change that should not move the figures): for each policy in both, seed by seed, P0
 and P1 on time and goodput, the change, and the spread between the seeds of the old
@@ -129,6 +133,42 @@ def compact(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_HEADER = (
+    "| workload | load | engine | seeds | qosd: P0 / trace goodput | best baseline at qosd's "
+    "P0: P0 / goodput | qosd minus it: P0 [95 %] | goodput [95 %] | P0 alone: online / "
+    "bound's set / bound |"
+)
+
+
+def _span(figure: dict[str, Any] | None) -> str:
+    if not figure or figure.get("mean") is None:
+        return "n/a"
+    return f"{figure['mean']:+.3f} [{figure['low']:+.3f}, {figure['high']:+.3f}]"
+
+
+def headline(paths: list[Path]) -> str:
+    """One row per cell: the README's table of the new yardstick."""
+    lines = [HEADLINE_HEADER, "|---|---|---|---:|---:|---|---:|---:|---:|"]
+    for path in paths:
+        results = json.loads(path.read_text())
+        head = results.get("headline")
+        if not head:
+            continue
+        refs = results.get("references", {})
+        interval = head.get("interval") or {}
+        lines.append(
+            f"| {_workload(results)} | {results['load']:g}x | {results['engine']} "
+            f"| {len(results['seeds'])} | {_pct(head['qosd']['P0'])} / "
+            f"{head['qosd']['goodput']:.3f} | {head['baseline']}: "
+            f"{_pct(head['baseline_P0'])} / {head['baseline_goodput']:.3f} "
+            f"| {_span(interval.get('P0'))} | {_span(interval.get('goodput'))} "
+            f"| {_pct(refs.get('P0_online', {}).get('P0'))} / "
+            f"{_pct(refs.get('P0_clairvoyant', {}).get('P0'))} / "
+            f"{_pct(results['bound']['scaled']['P0'])} |"
+        )
+    return "\n".join(lines)
+
+
 SEED_FIGURES = (
     ("P0 on time", "P0", "attainment_of_offered"),
     ("P1 of offered", "P1", "attainment_of_offered"),
@@ -176,8 +216,17 @@ def main() -> int:
     parser.add_argument(
         "--compact", action="store_true", help="one row per cell, the policies side by side"
     )
+    parser.add_argument(
+        "--headline", action="store_true", help="qosd beside the best baseline at its P0"
+    )
     parser.add_argument("--against", help="compare the one results file with this older one")
     args = parser.parse_args()
+    if args.headline:
+        text = headline([Path(path) for path in args.results])
+        print(text)
+        if args.markdown:
+            Path(args.markdown).write_text(text + "\n")
+        return 0
     if args.against:
         if len(args.results) != 1:
             parser.error("--against compares one results file with one other")

@@ -15,6 +15,7 @@ simulator's libraries (tritonclient, matplotlib) to use it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -268,6 +269,53 @@ def source_commit(tree: Path) -> str:
         return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
+
+
+def changed_paths(tree: Path, paths: Sequence[str]) -> list[str]:
+    """What differs from the commit under ``paths`` of a checkout, untracked files
+    included (a new module changes a run as much as an edited one)."""
+    listed = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "--", *paths],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return [line[3:] for line in listed.splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def clean_worktree(repo: Path, commit: str) -> Iterator[Path]:
+    """A detached ``git worktree`` of ``commit`` in a temporary folder, removed after:
+    a run pinned to a commit, whatever the checkout it was started from holds."""
+    with tempfile.TemporaryDirectory(prefix="qosd-pinned-") as scratch:
+        tree = Path(scratch) / "tree"
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), commit],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        try:
+            yield tree
+        finally:
+            subprocess.run(
+                ["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
+                check=False, capture_output=True,
+            )  # fmt: skip
+
+
+@contextlib.contextmanager
+def one_at_a_time(name: str) -> Iterator[None]:
+    """Holds an exclusive lock named ``name`` (a file in the temporary folder) while
+    the body runs: two benchmark runs that must run alone on this machine wait for
+    each other instead of sharing its CPUs. Says so when it has to wait."""
+    path = Path(tempfile.gettempdir()) / f"{name}.lock"
+    with path.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another run holding {path} to finish", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def redis_server_binary() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from qosd_sim.experiment import PolicyRun
 from qosd_sim.objectives import Scoring
@@ -47,7 +48,7 @@ def plot_runs(
                 ax.axvline(at, color="black", alpha=0.15, linewidth=2)
             ax.set_yscale("log")
             ax.set_title(
-                f"{run.policy.value}: {label} by arrival (dashed: SLO; bars: long prompts admitted)"
+                f"{run.name}: {label} by arrival (dashed: SLO; bars: long prompts admitted)"
             )
             ax.set_xlabel("arrival, s")
             ax.set_ylabel(f"{label}, ms")
@@ -82,10 +83,88 @@ def plot_runs(
                 label="pool rate R",
             )
         ax.set_ylabel(f"cost/s (input + {output_weight:g} x output tokens)")
-        ax.set_title(f"{run.policy.value}: admitted cost by admission time; qosd's rate")
+        ax.set_title(f"{run.name}: admitted cost by admission time; qosd's rate")
         ax.set_xlabel("s")
         ax.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(rates_path, dpi=90)
     plt.close(figure)
     return [latency_path, rates_path]
+
+
+def plot_pareto(results: Mapping[str, Any], prefix: Path) -> Path:
+    """One cell on the operator's plane: P0 on time (of offered) against the trace's
+    goodput, every policy's mean with its seeds' range, static's sweep joined in
+    capacity order, the achievable references and the bound as P0 levels."""
+    import matplotlib  # noqa: PLC0415 - heavy; only plotting needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    path = prefix.with_name(prefix.name + "_pareto.png")
+    figure, ax = plt.subplots(figsize=(7.5, 5.5))
+    per_seed = results["per_seed"]
+    sweep = sorted(
+        (e for e in results["frontier"] if e["policy"] == "static"),
+        key=lambda e: e["capacity_factor"] or 0.0,
+    )
+    if sweep:
+        ax.plot([e["goodput"] for e in sweep], [e["P0"] for e in sweep], color="tab:blue",
+                linewidth=1, alpha=0.6)  # fmt: skip
+    for entry in results["frontier"]:
+        if entry["P0"] is None or entry["goodput"] is None:
+            continue
+        name = entry["name"]
+        seeds = [_point(s["policies"][name]) for s in per_seed if name in s["policies"]]
+        xs = [x for x, y in seeds if x is not None and y is not None]
+        ys = [y for x, y in seeds if x is not None and y is not None]
+        color = POLICY_COLORS.get(entry["policy"], "black")
+        ax.errorbar(
+            entry["goodput"], entry["P0"],
+            xerr=[[entry["goodput"] - min(xs, default=entry["goodput"])],
+                  [max(xs, default=entry["goodput"]) - entry["goodput"]]],
+            yerr=[[entry["P0"] - min(ys, default=entry["P0"])],
+                  [max(ys, default=entry["P0"]) - entry["P0"]]],
+            fmt="o" if entry["pareto_optimal"] else "s", color=color, alpha=0.85,
+            markersize=8 if name == "qosd" else 5, capsize=2, elinewidth=0.7,
+        )  # fmt: skip
+        ax.annotate(name, (entry["goodput"], entry["P0"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    levels = [
+        (results.get("bound", {}).get("scaled", {}).get("P0"), "P0 bound (proven)", "--"),
+        (results.get("references", {}).get("P0_clairvoyant", {}).get("P0"),
+         "P0 alone, the bound's set replayed", ":"),
+        (results.get("references", {}).get("P0_online", {}).get("P0"),
+         "P0 alone, online forward-run admission", "-."),
+    ]  # fmt: skip
+    for level, label, style in levels:
+        if level is not None:
+            ax.axhline(level, color="tab:red", linestyle=style, linewidth=1, label=label)
+    ax.set_xlabel("trace goodput / the trace's FCFS-saturated throughput (mean; bars: seeds)")
+    ax.set_ylabel("P0 on time, of offered (mean; bars: seeds)")
+    ax.set_title(
+        f"{Path(str(results.get('trace', ''))).stem} {results.get('load')}x, "
+        f"{results.get('engine')}: {len(per_seed)} seeds"
+    )
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="lower left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path
+
+
+POLICY_COLORS = {
+    "qosd": "tab:red",
+    "static": "tab:blue",
+    "vllm-native": "tab:green",
+    "fifo-deadline": "tab:orange",
+    "fifo": "tab:gray",
+}
+
+
+def _point(classes: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    return (
+        classes["all"].get("trace_goodput_of_trace_saturated"),
+        classes["P0"].get("attainment_of_offered"),
+    )

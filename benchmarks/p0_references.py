@@ -1,0 +1,105 @@
+"""P0's bound and achievable references for every cell of the matrix, in virtual time.
+
+    python benchmarks/p0_references.py --json docs/results/p0_references.json
+
+For each workload (the Azure trace, the Mooncake trace, the bursty shape), load
+(1.5, 2.0), engine and seed (11 to 20), the same requests ``qos_replay.py`` would
+replay (``--trace T --load L --engine E [--bursty]``), and of their P0 requests: the
+proven upper bound on how many any policy gets on time (``qosd_sim.bound``), and two
+schedules the engine itself runs with P0 alone (``qosd_sim.references``): admitting
+only what a forward run predicts on time (``P0_online``), and replaying the bound's
+own set (``P0_clairvoyant``). No replay runs: the engine is run in virtual time, so
+the whole matrix takes minutes, where its replays take days on two CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.qos_replay import DEFAULT_TRACE, HEADLINE, build_parser, gpu_model, workload_spec
+from qosd_harness import source_commit
+from qosd_sim.bound import on_time_bound
+from qosd_sim.objectives import SCORINGS
+from qosd_sim.references import p0_clairvoyant, p0_online
+from qosd_sim.replay import read_trace
+from qosd_sim.seeds import REPORTED_SEEDS
+from qosd_sim.workload import seeded_workload
+
+TRACES = DEFAULT_TRACE.parent
+WORKLOADS = {
+    "azure": (TRACES / "azure2023_conv.csv", False),
+    "mooncake": (TRACES / "mooncake_fast25_synthetic.csv", False),
+    "bursty": (TRACES / "azure2023_conv.csv", True),
+}
+
+
+def cell(workload: str, load: float, engine: str, seeds: list[int]) -> dict[str, Any]:
+    trace, bursty = WORKLOADS[workload]
+    flags = ["--trace", str(trace), "--load", str(load), "--engine", engine, "--json", "-"]
+    args = build_parser().parse_args(flags + (["--bursty"] if bursty else []))
+    gpu, rows = gpu_model(args), read_trace(args.trace)
+    objectives = SCORINGS[HEADLINE]["P0"]
+    per_seed: list[dict[str, Any]] = []
+    for seed in seeds:
+        drawn = seeded_workload(rows, gpu, workload_spec(args), seed)
+        p0 = [r for r in drawn.requests if r.qos_class == "P0"]
+        bound = on_time_bound(gpu, [(r.at_s, r.input_tokens) for r in p0], objectives)
+        per_seed.append(
+            {
+                "seed": seed,
+                "offered": len(p0),
+                "bound": bound.share,
+                "bound_exact": bound.exact,
+                "P0_online": p0_online(gpu, p0, objectives).share,
+                "P0_clairvoyant": p0_clairvoyant(gpu, p0, objectives, bound.chosen).share,
+            }
+        )
+    summary: dict[str, Any] = {"workload": workload, "load": load, "engine": gpu.engine}
+    for key in ("offered", "bound", "P0_online", "P0_clairvoyant"):
+        values = [float(s[key]) for s in per_seed if s[key] is not None]
+        summary[key] = round(statistics.fmean(values), 4) if values else None
+        summary[f"{key}_min"] = min(values) if values else None
+    summary["per_seed"] = per_seed
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--loads", default="1.5,2")
+    parser.add_argument("--engines", default="chunked,unchunked,chunked-priority,chunked-512")
+    parser.add_argument("--seeds", default=",".join(map(str, REPORTED_SEEDS)))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    commit = source_commit(Path(__file__).resolve().parents[1])
+    seeds = [int(s) for s in args.seeds.split(",")]
+    cells = []
+    print("| workload | load | engine | P0 offered | bound | P0 alone: bound's set | online |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for workload in args.workloads.split(","):
+        for load in (float(x) for x in args.loads.split(",")):
+            for engine in args.engines.split(","):
+                began = time.monotonic()
+                c = cell(workload, load, engine, seeds)
+                cells.append(c)
+                print(
+                    f"| {workload} | {load:g}x | {c['engine']} | {c['offered']:.1f} "
+                    f"| {c['bound']:.1%} | {c['P0_clairvoyant']:.1%} | {c['P0_online']:.1%} |"
+                    f" <!-- {time.monotonic() - began:.0f}s -->",
+                    flush=True,
+                )
+    if args.json:
+        result = {"commit": commit, "command": " ".join(sys.argv), "seeds": seeds,
+                  "cells": cells}  # fmt: skip
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Pinned benchmark runs (issue 37): a run names the commit it ran, refuses a tree
+whose sources differ from it, can run from a clean worktree of a commit, and runs
+alone. Real git repositories and real processes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from qosd_harness import changed_paths, clean_worktree, one_at_a_time
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _repo(path: Path) -> Path:
+    """A repository with one commit: ``sim/model.py`` and ``docs/notes.md``."""
+    (path / "sim").mkdir(parents=True)
+    (path / "docs").mkdir()
+    (path / "sim" / "model.py").write_text("SPEED = 1\n")
+    (path / "docs" / "notes.md").write_text("notes\n")
+    _git(path, "init", "-q")
+    _git(path, "add", ".")
+    _git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    return path
+
+
+def test_changed_paths_sees_edits_and_new_files_under_the_sources_only(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    assert changed_paths(repo, ["sim"]) == []
+    (repo / "sim" / "model.py").write_text("SPEED = 2\n")
+    (repo / "sim" / "new.py").write_text("")
+    (repo / "docs" / "notes.md").write_text("results\n")  # not a source
+    assert sorted(changed_paths(repo, ["sim"])) == ["sim/model.py", "sim/new.py"]
+
+
+def test_a_clean_worktree_holds_the_commit_and_goes_away(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    commit = _git(repo, "rev-parse", "HEAD")
+    (repo / "sim" / "model.py").write_text("SPEED = 2\n")
+    with clean_worktree(repo, commit) as tree:
+        assert (tree / "sim" / "model.py").read_text() == "SPEED = 1\n"
+        assert _git(tree, "rev-parse", "HEAD") == commit
+    assert not tree.exists()
+    assert str(tree) not in _git(repo, "worktree", "list")
+
+
+def test_a_second_run_waits_for_the_first() -> None:
+    name = f"qosd-test-lock-{threading.get_ident()}"
+    first_in, second_in, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(entered: threading.Event) -> None:
+        with one_at_a_time(name):
+            entered.set()
+            release.wait(30)
+
+    first = threading.Thread(target=hold, args=(first_in,))
+    first.start()
+    assert first_in.wait(30)
+    second = threading.Thread(target=hold, args=(second_in,))
+    second.start()
+    assert not second_in.wait(0.3)  # held: the second waits (a bound, not a sync)
+    release.set()
+    assert second_in.wait(30)
+    first.join(30)
+    second.join(30)
+
+
+def test_the_replay_refuses_a_tree_whose_sources_differ(tmp_path: Path) -> None:
+    """Only the refusal is run here (it comes before any replay): the script, in a
+    repository of its own whose ``sim/`` has an uncommitted edit."""
+    repo = _repo(tmp_path / "repo")
+    (repo / "benchmarks").mkdir()
+    for name in ("__init__.py", "qos_replay.py"):
+        shutil.copy(ROOT / "benchmarks" / name, repo / "benchmarks" / name)
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "script")
+    (repo / "sim" / "model.py").write_text("SPEED = 2\n")
+    refused = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "qos_replay.py"),
+         "--json", str(tmp_path / "r.json"), "--seeds", "1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "refusing to run from a tree whose sources differ" in refused.stderr
+    assert "sim/model.py" in refused.stderr and "--commit REV" in refused.stderr
+    assert not (tmp_path / "r.json").exists()
