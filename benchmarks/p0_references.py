@@ -8,8 +8,13 @@ replay (``--trace T --load L --engine E [--bursty]``), and of their P0 requests:
 proven upper bound on how many any policy gets on time (``qosd_sim.bound``), and two
 schedules the engine itself runs with P0 alone (``qosd_sim.references``): admitting
 only what a forward run predicts on time (``P0_online``), and replaying the bound's
-own set (``P0_clairvoyant``). No replay runs: the engine is run in virtual time, so
-the whole matrix takes minutes, where its replays take days on two CPUs.
+own set (``P0_clairvoyant``). Beside them, the whole workload served first come
+first served (every request, as with no admission at all: the most KV pressure any
+policy puts on the server): the most KV the engine reserved, as a share of its
+cache, and how often a request that had a batch slot waited for KV room. Where that
+is never, the engine's reservation of whole outputs (vLLM allocates blocks as tokens
+come) changed nothing. No replay runs: the engine is run in virtual time, so the
+whole matrix takes half an hour, where its replays take days on two CPUs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from benchmarks.qos_replay import DEFAULT_TRACE, HEADLINE, build_parser, gpu_model, workload_spec
 from qosd_harness import source_commit
 from qosd_sim.bound import on_time_bound
+from qosd_sim.gpu import Engine, run_virtual
 from qosd_sim.objectives import SCORINGS
 from qosd_sim.references import p0_clairvoyant, p0_online
 from qosd_sim.replay import read_trace
@@ -50,9 +56,14 @@ def cell(workload: str, load: float, engine: str, seeds: list[int]) -> dict[str,
         drawn = seeded_workload(rows, gpu, workload_spec(args), seed)
         p0 = [r for r in drawn.requests if r.qos_class == "P0"]
         bound = on_time_bound(gpu, [(r.at_s, r.input_tokens) for r in p0], objectives)
+        fcfs = Engine(gpu)
+        run_virtual(gpu, [(r.at_s, r.input_tokens, r.output_tokens) for r in drawn.requests],
+                    engine=fcfs)  # fmt: skip
         per_seed.append(
             {
                 "seed": seed,
+                "kv_peak_share": round(fcfs.kv_peak / gpu.kv_capacity_tokens, 4),
+                "kv_refusals": fcfs.kv_refusals,
                 "offered": len(p0),
                 "bound": bound.share,
                 "bound_exact": bound.exact,
@@ -61,6 +72,8 @@ def cell(workload: str, load: float, engine: str, seeds: list[int]) -> dict[str,
             }
         )
     summary: dict[str, Any] = {"workload": workload, "load": load, "engine": gpu.engine}
+    summary["kv_peak_share_max"] = max(s["kv_peak_share"] for s in per_seed)
+    summary["kv_refusals_total"] = sum(s["kv_refusals"] for s in per_seed)
     for key in ("offered", "bound", "P0_online", "P0_clairvoyant"):
         values = [float(s[key]) for s in per_seed if s[key] is not None]
         summary[key] = round(statistics.fmean(values), 4) if values else None
@@ -80,8 +93,11 @@ def main() -> int:
     commit = source_commit(Path(__file__).resolve().parents[1])
     seeds = [int(s) for s in args.seeds.split(",")]
     cells = []
-    print("| workload | load | engine | P0 offered | bound | P0 alone: bound's set | online |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "| workload | load | engine | P0 offered | bound | P0 alone: bound's set | online "
+        "| FCFS: peak KV reserved | waits for KV |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for workload in args.workloads.split(","):
         for load in (float(x) for x in args.loads.split(",")):
             for engine in args.engines.split(","):
@@ -90,7 +106,8 @@ def main() -> int:
                 cells.append(c)
                 print(
                     f"| {workload} | {load:g}x | {c['engine']} | {c['offered']:.1f} "
-                    f"| {c['bound']:.1%} | {c['P0_clairvoyant']:.1%} | {c['P0_online']:.1%} |"
+                    f"| {c['bound']:.1%} | {c['P0_clairvoyant']:.1%} | {c['P0_online']:.1%} "
+                    f"| {c['kv_peak_share_max']:.0%} | {c['kv_refusals_total']} |"
                     f" <!-- {time.monotonic() - began:.0f}s -->",
                     flush=True,
                 )

@@ -166,7 +166,13 @@ def test_batch_and_kv_limits_hold() -> None:
         engine.submit(Sequence(str(index), 1_000, 100, submitted_at=0.0))
     iteration = engine.plan(0.0)
     assert iteration is not None
-    assert len(iteration.prefill) == 4  # 4 × 1,100 fit in 5,000 KV tokens
+    assert len(iteration.prefill) == 5  # 5 prompts of 1,000 fill 5,000 KV tokens
+    reserving = Engine(dataclasses.replace(big, reserve_output_kv=True))
+    for index in range(10):
+        reserving.submit(Sequence(str(index), 1_000, 100, submitted_at=0.0))
+    iteration = reserving.plan(0.0)
+    assert iteration is not None
+    assert len(iteration.prefill) == 4  # with outputs reserved: 4 x 1,100
     with pytest.raises(ValueError, match="KV cache"):
         engine.submit(Sequence("huge", 5_000, 100, submitted_at=0.0))
 
@@ -884,3 +890,41 @@ async def test_time_lost_counts_from_when_the_gpu_had_work() -> None:
 
 async def _count(events: AsyncIterator[object]) -> int:
     return sum([1 async for _ in events])
+
+
+@pytest.mark.fast
+def test_kv_is_held_as_passes_write_it_and_a_full_cache_preempts_the_latest() -> None:
+    """As vLLM allocates: two requests whose prompts fit the cache but whose outputs do
+    not both fit are admitted together; when the cache fills while they decode, the
+    latest admitted is preempted, goes back to the front of the queue, and recomputes
+    its prompt and output so far, its tokens counted once. With the opt-in
+    ``reserve_output_kv`` (the engine before issue 37) the second waits for the first
+    to finish, and nothing is preempted."""
+
+    def run(reserve: bool) -> tuple[Engine, Sequence, Sequence, list[int]]:
+        model = GpuModel(kv_capacity_tokens=1_200, reserve_output_kv=reserve)
+        engine = Engine(model)
+        first = Sequence("first", 400, 300, submitted_at=0.0)
+        second = Sequence("second", 400, 300, submitted_at=0.0)
+        engine.submit(first)
+        engine.submit(second)
+        now, counted = 0.0, []
+        while not (first.done and second.done):
+            iteration = engine.plan(now)
+            assert iteration is not None
+            assert engine.kv_used <= model.kv_capacity_tokens
+            now += iteration.duration_s
+            counted += [e.generated for e in engine.complete(now) if e.sequence is second]
+        assert engine.kv_used == 0
+        return engine, first, second, counted
+
+    engine, first, second, counted = run(reserve=False)
+    assert first.started_at == second.started_at == 0.0  # both prompts fit at once
+    assert engine.preemptions >= 1 and second.recomputed > 0
+    assert first.finished_at is not None and second.finished_at is not None
+    assert first.finished_at < second.finished_at
+    assert counted == list(range(1, 301))  # every token once, in order
+    engine, first, second, _ = run(reserve=True)
+    assert engine.preemptions == 0 and engine.kv_refusals > 0
+    assert second.started_at is not None and first.finished_at is not None
+    assert second.started_at >= first.finished_at

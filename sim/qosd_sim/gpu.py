@@ -35,26 +35,27 @@ iteration, so a short prompt behind a long one starts within an iteration or two
 outputs must fit in ``kv_capacity_tokens`` of KV cache; the rest wait, first come
 first served (or by priority), as in a server without QoS.
 
-**As vLLM V1 schedules** (``docs/simulator.md#fidelity-to-vllms-scheduler`` cites
-its code for each): a chunked iteration serves the running sequences first (a decode
-token each, then the chunk of a prompt already started), and only then admits
+**As vLLM V1 schedules** (``docs/yardstick.md#the-engine-beside-vllms-scheduler``
+cites its code for each): a chunked iteration serves the running sequences first (a
+decode token each, then the chunk of a prompt already started), and only then admits
 waiting ones, each only if the iteration's budget has a token left for it, so a
 request that has not started stays in the (priority-ordered) waiting queue, where a
-later request of a better priority overtakes it. A running sequence is never
-preempted to admit a waiting one. Two departures remain, both opt-in and off by
-default: ``preempt_for_waiting`` (V0's priority preemption, and what open vLLM
-pull requests propose) and ``admit_beyond_budget`` (this engine's behaviour before
-issue 37: every waiting request that fits joins the running set at once). One
-departure is not opt-in: a sequence reserves KV for its whole output at admission,
-where vLLM allocates blocks as tokens come and preempts when they run out (the
-replays' peak KV use is reported beside their results, so a reader can see whether
-the difference could matter).
+later request of a better priority overtakes it. A request is admitted when its
+prompt fits in the free KV cache, and holds KV as its passes write it; when a running
+request's next tokens do not fit, the latest admitted (by priority: the lowest
+priority, then the latest arrival) is preempted, its KV freed, to be recomputed, and
+no waiting request is admitted in that pass. A running request is never preempted to
+admit a waiting one. The engine's earlier behaviours are opt-in and off by default:
+``preempt_for_waiting`` (V0's priority preemption, and what open vLLM pull requests
+propose), ``admit_beyond_budget`` (every waiting request that fits joins the running
+set at once) and ``reserve_output_kv`` (KV for the whole output reserved at
+admission).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -98,6 +99,11 @@ class GpuModel:
     #: fits, whether or not its budget has room to start it (the engine before issue
     #: 37); False: admitted only with a token of the budget, as V1 does.
     admit_beyond_budget: bool = False
+    #: Opt-in, not vLLM: a request reserves KV for its whole prompt and output at
+    #: admission, and is never preempted for KV (the engine before issue 37); False:
+    #: admitted when its prompt fits, its KV held as its passes write it, and a running
+    #: request preempted when the next pass's tokens do not fit, as vLLM does.
+    reserve_output_kv: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -210,6 +216,10 @@ class Sequence:
     #: Output tokens to prefill again with the prompt: those it had when it was last
     #: preempted (vLLM recomputes a preempted request's KV rather than swap it).
     recomputed: int = 0
+    #: Tokens of KV cache it holds now: what its passes so far have written (vLLM's
+    #: blocks, allocated as tokens come), or its whole prompt and output from
+    #: admission with ``reserve_output_kv``.
+    kv_held: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -247,6 +257,45 @@ class Iteration:
     decode: list[Sequence] = field(default_factory=list)
 
 
+#: Takes a preempted sequence out of the pass being planned.
+Unschedule = Callable[[Sequence], None]
+
+
+def _drop_from(planned: list[Sequence]) -> Unschedule:
+    def drop(victim: Sequence) -> None:
+        if victim in planned:
+            planned.remove(victim)
+
+    return drop
+
+
+class _PassPlan:
+    """The tokens of each sequence in the pass being planned, against its budget."""
+
+    def __init__(self, engine: Engine, now: float, budget: int) -> None:
+        self.engine, self.now = engine, now
+        self.left = budget
+        self.tokens: dict[Sequence, int] = {}
+
+    def add(self, sequence: Sequence, tokens: int) -> None:
+        self.tokens[sequence] = tokens
+        self.left -= tokens
+
+    def unschedule(self, victim: Sequence) -> None:
+        self.left += self.tokens.pop(victim, 0)
+
+    def chunk(self, sequence: Sequence) -> None:
+        """Its next prefill chunk: what is left of its prompt, the budget and the
+        long-prefill threshold allow, if its KV fits (else it was preempted)."""
+        remaining = sequence.prefill_target - sequence.prefilled
+        cap = self.engine.model.long_prefill_token_threshold
+        tokens = min(remaining, self.left, cap or remaining)
+        if self.engine._room_for(sequence, tokens, self.unschedule):
+            if sequence.started_at is None:
+                sequence.started_at = self.now
+            self.add(sequence, tokens)
+
+
 class Engine:
     """Continuous batching on one GPU, in virtual time. Not thread-safe; one owner."""
 
@@ -255,6 +304,11 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding KV, prefilled or not
         self.kv_used = 0
+        #: The most KV ever reserved, and how often a request that had a batch slot
+        #: waited for KV room: where this engine's whole-output reservation could
+        #: differ from vLLM's blocks allocated as tokens come.
+        self.kv_peak = 0
+        self.kv_refusals = 0
         self.preemptions = 0
         self._current: Iteration | None = None
 
@@ -293,18 +347,54 @@ class Engine:
         # now: what arrived after its start is not in it.
         if head.submitted_at > now:
             return None
+        # vLLM admits a request whose prompt (and any output to recompute) fits in the
+        # free blocks; with reserve_output_kv, its whole output must fit too.
+        reserve = self.model.reserve_output_kv
+        need = head.kv_tokens if reserve else head.prefill_target
         while (
             len(self.running) >= self.model.max_batch
-            or self.kv_used + head.kv_tokens > self.model.kv_capacity_tokens
+            or self.kv_used + need > self.model.kv_capacity_tokens
         ):
             victim = self._victim_for(head)
             if victim is None:
+                if len(self.running) < self.model.max_batch:
+                    self.kv_refusals += 1
                 return None
             self._preempt(victim)
         self.waiting.popleft()
         self.running.append(head)
-        self.kv_used += head.kv_tokens
+        if reserve:
+            self._hold(head, head.kv_tokens)
         return head
+
+    def _hold(self, sequence: Sequence, tokens: int) -> None:
+        sequence.kv_held += tokens
+        self.kv_used += tokens
+        self.kv_peak = max(self.kv_peak, self.kv_used)
+
+    def _free(self, sequence: Sequence) -> None:
+        self.kv_used -= sequence.kv_held
+        sequence.kv_held = 0
+
+    def _room_for(self, sequence: Sequence, tokens: int, unschedule: Unschedule) -> bool:
+        """Holds KV for ``tokens`` more of a running sequence's tokens in the pass being
+        planned, preempting as vLLM does when they do not fit: by priority, the
+        lowest priority and latest arrival; else the latest admitted; the sequence
+        itself, if it is that one (then False). A victim already planned into this
+        pass is taken out of it (``unschedule``)."""
+        if self.model.reserve_output_kv:
+            return True
+        while self.kv_used + tokens > self.model.kv_capacity_tokens:
+            if self.model.priority_scheduling:
+                victim = max(self.running, key=lambda s: (s.priority, s.submitted_at))
+            else:
+                victim = self.running[-1]
+            unschedule(victim)
+            self._preempt(victim)
+            if victim is sequence:
+                return False
+        self._hold(sequence, tokens)
+        return True
 
     def _victim_for(self, head: Sequence) -> Sequence | None:
         """With ``preempt_for_waiting`` (and priority scheduling), a running request of
@@ -316,18 +406,22 @@ class Engine:
         return max(lower, key=lambda s: (s.priority, s.submitted_at), default=None)
 
     def _preempt(self, victim: Sequence) -> None:
-        """Back to the waiting queue, in (priority, arrival) order, its KV freed: it
-        prefills its prompt and the output it had again when it runs next."""
+        """Back to the waiting queue, its KV freed: it prefills its prompt and the
+        output it had again when it runs next. By priority, in (priority, arrival)
+        order; first come first served, at the front (vLLM's ``prepend_request``)."""
         self.running.remove(victim)
-        self.kv_used -= victim.kv_tokens
+        self._free(victim)
         victim.recomputed, victim.prefilled = victim.generated, 0
+        self.preemptions += 1
+        if not self.model.priority_scheduling:
+            self.waiting.appendleft(victim)
+            return
         index = len(self.waiting)
         rank = (victim.priority, victim.submitted_at)
         while index > 0 and (self.waiting[index - 1].priority,
                              self.waiting[index - 1].submitted_at) > rank:  # fmt: skip
             index -= 1
         self.waiting.insert(index, victim)
-        self.preemptions += 1
 
     def plan(self, now: float) -> Iteration | None:
         """The next iteration, or None when idle. Call ``complete`` when it has run."""
@@ -353,12 +447,17 @@ class Engine:
                 break
             if admitted.started_at is None:
                 admitted.started_at = now
+            if not self.model.reserve_output_kv:
+                self._hold(admitted, admitted.prefill_target)  # V0: the prompt's blocks
             prefill.append((admitted, admitted.prefill_target))
             tokens += admitted.prefill_target
         if prefill:
             return Iteration(self.model.prefill_s(n for _, n in prefill), prefill=prefill)
-        if self.running:
-            decode = list(self.running)
+        decode: list[Sequence] = []
+        for sequence in list(self.running):
+            if sequence in self.running and self._room_for(sequence, 1, _drop_from(decode)):
+                decode.append(sequence)
+        if decode:
             context = sum(s.context_tokens for s in decode)
             return Iteration(self.model.decode_s(len(decode), context), decode=decode)
         return None
@@ -367,30 +466,30 @@ class Engine:
         # One fused pass, as vLLM V1 schedules it: a token for every decoding
         # sequence, then the chunks of prompts already running, oldest first, then
         # waiting requests, in the queue's order, while the budget lasts; each chunk
-        # at most the long-prefill threshold where there is one.
-        cap = self.model.long_prefill_token_threshold
+        # at most the long-prefill threshold where there is one. KV is held for the
+        # pass's tokens as they are planned; a preemption for it takes the victim out
+        # of the pass, and stops admissions for this pass.
         if self.model.admit_beyond_budget:
             while self._admit_head(now) is not None:
                 pass
-        decode = [s for s in self.running if s.prefilled == s.prefill_target]
-        left = budget - len(decode)
-        prefill: list[tuple[Sequence, int]] = []
-
-        def take(sequence: Sequence) -> int:
-            remaining = sequence.prefill_target - sequence.prefilled
-            if sequence.started_at is None:
-                sequence.started_at = now
-            chunk = min(remaining, left, cap or remaining)
-            prefill.append((sequence, chunk))
-            return chunk
-
-        for sequence in self.running:
-            if left <= 0:
+        plan = _PassPlan(self, now, budget)
+        preemptions = self.preemptions
+        for sequence in [s for s in self.running if s.prefilled == s.prefill_target]:
+            if sequence in self.running and self._room_for(sequence, 1, plan.unschedule):
+                plan.add(sequence, 1)
+        for sequence in list(self.running):
+            if plan.left <= 0:
                 break
-            if sequence.prefilled < sequence.prefill_target:
-                left -= take(sequence)
-        while left > 0 and (admitted := self._admit_head(now)) is not None:
-            left -= take(admitted)
+            if sequence in self.running and sequence.prefilled < sequence.prefill_target:
+                plan.chunk(sequence)
+        while self.preemptions == preemptions and plan.left > 0:
+            admitted = self._admit_head(now)
+            if admitted is None:
+                break
+            plan.chunk(admitted)
+        decode = [s for s in plan.tokens if s.prefilled == s.prefill_target]
+        prefill = [(s, n) for s, n in plan.tokens.items() if s.prefilled < s.prefill_target]
+        left = plan.left
         if not decode and not prefill:
             return None
         duration = self.model.iteration_s(
@@ -429,7 +528,7 @@ class Engine:
         if finished:
             sequence.finished_at = now
             self.running.remove(sequence)
-            self.kv_used -= sequence.kv_tokens
+            self._free(sequence)
         return TokenEvent(sequence, kind, finished, sequence.generated)
 
     def cancel(self, sequence: Sequence) -> None:
@@ -438,18 +537,21 @@ class Engine:
             self.waiting.remove(sequence)
         elif sequence in self.running and not sequence.done:
             self.running.remove(sequence)
-            self.kv_used -= sequence.kv_tokens
+            self._free(sequence)
             if self._current is not None:
                 self._current.decode = [s for s in self._current.decode if s is not sequence]
                 self._current.prefill = [p for p in self._current.prefill if p[0] is not sequence]
 
 
-def run_virtual(model: GpuModel, arrivals: Iterable[tuple[float, int, int]]) -> list[Sequence]:
-    """Serves ``(arrival_s, input_tokens, output_tokens)`` requests in virtual time.
+def run_virtual(
+    model: GpuModel, arrivals: Iterable[tuple[float, int, int]], engine: Engine | None = None
+) -> list[Sequence]:
+    """Serves ``(arrival_s, input_tokens, output_tokens)`` requests in virtual time, on
+    ``engine`` if given (to read its counters after), else a fresh one of ``model``.
 
     Used to calibrate capacity and to test the model; returns the finished sequences.
     """
-    engine = Engine(model)
+    engine = engine or Engine(model)
     pending = sorted(arrivals)
     sequences: list[Sequence] = []
     now = 0.0
