@@ -147,7 +147,8 @@ def plot_pareto(results: Mapping[str, Any], prefix: Path) -> Path:
         f"{results.get('engine')}: {len(per_seed)} seeds"
     )
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7, loc="lower left")
+    if any(level is not None for level, _, _ in levels):
+        ax.legend(fontsize=7, loc="lower left")
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
