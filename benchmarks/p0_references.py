@@ -10,11 +10,11 @@ schedules the engine itself runs with P0 alone (``qosd_sim.references``): admitt
 only what a forward run predicts on time (``P0_online``), and replaying the bound's
 own set (``P0_clairvoyant``). Beside them, the whole workload served first come
 first served (every request, as with no admission at all: the most KV pressure any
-policy puts on the server): the most KV the engine reserved, as a share of its
-cache, and how often a request that had a batch slot waited for KV room. Where that
-is never, the engine's reservation of whole outputs (vLLM allocates blocks as tokens
-come) changed nothing. No replay runs: the engine is run in virtual time, so the
-whole matrix takes half an hour, where its replays take days on two CPUs.
+policy puts on the server): the most KV the engine held, as a share of its cache, how
+often a request that had a batch slot waited for KV room, and how often a running
+request was preempted for KV. Where both are never, KV never bound the schedule.
+No replay runs: the engine is run in virtual time, so the whole matrix takes about
+an hour, where its replays take days on two CPUs.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def cell(workload: str, load: float, engine: str, seeds: list[int]) -> dict[str,
                 "seed": seed,
                 "kv_peak_share": round(fcfs.kv_peak / gpu.kv_capacity_tokens, 4),
                 "kv_refusals": fcfs.kv_refusals,
+                "kv_preemptions": fcfs.preemptions,
                 "offered": len(p0),
                 "bound": bound.share,
                 "bound_exact": bound.exact,
@@ -74,6 +75,7 @@ def cell(workload: str, load: float, engine: str, seeds: list[int]) -> dict[str,
     summary: dict[str, Any] = {"workload": workload, "load": load, "engine": gpu.engine}
     summary["kv_peak_share_max"] = max(s["kv_peak_share"] for s in per_seed)
     summary["kv_refusals_total"] = sum(s["kv_refusals"] for s in per_seed)
+    summary["kv_preemptions_total"] = sum(s["kv_preemptions"] for s in per_seed)
     for key in ("offered", "bound", "P0_online", "P0_clairvoyant"):
         values = [float(s[key]) for s in per_seed if s[key] is not None]
         summary[key] = round(statistics.fmean(values), 4) if values else None
@@ -95,9 +97,9 @@ def main() -> int:
     cells = []
     print(
         "| workload | load | engine | P0 offered | bound | P0 alone: bound's set | online "
-        "| FCFS: peak KV reserved | waits for KV |"
+        "| FCFS: peak KV held | waits for KV | preemptions for KV |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for workload in args.workloads.split(","):
         for load in (float(x) for x in args.loads.split(",")):
             for engine in args.engines.split(","):
@@ -107,7 +109,8 @@ def main() -> int:
                 print(
                     f"| {workload} | {load:g}x | {c['engine']} | {c['offered']:.1f} "
                     f"| {c['bound']:.1%} | {c['P0_clairvoyant']:.1%} | {c['P0_online']:.1%} "
-                    f"| {c['kv_peak_share_max']:.0%} | {c['kv_refusals_total']} |"
+                    f"| {c['kv_peak_share_max']:.0%} | {c['kv_refusals_total']} "
+                    f"| {c['kv_preemptions_total']} |"
                     f" <!-- {time.monotonic() - began:.0f}s -->",
                     flush=True,
                 )
