@@ -161,10 +161,18 @@ def describe(pool: Any) -> str:
 
 async def leases_end(stack: Stack) -> None:
     """Every lease the store counts in flight ends (released, not expired: the TTL is
-    300 s), and the daemon has no Release left to retry."""
-    pool = await eventually(stack.pool, settled, timeout_s=SETTLE_WITHIN_S, interval_s=0.1)
+    300 s), and the daemon has no Release left to retry. Both are waited for: a store
+    restarted empty counts no lease at once, while the daemon still holds the
+    Releases it will find gone at its next retry (up to 2 s of backoff away)."""
+
+    async def state() -> tuple[Any, int]:
+        return await stack.pool(), stack.daemon.admission.settlements.pending
+
+    pool, pending = await eventually(
+        state, lambda s: settled(s[0]) and s[1] == 0, timeout_s=SETTLE_WITHIN_S, interval_s=0.1
+    )
     assert settled(pool), describe(pool)
-    assert stack.daemon.admission.settlements.pending == 0
+    assert pending == 0, f"{pending} releases still to retry"
 
 
 async def upstream_idle(stack: Stack, upstream: VllmProcess) -> None:
