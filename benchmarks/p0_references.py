@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.qos_replay import DEFAULT_TRACE, HEADLINE, build_parser, gpu_model, workload_spec
+from benchmarks.qos_replay import HEADLINE, build_parser, gpu_model, workload_spec
+from benchmarks.yardstick_matrix import WORKLOADS
 from qosd_harness import source_commit
 from qosd_sim.bound import on_time_bound
 from qosd_sim.gpu import Engine, run_virtual
@@ -36,13 +37,6 @@ from qosd_sim.references import p0_clairvoyant, p0_online
 from qosd_sim.replay import read_trace
 from qosd_sim.seeds import REPORTED_SEEDS
 from qosd_sim.workload import seeded_workload
-
-TRACES = DEFAULT_TRACE.parent
-WORKLOADS = {
-    "azure": (TRACES / "azure2023_conv.csv", False),
-    "mooncake": (TRACES / "mooncake_fast25_synthetic.csv", False),
-    "bursty": (TRACES / "azure2023_conv.csv", True),
-}
 
 
 def cell(workload: str, load: float, engine: str, seeds: list[int]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The seed's problem and qosd's fix, measured: one trace replayed under three policies.
+"""The seed's problem and qosd's fix, measured: one trace replayed under every policy.
 
     python benchmarks/qos_replay.py --trace ../shared/traces/azure2023_conv.csv \
         --load 1.5 --engine chunked --json docs/results/replay_azure_1.5x_chunked.json
@@ -424,6 +424,11 @@ def parse_args() -> argparse.Namespace:
     return build_parser().parse_args()
 
 
+#: The policies a cell runs by default, by ``--server``: the simulated vLLM serves
+#: behind qosd's proxy or none, so it has no queue cap or client timeouts of its own.
+DEFAULT_POLICIES = {"triton": "qosd,static,vllm-native,fifo-deadline", "vllm": "qosd,static,fifo"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's flags (also how other benchmarks name a cell the same way)."""
     parser = argparse.ArgumentParser(
@@ -535,9 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--policies",
-        default="qosd,static,vllm-native,fifo-deadline",
         help="comma-separated, of qosd, static (swept over --static-factors), "
-        "vllm-native, fifo-deadline, fifo",
+        "vllm-native, fifo-deadline, fifo (default: "
+        + "; ".join(f"{k}: {v}" for k, v in DEFAULT_POLICIES.items())
+        + ")",
     )
     parser.add_argument(
         "--static-factors",
@@ -622,7 +628,8 @@ def contenders(args: argparse.Namespace) -> list[tuple[Policy, float | None]]:
     of its sweep (None for the rest)."""
     factors = [float(f) for f in args.static_factors.split(",") if f.strip()]
     runs: list[tuple[Policy, float | None]] = []
-    for name in (n.strip() for n in args.policies.split(",") if n.strip()):
+    names = args.policies or DEFAULT_POLICIES[args.server]
+    for name in (n.strip() for n in names.split(",") if n.strip()):
         policy = Policy(name)
         if args.server == "vllm" and policy in (Policy.VLLM_NATIVE, Policy.FIFO_DEADLINE):
             raise SystemExit(f"--server vllm runs fifo, static and qosd only, not {name}")
@@ -663,17 +670,20 @@ def main() -> int:
     args = parse_args()
     if args.commit:
         return pinned_rerun(args)
-    # Recorded as the run starts, and refused where the sources differ from it: a
-    # tree edited during a long matrix must not name its results.
-    commit = source_commit(ROOT)
-    changed = changed_paths(ROOT, SOURCES)
-    if changed and not args.dev and not args.from_records:
-        raise SystemExit(
-            "refusing to run from a tree whose sources differ from its commit "
-            f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): commit them, "
-            "run --commit REV, or mark a development run with --dev"
-        )
     with one_at_a_time("qosd-qos-replay"):
+        # Recorded as the run starts (after any wait for the lock), and refused where
+        # the sources differ from it: a tree edited during a long matrix must not name
+        # its results. Each policy's daemon starts from this tree: an edit during the
+        # run is seen at its end and marks it a development run (--commit runs from a
+        # worktree no one edits).
+        commit = source_commit(ROOT)
+        changed = changed_paths(ROOT, SOURCES)
+        if changed and not args.dev and not args.from_records:
+            raise SystemExit(
+                "refusing to run from a tree whose sources differ from its commit "
+                f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): commit "
+                "them, run --commit REV, or mark a development run with --dev"
+            )
         return run_cell(args, commit, changed)
 
 
@@ -713,11 +723,15 @@ def run_cell(args: argparse.Namespace, commit: str, changed: list[str]) -> int:
             json.dump([s.as_record() for s in seed_runs], handle)
     per_seed = [evaluate(s, args, gpu, facts) for s in seed_runs]
     summed = summed_up(per_seed)
+    changed_at_end = [] if args.from_records else changed_paths(ROOT, SOURCES)
     results: dict[str, Any] = {
         "command": " ".join(sys.argv),
         "commit": commit,
-        "development_run": bool(changed) or not set(seeds).isdisjoint(DEVELOPMENT_SEEDS),
+        "development_run": bool(changed or changed_at_end)
+        or args.dev
+        or not set(seeds).isdisjoint(DEVELOPMENT_SEEDS),
         "changed_at_start": changed,
+        "changed_at_end": changed_at_end,
         "started_at_unix_s": round(started_at),
         "load_average_at_start": round(load_at_start, 2),
         "trace": args.trace or "bundled sample",

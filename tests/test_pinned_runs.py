@@ -4,6 +4,7 @@ alone. Real git repositories and real processes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -97,3 +98,26 @@ def test_the_replay_refuses_a_tree_whose_sources_differ(tmp_path: Path) -> None:
     assert "refusing to run from a tree whose sources differ" in refused.stderr
     assert "sim/model.py" in refused.stderr and "--commit REV" in refused.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_matrix_runs_only_the_cells_not_yet_run_at_its_commit(tmp_path: Path) -> None:
+    """``yardstick_matrix --list`` plans the cells to run: one whose results name the
+    same commit is kept; one run at another commit, or as a development run, is
+    planned again, at the commit asked for."""
+    commit = _git(ROOT, "rev-parse", "--short=12", "HEAD")
+    cells = {"chunked": commit, "unchunked": "0123456789ab", "chunked-priority": commit}
+    for engine, recorded in cells.items():
+        development = engine == "chunked-priority"
+        results = {"commit": recorded, "development_run": development}
+        (tmp_path / f"yardstick_azure_1.5x_{engine}.json").write_text(json.dumps(results))
+    planned = subprocess.run(
+        [sys.executable, "-m", "benchmarks.yardstick_matrix", "--list", "--out", str(tmp_path),
+         "--workloads", "azure", "--loads", "1.5,2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert planned[0].startswith(f"6 cells at {commit} (1 done), 10 seeds each")
+    commands = planned[1:]
+    assert len(commands) == 5 and all(f"--commit {commit}" in c for c in commands)
+    assert not any(c.endswith("yardstick_azure_1.5x_chunked.json") for c in commands)
+    assert any("--load 1.5 --engine unchunked" in c for c in commands)
+    assert any("--load 1.5 --engine chunked-priority" in c for c in commands)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from qosd_sim.frontier import frontier_of, headline_of
-from qosd_sim.seeds import paired_intervals
+from qosd_sim.seeds import mean, paired_intervals
 
 pytestmark = pytest.mark.fast
 
@@ -91,3 +91,11 @@ def test_the_headline_names_the_best_baseline_at_qosds_p0() -> None:
     head = headline_of({"frontier": frontier_of(means, {})})
     assert head is not None and head["baseline"] == "vllm-native"
     assert "no baseline reaches" in head["rule"]
+
+
+def test_a_run_marked_late_in_one_seed_marks_the_cells_mean() -> None:
+    """A flag in the seeds' means is raised if any seed raised it: the mean table must
+    not show a cell as on schedule because its first seed was."""
+    seeds_flags = [{"late_run": False, "gpu_lost_s": 0.0}, {"late_run": True, "gpu_lost_s": 1.0}]
+    assert mean(seeds_flags) == {"late_run": True, "gpu_lost_s": 0.5}
+    assert mean([{"late_run": False}, {"late_run": None}]) == {"late_run": False}

@@ -626,7 +626,8 @@ def run_policy(
     spreads requests over them, and the servers report to the first.
     ``capacity_factor``: the pool's capacity is ``capacity_cost_s`` times this (a
     point of static's sweep). ``objectives``: where fifo-deadline's clients give up.
-    ``queue_cap``: vllm-native's server refuses beyond this many waiting."""
+    ``queue_cap``: vllm-native's server refuses beyond this many in flight, waiting and
+    running, as vLLM's ``--max-num-queued-reqs`` counts them."""
     if not policy.admits:
         native = policy is Policy.VLLM_NATIVE
         server_gpu = dataclasses.replace(gpu, priority_scheduling=True) if native else gpu

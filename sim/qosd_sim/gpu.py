@@ -31,9 +31,12 @@ arrival) and, chunked, with ``--long-prefill-token-threshold``
 (``long_prefill_token_threshold``: one prompt takes at most that many tokens of an
 iteration, so a short prompt behind a long one starts within an iteration or two).
 
-**Capacity**: at most ``max_batch`` sequences run at once, and their prompts plus
-outputs must fit in ``kv_capacity_tokens`` of KV cache; the rest wait, first come
-first served (or by priority), as in a server without QoS.
+**Capacity**: at most ``max_batch`` sequences run at once, in ``kv_capacity_tokens``
+of KV cache, held as passes write it: a request is admitted when its prompt (what its
+first pass will compute) fits, and a running request that finds the cache full
+preempts one (``reserve_output_kv``, opt-in, reserves the whole output at admission
+instead). The rest wait, first come first served (or by priority), as in a server
+without QoS.
 
 **As vLLM V1 schedules** (``docs/yardstick.md#the-engine-beside-vllms-scheduler``
 cites its code for each): a chunked iteration serves the running sequences first (a
@@ -304,9 +307,9 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: holding KV, prefilled or not
         self.kv_used = 0
-        #: The most KV ever reserved, and how often a request that had a batch slot
-        #: waited for KV room: where this engine's whole-output reservation could
-        #: differ from vLLM's blocks allocated as tokens come.
+        #: The most KV ever held, how often a request that had a batch slot waited for
+        #: KV room, and how often a running request was preempted for it: where KV,
+        #: not the batch or the budget, bound the schedule.
         self.kv_peak = 0
         self.kv_refusals = 0
         self.preemptions = 0

@@ -47,11 +47,14 @@ def _number(value: Any) -> bool:
 
 def mean(values: Sequence[Any]) -> Any:
     """The mean of numbers (None where a seed has none is left out; None if all are);
-    dictionaries key by key (counts of refusal reasons are summed, as totals); any
-    other value as the first seed has it."""
+    flags raised if any seed raised them (a run marked late in one seed marks the
+    cell); dictionaries key by key (counts of refusal reasons are summed, as totals);
+    any other value as the first seed has it."""
     present = [v for v in values if v is not None]
     if not present:
         return None
+    if all(isinstance(v, bool) for v in present):
+        return any(present)
     if all(_number(v) for v in present):
         return round(statistics.fmean(present), 4)
     if all(isinstance(v, Mapping) for v in present):

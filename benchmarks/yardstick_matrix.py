@@ -1,0 +1,101 @@
+"""Issue 37's whole matrix on the yardstick, one cell at a time, pinned to one commit.
+
+    python -m benchmarks.yardstick_matrix --commit HEAD            # every cell
+    python -m benchmarks.yardstick_matrix --list                   # the plan, and its cost
+
+Each cell is ``qos_replay.py --commit REV --trace T --load L --engine E [--bursty]``
+with every policy, reference and seed of its defaults, written to
+``docs/results/yardstick_{workload}_{load}x_{engine}.json`` (with its markdown,
+records and figures beside it). The cells run one after another (a replay takes the
+machine-wide lock anyway). The run is resumable: a cell whose JSON already records
+the same commit is kept, so a matrix stopped half way goes on where it stopped, and a
+cell run at another commit is run again. At the end the README's table
+(``replay_summary.py --headline``) is printed for the cells that exist.
+
+Replays run in real time: a seed of a cell is eight runs (qosd, static's five
+points, vllm-native, fifo-deadline) of the trace's 120 s and a 30 s drain, about 21
+minutes; ten seeds about 3.5 hours; the 18 cells about 63 hours on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.qos_replay import DEFAULT_TRACE
+from qosd_sim.seeds import REPORTED_SEEDS
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = DEFAULT_TRACE.parent
+#: The matrix's workloads: a trace, and whether its arrivals are redrawn as bursts.
+WORKLOADS = {
+    "azure": (TRACES / "azure2023_conv.csv", False),
+    "mooncake": (TRACES / "mooncake_fast25_synthetic.csv", False),
+    "bursty": (TRACES / "azure2023_conv.csv", True),
+}
+LOADS = (1.5, 2.0)
+ENGINES = ("chunked", "unchunked", "chunked-priority")
+#: One seed of a cell, all policies (8 runs of 120 s and a 30 s drain), on 2 CPUs.
+MINUTES_PER_SEED = 21
+
+
+def cell_path(out: Path, workload: str, load: float, engine: str) -> Path:
+    return out / f"yardstick_{workload}_{load:g}x_{engine}.json"
+
+
+def cell_command(workload: str, load: float, engine: str, commit: str, path: Path,
+                 seeds: str) -> list[str]:  # fmt: skip
+    trace, bursty = WORKLOADS[workload]
+    command = [sys.executable, str(ROOT / "benchmarks" / "qos_replay.py"), "--commit", commit,
+               "--trace", str(trace), "--load", f"{load:g}", "--engine", engine,
+               "--seeds", seeds, "--json", str(path)]  # fmt: skip
+    return command + (["--bursty"] if bursty else [])
+
+
+def recorded_commit(path: Path) -> str | None:
+    """The commit a cell's results name, or None where there are none to keep."""
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    commit = results.get("commit")
+    return commit if isinstance(commit, str) and not results.get("development_run") else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--commit", default="HEAD", help="the commit every cell runs (HEAD)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--seeds", default=",".join(map(str, REPORTED_SEEDS)))
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--list", action="store_true", help="print the plan and its cost only")
+    args = parser.parse_args()
+    # As the replays record it (qosd_harness.source_commit of their clean worktree).
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", args.commit],
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    cells = [(w, float(x), e) for w in args.workloads.split(",")
+             for x in args.loads.split(",") for e in args.engines.split(",")]  # fmt: skip
+    seeds = len(args.seeds.split(","))
+    todo = [c for c in cells if recorded_commit(cell_path(args.out, *c)) != commit]
+    print(f"{len(cells)} cells at {commit} ({len(cells) - len(todo)} done), {seeds} seeds each: "
+          f"about {len(todo) * seeds * MINUTES_PER_SEED / 60:.1f} h to go", flush=True)  # fmt: skip
+    for workload, load, engine in todo:
+        command = cell_command(workload, load, engine, commit,
+                               cell_path(args.out, workload, load, engine), args.seeds)  # fmt: skip
+        print(" ".join(command[1:]), flush=True)
+        if not args.list and subprocess.run(command, check=False).returncode != 0:
+            return 1
+    done = [str(p) for c in cells if (p := cell_path(args.out, *c)).exists()]
+    if done and not args.list:
+        summary = [sys.executable, str(ROOT / "benchmarks" / "replay_summary.py"), "--headline"]
+        return subprocess.run(summary + done, check=False).returncode
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
