@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from qosd.scrape_command import ENGINES
-from qosd_client import LatencyState, QosdClient
+from qosd_client import LatencySample, LatencyState, QosdClient
 from qosd_client.engine_metrics import (
     PROFILES,
     EngineCounters,
@@ -242,3 +242,38 @@ def test_scrape_reports_sim_vllm_to_the_daemon(tmp_path: Path) -> None:
     read = json.loads(line)
     assert read["read"] == 1 and read["samples"] == []  # the baseline reports nothing
     assert read["loads"] == {MODEL: {"waiting": 0, "running": 0, "kv_usage": 0.0}}
+
+
+def test_each_request_is_reported_once_when_the_e2e_series_appears_late() -> None:
+    """An engine may write a model's series on its first observation: a read can show
+    first tokens and no e2e series yet (counted by TTFT, as for a server that writes
+    no e2e), and the read after it the e2e series whole. Each finished request is
+    reported once (five requests on a busy machine once came back as six samples)."""
+    registry = CollectorRegistry()
+    labels = {"model_name": "llama"}
+
+    def histogram(name: str) -> Histogram:
+        made = Histogram(name, name, list(labels), buckets=[0.1, 1.0, 10.0], registry=registry)
+        return made.labels(**labels)
+
+    def read() -> EngineCounters:
+        text = generate_latest(registry).decode()
+        return parse_engine_metrics(text, PROFILES["vllm"]).get("llama", EngineCounters())
+
+    def between(before: EngineCounters, after: EngineCounters) -> list[LatencySample]:
+        return samples_between(before, after, model="llama", qos_class="P1",
+                               profile=PROFILES["vllm"])  # fmt: skip
+
+    baseline = read()
+    ttft = histogram("vllm:time_to_first_token_seconds")
+    ttft.observe(0.05)  # the first request's first token, and no e2e series yet
+    early = read()
+    e2e = histogram("vllm:e2e_request_latency_seconds")
+    for _ in range(4):
+        ttft.observe(0.05)
+    for _ in range(5):
+        e2e.observe(0.5)
+    later = read()
+    assert len(between(baseline, early)) + len(between(early, later)) == 5
+    e2e.observe(0.5)  # and from then on by e2e alone
+    assert len(between(later, read())) == 1

@@ -163,6 +163,18 @@ def _at_least(value: float | None, floor: float | None) -> float | None:
     return value if value is None or floor is None else max(value, floor)
 
 
+def _finished(counters: EngineCounters) -> float | None:
+    """How many requests a read says have finished: the e2e histogram's count, or the
+    first tokens' where the server writes no e2e (yet). The same rule on both reads
+    of a difference: an engine writes a model's series on its first observation, so
+    a read may show first tokens before any e2e, and counting the next read's whole
+    e2e count after those reported the first requests twice."""
+    for latency in (Latency.E2E, Latency.TTFT):
+        if latency in counters.histograms:
+            return counters.histograms[latency].count
+    return None
+
+
 def samples_between(
     before: EngineCounters,
     after: EngineCounters,
@@ -176,12 +188,10 @@ def samples_between(
     """The samples one model's histograms imply between two reads; ``rng`` pairs their
     TPOTs (a fixed seed by default)."""
     reset = _restarted(before, after)
-    finished_by = Latency.E2E if Latency.E2E in after.histograms else Latency.TTFT
-    if finished_by not in after.histograms:
+    done = _finished(after)
+    if done is None:
         return []
-    finished = after.histograms[finished_by].count
-    if not reset and finished_by in before.histograms:
-        finished -= before.histograms[finished_by].count
+    finished = done if reset else done - (_finished(before) or 0.0)
     if finished < 1:
         return []
     count = min(max_samples, round(finished))

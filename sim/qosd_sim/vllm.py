@@ -150,6 +150,10 @@ class VllmMetrics:
             "The simulator's monotonic clock when it read qosd_sim_gpu_busy_seconds",
             registry=registry,
         )
+        # The model's series exist from the start, at zero, as vLLM's stat logger makes
+        # them when it starts: a scraper's first read sees every histogram.
+        for histogram_ in (self.ttft, self.itl, self.request_tpot, self.e2e, self.queue):
+            histogram_.labels(*self.labels)
 
 
 class SimulatedVllm:
