@@ -25,6 +25,7 @@ from qosd.model import (
     AdmissionRequest,
     BucketDecision,
     LeaseSpec,
+    Outcome,
     Reason,
     ReleaseRequest,
     Sample,
@@ -139,6 +140,9 @@ class Admission:
                 self._policies[(pool.name, waiter.qos_class)]
             ),
             store_patience_s=config.redis.retry_interval_ms / 1000,
+            undo_later=lambda pool, waiter: self.undo_later(
+                self._policies[(pool.name, waiter.qos_class)], waiter.lease
+            ),
         )
         # Releases the store did not take, retried until they land or their lease
         # has expired: a slow or gone store strands no lease.
@@ -313,16 +317,21 @@ class Admission:
         wait_cap_ms: int,
     ) -> BucketDecision:
         guard = self.guard
-        probe = False
+        probe = sent = False
         try:
             if guard.down:
                 probe = guard.enter()
+            sent = True
             decision = await self._store.acquire(
                 pool, policy, lease, wait_ms, ttft_ms=ttft_ms, wait_cap_ms=wait_cap_ms
             )
         except StoreUnavailable as error:
             if probe or not guard.down:
                 guard.failed(error)
+            if sent:
+                # The script may have run with its answer lost (a store killed or cut
+                # off after it), leaving a lease or a queue entry nobody holds.
+                self.undo_later(policy, lease)
             return self._store_down_decision(policy)
         finally:
             if probe:
@@ -367,8 +376,23 @@ class Admission:
             self.settlements.add(request)
             raise
 
+    def undo_later(self, policy: ClassPolicy, lease: LeaseSpec) -> None:
+        """Undoes an admission nobody holds, whenever the store takes it: its queue
+        entry withdrawn, its whole charge back and its request id freed, as for a
+        caller that left. Retried with the Releases (``settlements``); where the store
+        made nothing, the retry finds nothing and ends."""
+        self.settlements.add(
+            ReleaseRequest(lease.lease_id, policy, False, 0, 0, Outcome.CANCELLED, undo=lease)
+        )
+
     async def _settle(self, request: ReleaseRequest) -> Settlement:
         policy = request.policy
+        if request.undo is not None:
+            pool = self._pools[policy.pool]
+            await self._store.cancel(pool, [Waiter(policy.name, 0.0, request.undo)])
+            settlement = await self._store.undo(pool, policy, request.undo)
+            self._waiting.nudge(policy.pool)
+            return settlement
         usage = UsageReport(request.input_tokens, request.output_tokens, request.outcome)
         pool = self._pools[policy.pool]
         settlement = await self._store.release(pool, policy, request.lease_id, usage)

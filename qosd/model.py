@@ -100,6 +100,9 @@ class ReleaseRequest:
     input_tokens: int | None  # None keeps the estimate
     output_tokens: int | None
     outcome: Outcome
+    # An admission nobody holds, to be undone (``Admission.undo_later``): one the
+    # store may have made though its answer never came, or one its caller left.
+    undo: LeaseSpec | None = None
 
 
 @dataclass(slots=True)  # not frozen: a hot-path type (see AdmissionRequest)

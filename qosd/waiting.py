@@ -32,13 +32,15 @@ from typing import Any
 
 from qosd.model import (
     BucketDecision,
+    LeaseExpired,
+    LeaseNotFound,
     PumpResult,
     Reason,
     StoreUnavailable,
     Waiter,
     WaiterState,
 )
-from qosd.policy import PoolPolicy
+from qosd.policy import ClassPolicy, PoolPolicy
 from qosd.store.base import BucketStore
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,12 @@ class WaitingRoom:
         poll_s: float,
         store_down: Callable[[PoolPolicy, Waiter], BucketDecision],
         store_patience_s: float = 0.0,
+        undo_later: Callable[[PoolPolicy, Waiter], None] | None = None,
     ) -> None:
         self._store = store
+        # Undoes an admission nobody holds, retried until the store takes it (the
+        # daemon's settlements); without one, once, in the background.
+        self._undo_later = undo_later
         self._poll_s = poll_s
         self._store_down = store_down
         self._store_patience_s = store_patience_s
@@ -220,11 +226,14 @@ class WaitingRoom:
             assert result.decision is not None
             if not self._answer(room, local, result.decision):
                 # A timeout or a departed caller won the race: give the tokens back.
-                self._undo(room.policy, local.waiter, result.decision)
+                self._undo(room.policy, local.waiter)
         elif result.state is WaiterState.LATE:  # it can no longer meet its TTFT objective
             self._answer(room, local, _rejected(local.waiter, Reason.DEADLINE))
         else:  # GONE: the store dropped it (taken for a dead daemon's, or expired)
             self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT))
+            # Or a pump admitted it and its answer was lost with the store: its lease
+            # would stand to its TTL. Undone; where there is none, nothing happens.
+            self._undo(room.policy, local.waiter)
 
     def _store_lost(self, room: _PoolRoom, error: StoreUnavailable) -> None:
         """Answers every waiter of the pool by the fail mode (those that joined while
@@ -249,11 +258,22 @@ class WaitingRoom:
             except StoreUnavailable:
                 await asyncio.sleep(min(5.0, 0.1 * 2**attempt))
 
-    def _undo(self, pool: PoolPolicy, waiter: Waiter, decision: BucketDecision) -> None:
+    def _undo(self, pool: PoolPolicy, waiter: Waiter) -> None:
         """Refunds a grant nobody will use, and frees its request id for a retry, as the
-        stores do for Acquires whose caller left."""
+        stores do for Acquires whose caller left: at once, and, where the store is away,
+        again until it takes it (``undo_later``)."""
         cls = next(c for c in pool.classes if c.name == waiter.qos_class)
-        self._in_background(self._store.undo(pool, cls, waiter.lease))
+        self._in_background(self._undo_now(pool, cls, waiter))
+
+    async def _undo_now(self, pool: PoolPolicy, cls: ClassPolicy, waiter: Waiter) -> None:
+        try:
+            await self._store.undo(pool, cls, waiter.lease)
+        except (LeaseNotFound, LeaseExpired):
+            pass  # nothing was granted, or it has ended on its own
+        except StoreUnavailable:
+            if self._undo_later is None:
+                raise
+            self._undo_later(pool, waiter)
 
     def _in_background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(work)
