@@ -148,7 +148,9 @@ class DaemonHttp:
             app.router.add_get("/metrics", self._metrics)
         if self._routes is not None:
             self._routes(app)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A caller that leaves cancels its handler, as gRPC cancels a call: a waiting
+        # Acquire leaves the queue rather than take a lease no one will release.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(
             self._runner,

@@ -454,8 +454,9 @@ def status_parameters(mapping: Mapping) -> list[Schema]:
 
 PROXY_STATUSES = {
     400: "Bad input, `error.param` naming the field or header: malformed JSON (`body`), no "
-    "model, a bad `max_tokens`, an unknown class, an objective out of range; or the "
-    "upstream's own 400, passed on.",
+    "model, a bad `max_tokens` (or one past `limits.max_request_tokens`), a bad `n` or "
+    "`best_of`, an unknown class, an objective out of range; or the upstream's own 400, "
+    "passed on.",
     401: "No credentials: an API key (`--api-key`) or `auth.qos` is required.",
     403: "The credentials are not allowed, or `x-qos-class` asks above the key's class.",
     404: "No upstream serves the model (`code`: `model_not_found`).",
@@ -466,7 +467,8 @@ PROXY_STATUSES = {
     499: "The client left before its answer: counted on /metrics "
     "(`qosd_proxy_requests_total`), never sent.",
     500: "A bug in the proxy; its log has the traceback.",
-    502: "The upstream was unreachable, or its answer broke off.",
+    502: "The upstream was unreachable, or its answer broke off or was over "
+    "`--max-answer-bytes` (`code`: `upstream_too_large`).",
     504: "The upstream went silent past `--upstream-read-timeout`.",
     503: "The store is down under `fail_mode: closed`, or the proxy is draining "
     "(`x-qos-reason`); or the upstream's own 503, passed on.",
@@ -637,22 +639,42 @@ def completion_request(chat: bool) -> Schema:
     if chat:
         properties["messages"] = {
             "type": "array",
-            "description": "Their `content` (a string, or parts with `text`) is the prompt "
-            "whose bytes estimate its tokens.",
+            "description": "Their `content` (a string, or parts with `text`) and "
+            "`tool_calls` are the prompt whose bytes estimate its tokens.",
             "items": {"type": "object"},
         }
     else:
         properties["prompt"] = {
             "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]
         }
+    choices = {"type": "integer", "minimum": 1, "maximum": 128}
     properties |= {
         "max_tokens": {
             **count,
-            "description": "The output the request is charged for at "
-            "admission (else the class's learned mean). Written without a fraction: the "
-            "proxy refuses `16.0`, which JSON Schema counts as an integer.",
+            "description": "The output of each answer the request is charged for at "
+            "admission (else the class's learned mean), at most `limits.max_request_tokens`. "
+            "Written without a fraction: the proxy refuses `16.0`, which JSON Schema counts as "
+            "an integer.",
         },
         "max_completion_tokens": {**count, "description": "As `max_tokens`, and before it."},
+        "n": {
+            **choices,
+            "description": "Answers to generate: the expected output is charged this many times.",
+        },
+        "best_of": {
+            **choices,
+            "description": "Answers the server generates to return the best `n`: charged as "
+            "`n` is, the larger of the two.",
+        },
+        "tools": {
+            "type": "array",
+            "description": "Counted in the prompt (their JSON's bytes), as are `functions` and "
+            "`response_format`.",
+        },
+        "priority": {
+            "description": "Never forwarded: with `--priority-upstreams` the proxy sets it "
+            "from the class."
+        },
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     }
@@ -922,7 +944,9 @@ def models_operation() -> Schema:
         "tags": ["proxy"],
         "operationId": "listModels",
         "summary": "OpenAI's GET /v1/models: every upstream's models",
-        "description": "Each model as its first server lists it, else a stub entry.",
+        "description": "Each model as its first server lists it (all asked at once, each "
+        "for up to 5 s), else a stub entry: a server that is down, silent or answers "
+        "nonsense costs only its own entries.",
         "responses": {
             "200": {
                 "description": "The models served.",

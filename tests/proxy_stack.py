@@ -67,8 +67,10 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
             telemetry = proxy.pop("telemetry", None)
+            # upstreams: MODEL=URL items, for several models; upstream: MODEL's server.
+            served = proxy.pop("upstreams", None) or [f"{MODEL}={proxy.pop('upstream', url)}"]
             proxy_settings = ProxySettings(
-                upstreams=Upstreams.parse([f"{MODEL}={proxy.pop('upstream', url)}"]),
+                upstreams=Upstreams.parse(served),
                 default_class=proxy.pop("default_class", "P1"),
                 **proxy,
             )

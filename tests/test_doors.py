@@ -12,19 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from qosd_client import DuplicateRequestId
-from tests.conftest import DaemonFactory
+from qosd.config import Config
+from qosd.doors.grpc_api import judge_samples
+from qosd.doors.proxy.handler import CLIENT_CLOSED
+from qosd.doors.proxy.telemetry import GenAiTelemetry
+from qosd.metrics import Metrics
+from qosd.model import Outcome, Sample
+from qosd.reload import plan_reload
+from qosd.v1 import envoy_rls_pb2 as rls
+from qosd_client import DuplicateRequestId, Status
+from qosd_harness import RedisServer
+from tests.conftest import BASE_CONFIG, DaemonFactory, merge
 from tests.proxy_stack import MODEL, Stack, StackFactory, chat, make_stack
+from tests.test_redis_store import busy, waits_unread
 from tests.waiting import eventually, until
 
 __all__ = ["make_stack"]  # the fixture, used by name
@@ -104,13 +120,36 @@ async def test_with_api_keys_a_missing_or_unknown_key_is_refused_and_headers_onl
     assert refusals and float(refusals[0].split()[-1]) == 2.0
 
 
+async def test_a_key_whose_class_is_not_configured_is_refused_as_unknown(
+    make_stack: StackFactory,
+) -> None:
+    """The probe: a key whose class the config lacks (gone from it) met a header that
+    named another class, and ``classes[key_class]`` raised KeyError: a 500. Now the
+    key's class is refused as an unknown class, with or without the header."""
+    stack = await make_stack(api_keys=keyed(old=("P9", "")))
+    url = f"{stack.url()}/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        for headers in ({"x-qos-class": "P2"}, {}):
+            async with session.post(url, json=chat(3, max_tokens=2),
+                                    headers={"authorization": "Bearer old", **headers}
+                                    ) as answer:  # fmt: skip
+                assert answer.status == 400, headers
+                error = (await answer.json())["error"]
+            assert error["param"] == "x-qos-class" and "P9" in error["message"]
+    assert (await stack.status()).active_leases == 0
+
+
 @asynccontextmanager
 async def upstream(
-    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None,
+    routes: Iterable[web.RouteDef] = (),
 ) -> AsyncIterator[str]:
-    """A one-route OpenAI-compatible upstream of the test's own, on a port of its own."""
+    """An OpenAI-compatible upstream of the test's own, on a port of its own: ``handler``
+    answers /v1/chat/completions, ``routes`` whatever else the test needs."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
+    if handler is not None:
+        app.router.add_post("/v1/chat/completions", handler)
+    app.add_routes(routes)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -302,6 +341,69 @@ async def test_json_api_bad_bodies_are_400s(
     assert field in json.loads(answer)["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "number"),
+    [
+        ("/v1/release", b'{"lease_id": "default:P1:x", "outcome": 1e400}', "1e400"),
+        ("/v1/report", b'{"samples": [{"status": -1e999}]}', "-1e999"),
+        ("/v1/acquire", b'{"qos_class": "P1", "input_tokens": 5, "max_wait_ms": 1E+999}', "1E+999"),
+    ],
+    ids=["release-outcome", "report-status", "acquire-wait"],
+)
+async def test_json_api_numbers_beyond_a_double_are_400s(
+    make_daemon: DaemonFactory, path: str, body: bytes, number: str
+) -> None:
+    """The probe: ``1e400`` reads as infinity, which protobuf's converters met with
+    OverflowError (not its ParseError), and the JSON API answered 500. Now it is a 400
+    naming the number."""
+    running = await make_daemon(HTTP)
+    assert running.daemon.http is not None
+    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+    code, answer = await raw_request(running.daemon.http.address, head, body)
+    assert code == 400
+    error = json.loads(answer)
+    assert error["code"] == "INVALID_ARGUMENT"
+    assert number in error["message"] and "out of range" in error["message"]
+
+
+async def test_json_api_unknown_paths_and_methods_answer_in_its_format(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The probe: an unknown path or a wrong method on the daemon's HTTP listener got
+    aiohttp's text pages, not the API's error format. Now each is ``{"code",
+    "message"}`` (404, or 405 with ``Allow``), and every route answers as before."""
+    running = await make_daemon(HTTP)
+    assert running.daemon.http is not None
+    base = f"http://{running.daemon.http.address}"
+    async with aiohttp.ClientSession() as session:
+        for method, path, status, allow in [
+            ("GET", "/v1/nope", 404, None),
+            ("POST", "/v1/acquire/", 404, None),
+            ("GET", "/v1/acquire", 405, "POST"),
+            ("POST", "/v1/status", 405, "GET, HEAD"),
+            ("DELETE", "/metrics", 405, "GET, HEAD"),
+        ]:
+            async with session.request(method, f"{base}{path}") as answer:
+                assert answer.status == status, (method, path)
+                assert answer.content_type == "application/json"
+                error = await answer.json()
+                assert error["code"] == ("NOT_FOUND" if status == 404 else "UNIMPLEMENTED")
+                assert path in error["message"]
+                assert answer.headers.get("Allow") == allow
+        async with session.get(f"{base}/metrics") as page:
+            assert page.status == 200 and page.content_type == "text/plain"
+            assert "qosd_acquire_decisions_total" in await page.text()
+        async with session.get(f"{base}/openapi.json") as document:
+            assert document.status == 200
+            assert "/v1/acquire" in (await document.json())["paths"]
+        async with session.get(f"{base}/healthz") as healthz:
+            assert healthz.status == 200 and await healthz.text() == "ok\n"
+        async with session.get(f"{base}/readyz") as readyz:
+            assert readyz.status == 200 and (await readyz.json())["ready"] is True
+        async with session.get(f"{base}/v1/status") as shown:
+            assert shown.status == 200
+
+
 async def test_json_api_bounds_query_parameters(make_daemon: DaemonFactory) -> None:
     running = await make_daemon(HTTP)
     assert running.daemon.http is not None
@@ -348,8 +450,9 @@ async def test_json_api_reads_a_body_that_comes_in_pieces(make_daemon: DaemonFac
         (b'{"model": "llama-3-8b", "messages": [{"content": "\xff"}]}', "body"),
         (json.dumps(chat(stream=True, stream_options=5)).encode(), "stream_options"),
         (json.dumps(chat(stream="yes")).encode(), "stream"),
+        (b'{"model": "llama-3-8b", "temperature": 1e400, "messages": []}', "body"),
     ],
-    ids=["5000-digits", "nested-2000", "invalid-utf8", "stream-options-5", "stream-yes"],
+    ids=["5000-digits", "nested-2000", "invalid-utf8", "stream-options-5", "stream-yes", "1e400"],
 )
 async def test_proxy_bad_bodies_are_400s_and_hold_no_lease(
     make_stack: StackFactory, body: bytes, param: str
@@ -366,6 +469,156 @@ async def test_proxy_bad_bodies_are_400s_and_hold_no_lease(
         assert answer.status == 400
         assert (await answer.json())["error"]["param"] == param
     assert (await stack.status()).active_leases == 0
+
+
+# -- callers that leave, and reloads ---------------------------------------------------
+
+
+def p1_waiting(status: Status) -> int:
+    return status.pool("default").cls("P1").waiting
+
+
+async def test_a_json_caller_that_leaves_while_queued_leaves_no_waiter_and_no_lease(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The probe: a JSON caller that disconnected while its Acquire waited in the queue
+    was still admitted when its turn came, on a lease nobody released (held to the
+    TTL). Now its handler is cancelled as a gRPC call is: it leaves the queue, nothing
+    is admitted for it, and its request id answers as a cancelled gRPC waiter's does
+    (recorded for its wait: docs/api.md, Idempotency)."""
+    running = await make_daemon(
+        {**HTTP, "pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
+         "classes": {"P1": {"max_wait_ms": 30_000}}}
+    )  # fmt: skip
+    qos = running.client
+    assert running.daemon.http is not None
+    url = f"http://{running.daemon.http.address}/v1/acquire"
+    held = await qos.acquire("P1", 10, request_id="holder")
+    assert held.admitted
+    async with aiohttp.ClientSession() as session:
+        asking = asyncio.create_task(
+            session.post(url, json={"qos_class": "P1", "input_tokens": 10, "request_id": "json"})
+        )
+        assert p1_waiting(await eventually(qos.status, lambda s: p1_waiting(s) == 1)) == 1
+        asking.cancel()  # closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+        assert p1_waiting(await eventually(qos.status, lambda s: p1_waiting(s) == 0)) == 0
+        # The same over gRPC, to compare the ids.
+        over_grpc = asyncio.create_task(qos.acquire("P1", 10, request_id="grpc"))
+        assert p1_waiting(await eventually(qos.status, lambda s: p1_waiting(s) == 1)) == 1
+        over_grpc.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await over_grpc
+        assert p1_waiting(await eventually(qos.status, lambda s: p1_waiting(s) == 0)) == 0
+        with pytest.raises(DuplicateRequestId):
+            await qos.acquire("P1", 10, request_id="grpc")
+        async with session.post(
+            url, json={"qos_class": "P1", "input_tokens": 10, "request_id": "json"}
+        ) as again:
+            assert again.status == 409
+            assert (await again.json())["code"] == "ALREADY_EXISTS"
+        await qos.release(held.lease_id)
+        # Nothing was admitted for the callers who left: the one slot is free at once.
+        async with session.post(
+            url, json={"qos_class": "P1", "input_tokens": 10, "max_wait_ms": 0}
+        ) as fresh:
+            assert fresh.status == 200
+            admitted = await fresh.json()
+        assert admitted["decision"] == "DECISION_ADMITTED"
+    assert (await qos.status()).pool("default").active_leases == 1
+    await qos.release(admitted["lease_id"])
+    assert (await qos.status()).pool("default").active_leases == 0
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+async def test_a_json_release_whose_caller_leaves_runs_to_its_end(
+    make_daemon: DaemonFactory, redis_standalone: RedisServer
+) -> None:
+    """A Release whose caller leaves while it is in the store (Redis busy) is not cut
+    there: it settles the lease and is counted, as if the caller had stayed (its
+    caller, gone, could not retry it). The daemon's own store traffic is stilled, so
+    that what reaches the busy Redis is the Release."""
+    running = await make_daemon(
+        {"server": {"http_listen": "127.0.0.1:0", "health_check_interval_s": 60},
+         "control": {"enabled": False}, "redis": {"timeout_ms": 10_000}}
+    )  # fmt: skip
+    assert running.daemon.http is not None
+    held = await running.client.acquire("P1", 10)
+    released = running.daemon.metrics.releases.labels("OK", "OK")
+    async with aiohttp.ClientSession() as session:
+        blocker = await busy(redis_standalone, 1_000)
+        leaving = asyncio.create_task(
+            session.post(f"http://{running.daemon.http.address}/v1/release",
+                         json={"lease_id": held.lease_id})
+        )  # fmt: skip
+        await waits_unread(redis_standalone, 1.0)  # the Release waits in Redis
+        leaving.cancel()  # the caller leaves
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await blocker
+    assert await until(lambda: released._value.get() == 1)
+    assert (await running.client.status()).pool("default").active_leases == 0
+
+
+def test_a_sample_of_a_class_the_config_lacks_is_stored_not_judged() -> None:
+    """The probe: ``judge_samples`` looked each sample's class up in the config of the
+    moment, and a class missing there (samples validated under another config) raised
+    KeyError after the samples were stored: a failed Report that had succeeded. Now
+    such a sample is not judged; the others are."""
+    slo = {"classes": {"P1": {"slo": {"ttft_ms": 100}}}}
+    config = Config.model_validate(merge(BASE_CONFIG, slo))
+    metrics = Metrics()
+
+    def sample(qos_class: str) -> Sample:
+        return Sample(pool="default", qos_class=qos_class, tenant="", ttft_ms=50.0,
+                      tpot_ms=None, e2e_ms=None, input_tokens=10, output_tokens=1,
+                      status=Outcome.OK)  # fmt: skip
+
+    judge_samples(metrics, config, [sample("gone"), sample("P1")])
+    judged = {(s.labels["class"], s.labels["result"]): s.value
+              for family in metrics.registry.collect() if family.name == "qosd_slo_samples"
+              for s in family.samples if s.name.endswith("_total")}  # fmt: skip
+    assert judged == {("P1", "met"): 1.0, ("P1", "missed"): 0.0}
+
+
+async def test_an_envoy_answer_states_the_limits_of_the_config_it_was_decided_under(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The probe: ShouldRateLimit read the config again after its wait, so a reload
+    in between answered with the new mapping (and a class gone from it would have
+    been an error status, which Envoy answers by letting the request through). Now
+    one snapshot serves the whole call: a reload that halves ``tokens_per_hit``
+    during the wait leaves the answer in the hits it was asked in."""
+    running = await make_daemon(
+        {"envoy_rls": {"tokens_per_hit": 100, "max_wait_ms": 30_000},
+         "pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
+         "classes": {"P1": {"max_wait_ms": 30_000}}}
+    )  # fmt: skip
+    qos = running.client
+    held = await qos.acquire("P1", 10)
+    request = rls.RateLimitRequest(domain="llm")
+    descriptor = request.descriptors.add()
+    descriptor.entries.add(key="qos_class", value="P1")
+    descriptor.entries.add(key="tokens", value="10")
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        should = channel.unary_unary(
+            "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            request_serializer=rls.RateLimitRequest.SerializeToString,
+            response_deserializer=rls.RateLimitResponse.FromString,
+        )
+        asking = asyncio.ensure_future(should(request, timeout=30))
+        assert p1_waiting(await eventually(qos.status, lambda s: p1_waiting(s) == 1)) == 1
+        config = running.daemon.config
+        halved = config.model_copy(
+            update={"envoy_rls": config.envoy_rls.model_copy(update={"tokens_per_hit": 50})}
+        )
+        running.daemon.apply(plan_reload(config, halved, sample_ratio_live=False))
+        await qos.release(held.lease_id)
+        answer: rls.RateLimitResponse = await asking
+    assert answer.overall_code == rls.RateLimitResponse.OK
+    # P1's rate is 3,000 tokens/s: 30 hits of 100 tokens, as asked (60 of 50 after).
+    assert answer.statuses[0].current_limit.requests_per_unit == 30
 
 
 # -- upstream faults -------------------------------------------------------------------
@@ -516,3 +769,444 @@ async def test_one_short_answer_does_not_make_a_long_prompt_look_oversized(
     assert answer.usage is not None and answer.usage.prompt_tokens == 20_000
     await client.close()
     assert await decisions(stack, "P1") == 3
+
+
+# -- the proxy's own faults (issue: a static review of the proxy) ----------------------
+
+
+def content_chunk(text: str = "tok") -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+            "choices": [choice]}  # fmt: skip
+
+
+def usage_chunk(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+            "choices": [], "usage": usage}  # fmt: skip
+
+
+async def sse(
+    request: web.Request, *chunks: dict[str, Any], done: bool = True
+) -> web.StreamResponse:
+    """``chunks`` as server-sent events, then ``[DONE]``."""
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    if done:
+        await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def in_memory_spans() -> tuple[InMemorySpanExporter, GenAiTelemetry]:
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    return spans, GenAiTelemetry(provider.get_tracer("test"))
+
+
+def proxy_answers(stack: Stack, code: int) -> float:
+    """The proxy's count of its answers to P1 requests with ``code``."""
+    counter = stack.proxies[0].daemon.metrics.proxy_requests.labels(MODEL, "P1", str(code))
+    return float(counter._value.get())
+
+
+@pytest.mark.parametrize("count", [10**400, 10**18], ids=["400-digits", "1e18"])
+async def test_absurd_usage_is_settled_at_the_limit_and_teaches_the_estimates_nothing(
+    make_stack: StackFactory, count: int
+) -> None:
+    """The probe: ``"prompt_tokens"`` of 1 and 400 zeros raised OverflowError in the
+    settlement, before its Release (the lease waited for its TTL), and in the
+    telemetry; 10**18 skewed the estimates of the next thousands of requests. Now
+    both are settled at once, at the limit, the span's counts are the limit's, and
+    nothing is learned from them."""
+
+    async def boasting(request: web.Request) -> web.StreamResponse:
+        if (await request.json()).get("stream"):
+            return await sse(request, content_chunk(), content_chunk(), usage_chunk(count, count))
+        return web.json_response(completion(prompt_tokens=count, completion_tokens=count))
+
+    spans, telemetry = in_memory_spans()
+    async with upstream(boasting) as url:
+        stack = await make_stack({"limits": {"max_request_tokens": 100_000}}, upstream=url,
+                                 telemetry=telemetry)  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            for body in (chat(3), chat(3, stream=True, stream_options={"include_usage": True})):
+                async with session.post(f"{stack.url()}/chat/completions", json=body) as answer:
+                    assert answer.status == 200
+                    text = await answer.text()
+                assert str(count) in text  # passed on as it came
+        pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+        assert pool.active_leases == 0
+    proxy = stack.proxies[0].proxy
+    await proxy.settled()
+    assert proxy.estimator.fits == {} and proxy.estimator.output_tokens == {}
+    assert 'qosd_releases_total{outcome="OK",result="OK"} 2.0' in await metrics_page(stack)
+    assert proxy_answers(stack, 200) == 2 and proxy_answers(stack, 500) == 0
+    counted = [(span.attributes or {}).get("gen_ai.usage.input_tokens")
+               for span in spans.get_finished_spans()]  # fmt: skip
+    assert counted == [100_000, 100_000]
+
+
+async def test_tools_and_n_count_in_the_cost(make_stack: StackFactory) -> None:
+    """The probe: a request with a ``tools`` array of 32K tokens was admitted as about
+    8 tokens (past the too-large check, the long-prefill handling and the in-flight
+    token bound), and ``n`` was never read. Now the tools' JSON counts in the prompt's
+    estimate, the expected output is ``max_tokens`` times ``n``, and a request whose
+    tools alone are past the limit is refused as too large."""
+    go_on = asyncio.Event()
+
+    async def holding(request: web.Request) -> web.Response:
+        await go_on.wait()
+        return web.json_response(completion())
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "word " * 100,
+              "parameters": {"type": "object"}}} for i in range(80)]  # fmt: skip
+    tools_bytes = len(json.dumps(tools))
+    async with upstream(holding) as url:
+        stack = await make_stack({"limits": {"max_request_tokens": 20_000}}, upstream=url)
+        post = f"{stack.url()}/chat/completions"
+        async with aiohttp.ClientSession() as session:
+            asking = asyncio.create_task(
+                session.post(post, json=chat(3, max_tokens=100, n=4, tools=tools))
+            )
+            pool = await eventually(stack.status, lambda p: p.cls("P1").in_flight == 1)
+            # At 4 bytes a token (the prior), plus 4 answers of 100 tokens; it was ~111.
+            assert pool.cls("P1").in_flight_tokens >= tools_bytes / 4 + 400
+            go_on.set()
+            answer = await asking
+            assert answer.status == 200
+            answer.release()
+            async with session.post(post, json=chat(3, max_tokens=1, tools=tools * 20)) as big:
+                assert big.status == 400  # 900 KB of tools: past 20,000 tokens at 32 bytes each
+                error = (await big.json())["error"]
+            assert error["param"] == "messages" and "limits.max_request_tokens" in error["message"]
+        assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(max_tokens=10**23), "max_tokens"),
+        (chat(max_completion_tokens=200_000), "max_completion_tokens"),
+        (chat(n=0), "n"),
+        (chat(n=129), "n"),
+        (chat(n="2"), "n"),
+        (chat(best_of=True), "best_of"),
+    ],
+    ids=[
+        "max-tokens-1e23",
+        "max-completion-tokens-past-limit",
+        "n-0",
+        "n-129",
+        "n-string",
+        "best-of-true",
+    ],
+)
+async def test_max_tokens_n_and_best_of_are_bounded_at_the_door(
+    make_stack: StackFactory, body: dict[str, Any], param: str
+) -> None:
+    """The probe: a ``max_tokens`` of 10**23 went into a span attribute no int64 holds,
+    and ``n`` was never read. Now ``max_tokens`` past ``limits.max_request_tokens``,
+    and ``n`` or ``best_of`` that is not a whole number from 1 to 128, is a 400
+    naming the field; no lease is taken."""
+    stack = await make_stack({"limits": {"max_request_tokens": 100_000}})
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{stack.url()}/chat/completions", json=body) as answer,
+    ):
+        assert answer.status == 400
+        error = (await answer.json())["error"]
+    assert error["param"] == param and param in error["message"]
+    assert (await stack.status()).active_leases == 0
+
+
+async def test_a_large_body_is_parsed_off_the_loop_and_only_for_a_known_key(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe: an 8 MB ``{"messages": [[], [], ...]}`` held the event loop for
+    seconds while it was parsed, and with ``--api-key`` a caller with no key could
+    send it (the body was parsed before the key was checked). Now the key is checked
+    first, and an unknown caller's body is never parsed; a large body is parsed in a
+    thread while the loop goes on serving: a small request is answered here while
+    the large one's parsing is held."""
+    from qosd.doors.proxy import handler  # noqa: PLC0415 - patched where it is used
+
+    parsed_in: list[int] = []
+    released: list[bool] = []
+    hold = threading.Event()
+    from qosd.doors.bodies import parse_json  # noqa: PLC0415 - the one patched over
+
+    def held_parse(raw: bytes) -> Any:
+        parsed_in.append(threading.get_ident())
+        if len(raw) > handler.PARSE_OFF_LOOP_BYTES:
+            released.append(hold.wait(10))  # on the loop, nothing would set it
+        return parse_json(raw)
+
+    monkeypatch.setattr(handler, "parse_json", held_parse)
+
+    async def answering(request: web.Request) -> web.Response:
+        return web.json_response(completion())
+
+    big = b'{"model": "llama-3-8b", "max_tokens": 2, "messages": [' + b"[], " * 500_000 + b"[]]}"
+    async with upstream(answering) as url:
+        stack = await make_stack(api_keys=keyed(key=("P1", "")), upstream=url)
+        post = f"{stack.url()}/chat/completions"
+        as_json = {"content-type": "application/json"}
+        keyed_json = {**as_json, "authorization": "Bearer key"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(post, data=big, headers=as_json) as refused:
+                assert refused.status == 401
+            assert parsed_in == []  # refused before its body was read
+            large = asyncio.create_task(session.post(post, data=big, headers=keyed_json))
+            assert await until(lambda: len(parsed_in) == 1)
+            async with session.post(post, json=chat(3, max_tokens=2),
+                                    headers={"authorization": "Bearer key"}) as small:  # fmt: skip
+                assert small.status == 200
+            hold.set()
+            answer = await large
+            assert answer.status == 200
+            answer.release()
+    assert released == [True]
+    assert parsed_in[0] != threading.get_ident()  # not the event loop's thread
+
+
+async def test_a_stream_that_breaks_after_its_200_ends_with_an_error_event(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probes: an event over 128 KiB (aiohttp's LineTooLong), an event with
+    ``"choices": 5`` (a TypeError in the proxy), or any failure of the proxy's own
+    once a stream's 200 had gone out, answered a 500 inside that stream: a second
+    status line. Now an event up to ``--max-body-bytes`` is relayed whole, and
+    ``choices: 5`` as it came; a longer event, or a failure of the proxy's own, ends
+    the stream with an OpenAI error event. Every lease ends (ERROR where the stream
+    broke), and each stream counts as a 200."""
+    from qosd.doors.proxy import handler  # noqa: PLC0415 - patched where it is used
+
+    async def odd(request: web.Request) -> web.StreamResponse:
+        case = (await request.json())["messages"][0]["content"]
+        first = {"long": content_chunk("x" * 300_000),
+                 "too long": content_chunk("x" * 600_000),
+                 "five": {**content_chunk(), "choices": 5},
+                 "word": content_chunk()}[case]  # fmt: skip
+        return await sse(request, first, content_chunk(), usage_chunk(3, 2))
+
+    async with upstream(odd) as url:
+        stack = await make_stack(upstream=url, max_body_bytes=500_000)
+
+        async def streamed(case: str) -> str:
+            body = {**chat(stream=True), "messages": [{"role": "user", "content": case}]}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{stack.url()}/chat/completions", json=body) as answer,
+            ):
+                assert answer.status == 200
+                return await answer.text()
+
+        long = await streamed("long")
+        assert "x" * 300_000 in long and long.endswith("data: [DONE]\n\n")
+        five = await streamed("five")
+        assert '"choices": 5' in five and five.endswith("data: [DONE]\n\n")
+        too_long = await streamed("too long")
+        last = json.loads(too_long.rstrip("\n").rpartition("data: ")[2])
+        assert last["error"]["code"] == "upstream_too_large" and "HTTP/1.1" not in too_long
+
+        def failing(chunk: dict[str, Any]) -> bool:
+            raise TypeError("a bug of the proxy's own")
+
+        monkeypatch.setattr(handler, "_has_content", failing)
+        broken = await streamed("word")
+        last = json.loads(broken.rstrip("\n").rpartition("data: ")[2])
+        assert last["error"]["code"] == "internal_error" and "HTTP/1.1" not in broken
+        pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+        assert pool.active_leases == 0
+    await stack.proxies[0].proxy.settled()
+    page = await metrics_page(stack)
+    assert 'qosd_releases_total{outcome="OK",result="OK"} 2.0' in page
+    assert 'qosd_releases_total{outcome="ERROR",result="OK"} 2.0' in page
+    assert proxy_answers(stack, 200) == 4 and proxy_answers(stack, 500) == 0
+
+
+async def test_a_client_that_stops_reading_is_taken_to_have_left(make_stack: StackFactory) -> None:
+    """The probe: a client that stopped reading a stream, its connection left open,
+    held its lease and the upstream's request for as long as it kept the connection.
+    Now a write that waits past the client write timeout counts it as gone: a 499,
+    its lease settled as cancelled, its upstream request closed."""
+    ended = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        line = b"data: " + json.dumps(content_chunk("x" * 16_000)).encode() + b"\n\n"
+        try:
+            while True:
+                await response.write(line)
+        finally:
+            ended.set()
+
+    async with upstream(endless) as url:
+        stack = await make_stack(upstream=url, client_write_timeout_s=0.5)
+        host, _, port = stack.proxies[0].address.rpartition(":")
+        body = json.dumps(chat(3, stream=True)).encode()
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+        reader.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(reader, (host, int(port)))
+        await loop.sock_sendall(reader, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                                b"content-type: application/json\r\ncontent-length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+        try:  # and never reads
+            assert await until(ended.is_set)
+            pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+            assert pool.active_leases == 0
+            assert await until(lambda: proxy_answers(stack, CLIENT_CLOSED) == 1)
+        finally:
+            reader.close()
+    await stack.proxies[0].proxy.settled()
+    assert 'qosd_releases_total{outcome="CANCELLED",result="OK"} 1.0' in await metrics_page(stack)
+
+
+async def test_an_answer_past_the_limit_is_a_502_and_its_lease_ends(
+    make_stack: StackFactory,
+) -> None:
+    """The probe: a whole answer was read into memory however large. Now one past
+    ``--max-answer-bytes``, its length said or not, is a 502 in OpenAI's format
+    (``upstream_too_large``), and its lease ends."""
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        body = json.dumps({**completion(), "padding": "x" * 200_000}).encode()
+        if (await request.json())["max_tokens"] == 1:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        response.enable_chunked_encoding()  # no length said
+        await response.prepare(request)
+        for start in range(0, len(body), 16_384):
+            await response.write(body[start : start + 16_384])
+        return response
+
+    async with upstream(huge) as url:
+        stack = await make_stack(upstream=url, max_answer_bytes=100_000)
+        async with aiohttp.ClientSession() as session:
+            for max_tokens in (1, 2):
+                async with session.post(f"{stack.url()}/chat/completions",
+                                        json=chat(3, max_tokens=max_tokens)) as answer:  # fmt: skip
+                    assert answer.status == 502
+                    error = (await answer.json())["error"]
+                assert error["code"] == "upstream_too_large" and error["type"] == "upstream_error"
+        pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+        assert pool.active_leases == 0
+    await stack.proxies[0].proxy.settled()
+    assert 'qosd_releases_total{outcome="ERROR",result="OK"} 2.0' in await metrics_page(stack)
+
+
+async def test_models_are_listed_whatever_the_upstreams_answer(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probes: an upstream's ``{"data": null}`` or ``{"data": 5}`` made
+    ``/v1/models`` aiohttp's text 500, and upstreams were asked one after another,
+    each for up to the 300 s read timeout. Now they are asked at once, each for a few
+    seconds; a model whose server answers nonsense or nothing is listed as a stub."""
+    from qosd.doors.proxy import handler  # noqa: PLC0415 - patched where it is used
+
+    monkeypatch.setattr(handler, "MODELS_TIMEOUT_S", 3.0)
+    silent_now = 0
+    never = asyncio.Event()
+
+    async def listing(request: web.Request) -> web.Response:
+        nonlocal silent_now
+        kind = request.match_info["kind"]
+        if kind == "silent":
+            silent_now += 1
+            await never.wait()
+        good = {"object": "list", "data": [7, {"id": "m-good", "object": "model",
+                                               "owned_by": "vllm"}]}  # fmt: skip
+        return web.json_response({"null": {"data": None}, "five": {"data": 5}, "list": [1],
+                                  "good": good}[kind])  # fmt: skip
+
+    names = ["m-null", "m-five", "m-list", "m-silent-a", "m-silent-b", "m-good"]
+    async with upstream(routes=[web.get("/{kind}/v1/models", listing)]) as url:
+        kinds = [name.removeprefix("m-").partition("-")[0] for name in names]
+        stack = await make_stack(
+            upstreams=[f"{n}={url}/{k}" for n, k in zip(names, kinds, strict=True)]
+        )
+        async with aiohttp.ClientSession() as session:
+            asking = asyncio.create_task(session.get(f"{stack.url()}/models"))
+            assert await until(lambda: silent_now == 2, timeout_s=2.5)  # both at once
+            answer = await asking
+            assert answer.status == 200
+            listed = (await answer.json())["data"]
+            answer.release()
+        never.set()
+    assert [(m["id"], m["owned_by"]) for m in listed] == [
+        *((name, "qosd-proxy") for name in names[:-1]),
+        ("m-good", "vllm"),
+    ]
+
+
+async def test_a_clients_own_priority_never_goes_upstream(make_stack: StackFactory) -> None:
+    """The probe: a client's ``priority`` field went upstream as it came, so that a
+    client could jump vLLM's queue (``--scheduling-policy priority``). Now it is
+    taken out; with ``--priority-upstreams`` the field is qosd's, from the class."""
+    seen: list[Any] = []
+
+    async def recording(request: web.Request) -> web.Response:
+        seen.append((await request.json()).get("priority", "none"))
+        return web.json_response(completion())
+
+    async with upstream(recording) as url:
+        for priority_upstreams in (False, True):
+            stack = await make_stack(upstream=url, priority_upstreams=priority_upstreams)
+            client = stack.client()
+            await client.chat.completions.create(**chat(3), extra_body={"priority": -100})
+            await client.close()
+    assert seen == ["none", 1]  # P1: the second class
+
+
+async def test_a_failure_right_after_admission_still_ends_the_lease(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe: the rate-limit headers were made between admission and the ``try``
+    whose ``finally`` ends the lease, so a failure there left the lease to its TTL.
+    Now nothing stands between them: a 500 in OpenAI's format, and the lease ends."""
+    from qosd.doors.proxy import handler  # noqa: PLC0415 - patched where it is used
+
+    def failing(decision: Any) -> dict[str, str]:
+        raise RuntimeError("a bug of the proxy's own")
+
+    monkeypatch.setattr(handler, "rate_limit_headers", failing)
+    stack = await make_stack()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{stack.url()}/chat/completions", json=chat(3)) as answer,
+    ):
+        assert answer.status == 500
+        assert (await answer.json())["error"]["type"] == "server_error"
+    assert await decisions(stack, "P1") == 1
+    pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+    assert pool.active_leases == 0
+
+
+async def test_unknown_paths_and_methods_are_answered_in_openai_s_format(
+    make_stack: StackFactory,
+) -> None:
+    """The probe: a path the proxy does not serve, or a method a path does not take,
+    got aiohttp's text 404 or 405. Now each is OpenAI's error, which the SDK raises
+    as its own."""
+    stack = await make_stack()
+    base = f"http://{stack.proxies[0].address}"
+    async with aiohttp.ClientSession() as session:
+        for method, path, status in [("GET", "/v1/chat/completions", 405),
+                                     ("DELETE", "/v1/models", 405),
+                                     ("POST", "/v1/embeddings", 404),
+                                     ("GET", "/nothing", 404)]:  # fmt: skip
+            async with session.request(method, f"{base}{path}") as answer:
+                assert answer.status == status, path
+                error = (await answer.json())["error"]
+            assert error["type"] == "invalid_request_error" and path in error["message"]
+    client = stack.client(max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        await client.embeddings.create(model=MODEL, input="word")
+    await client.close()

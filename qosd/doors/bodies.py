@@ -4,13 +4,15 @@ hurt the reader.
 A body is read to its end, up to a limit: a request may arrive in many TCP segments,
 and reading what happens to be buffered reads half a body. JSON is parsed with its
 numbers bounded (a 5,000-digit integer costs quadratic time to convert and is no
-token count), without NaN or Infinity (not JSON), and with its nesting bounded (deep
-nesting exhausts the parser's recursion).
+token count; ``1e400`` becomes infinity, which no field takes and protobuf's
+converters fail on), without NaN or Infinity (not JSON), and with its nesting bounded
+(deep nesting exhausts the parser's recursion).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from aiohttp import web
@@ -51,10 +53,12 @@ def parse_json(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise BadJson(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        value = json.loads(text, parse_int=_integer, parse_constant=_constant)
+        value = json.loads(text, parse_int=_integer, parse_float=_finite, parse_constant=_constant)
     except RecursionError:
         raise BadJson(f"the body nests deeper than {MAX_DEPTH} levels") from None
-    except ValueError as exc:  # JSONDecodeError, and _integer's and _constant's
+    except BadJson:  # a number refused by _integer, _finite or _constant
+        raise
+    except ValueError as exc:  # JSONDecodeError
         raise BadJson(f"the body is not valid JSON: {exc}") from None
     if _depth_exceeds(value, MAX_DEPTH):
         raise BadJson(f"the body nests deeper than {MAX_DEPTH} levels")
@@ -63,12 +67,22 @@ def parse_json(raw: bytes) -> Any:
 
 def _integer(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits is out of range")
+        raise BadJson(f"the body has an integer of {len(text)} digits, out of range")
     return int(text)
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadJson(
+            f"the body has the number {text[:40]}, out of range: beyond a double's, it reads "
+            "as infinity, which no field takes"
+        )
+    return value
+
+
 def _constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+    raise BadJson(f"the body is not valid JSON: {name} is not a JSON number")
 
 
 def _depth_exceeds(value: Any, limit: int) -> bool:

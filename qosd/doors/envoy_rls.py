@@ -36,6 +36,7 @@ from qosd.config import EnvoyRlsConfig
 from qosd.doors.decisions import Decisions
 from qosd.doors.request import InvalidArgument
 from qosd.model import Reason
+from qosd.policy import ClassPolicy
 from qosd.v1 import envoy_rls_pb2 as rls
 
 ENVOY_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
@@ -49,15 +50,9 @@ INVALID_REQUEST = "INVALID_REQUEST"
 class EnvoyRateLimitService:
     def __init__(self, decisions: Decisions, tracer: Tracer | None = None) -> None:
         self._decisions = decisions
-        self._admission = decisions.admission
         self._metrics = decisions.metrics
         self._tracer = tracer
         self._counters: dict[tuple[str, str], Any] = {}
-
-    @property
-    def _config(self) -> EnvoyRlsConfig:
-        """Read per call: a reload may change the mapping (qosd.reload)."""
-        return self._admission.config.envoy_rls
 
     def _count(self, code: str, reason: str) -> None:
         """qosd_envoy_rls_requests_total, with label children cached as for Acquire."""
@@ -69,14 +64,18 @@ class EnvoyRateLimitService:
     async def ShouldRateLimit(  # noqa: N802 - gRPC method name
         self, request: rls.RateLimitRequest, context: grpc.aio.ServicerContext
     ) -> rls.RateLimitResponse:
-        config = self._config
+        # One config for the whole call, read here: a reload may change the mapping
+        # and the classes (qosd.reload), and a lookup that failed half way would be an
+        # error status, which Envoy answers by letting the request through.
+        rules = self._decisions.rules
+        config = rules.config.envoy_rls
         if config.domains and request.domain not in config.domains:
             self._count("OK", "other_domain")
             return _all(request, _OK)
         try:
             entries, hits = _read(request)
-            qos_class = self._class_of(entries)
-            cost = self._cost(entries, hits)
+            qos_class = _class_of(config, entries)
+            cost = _cost(config, entries, hits, rules.max_tokens)
             tenant = entries.get(config.tenant_key, "")
             model = entries.get(config.model_key, "")
             span = tracing.recording_span() if self._tracer is not None else None
@@ -85,7 +84,7 @@ class EnvoyRateLimitService:
                     {"qosd.class": qos_class, "qosd.tenant": tenant, "qosd.model": model,
                      "qosd.envoy.domain": request.domain, "qosd.envoy.hits": hits}
                 )  # fmt: skip
-            admission_request = self._decisions.rules.acquire(
+            admission_request = rules.acquire(
                 tenant=tenant,
                 model=model,
                 qos_class=qos_class,
@@ -93,7 +92,7 @@ class EnvoyRateLimitService:
                 max_wait_ms=config.max_wait_ms,
                 deadline_s=context.time_remaining(),
                 lease_ttl_ms=config.lease_ttl_ms,
-                names=self._names(),
+                names=_names(config),
             )
         except InvalidArgument as exc:
             # OVER_LIMIT, not an error status: Envoy lets a request through when its
@@ -102,57 +101,26 @@ class EnvoyRateLimitService:
             self._decisions.invalid("ShouldRateLimit", exc)
             self._count("OVER_LIMIT", INVALID_REQUEST)
             return _refused(request, str(exc))
+        # The rate it states is the class's as this call read it: the lookup cannot
+        # fail after the decision, whatever a reload changed meanwhile.
+        policy = rules.policies.get((admission_request.pool, qos_class))
         outcome = await self._decisions.acquire(admission_request)
-        return self._response(request, outcome, qos_class)
-
-    def _names(self) -> dict[str, str]:
-        """The descriptor entries that carry each field, for errors."""
-        config = self._config
-        return {
-            "qos_class": f"descriptor entry {config.class_key!r}",
-            "tenant": f"descriptor entry {config.tenant_key!r}",
-            "model": f"descriptor entry {config.model_key!r}",
-        }
-
-    def _class_of(self, entries: dict[str, str]) -> str:
-        config = self._config
-        value = entries.get(config.class_key)
-        if value is None:
-            if config.default_class is None:
-                raise InvalidArgument(
-                    config.class_key,
-                    f"no descriptor entry {config.class_key!r} names the QoS class, and "
-                    "envoy_rls.default_class is not set",
-                )
-            return config.default_class
-        return config.class_aliases.get(value, value)
-
-    def _cost(self, entries: dict[str, str], hits: int) -> int:
-        config = self._config
-        if config.cost_key is not None and config.cost_key in entries:
-            raw = entries[config.cost_key]
-            limit = self._admission.config.limits.max_request_tokens
-            # ASCII digits only: int() would also take " 5", "1_000" and "\u0665" (an
-            # Arabic-Indic five), none of which a gateway means as a token count.
-            cost = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else 0
-            if not 1 <= cost <= limit:
-                raise InvalidArgument(
-                    config.cost_key,
-                    f"descriptor entry {config.cost_key!r} must be a whole number of tokens "
-                    f"from 1 to {limit} (got {raw[:40]!r})",
-                )
-            return cost
-        return max(1, math.ceil(hits * config.tokens_per_hit))
+        return self._response(request, outcome, qos_class, config, policy)
 
     def _response(
-        self, request: rls.RateLimitRequest, outcome: AcquireOutcome, qos_class: str
+        self,
+        request: rls.RateLimitRequest,
+        outcome: AcquireOutcome,
+        qos_class: str,
+        config: EnvoyRlsConfig,
+        policy: ClassPolicy | None,
     ) -> rls.RateLimitResponse:
         decision = outcome.decision
-        per_hit = self._config.tokens_per_hit
+        per_hit = config.tokens_per_hit
         code = _OK if decision.admitted else _OVER_LIMIT
         reason = Reason(decision.reason).name
         self._count("OK" if decision.admitted else "OVER_LIMIT", reason)
-        rate = self._admission.policy(outcome.pool, qos_class).rate
+        rate = policy.rate if policy is not None else 0.0
         status = rls.RateLimitResponse.DescriptorStatus(
             code=code,
             current_limit=rls.RateLimitResponse.RateLimit(
@@ -174,6 +142,44 @@ class EnvoyRateLimitService:
             ).encode()  # fmt: skip
         response.statuses.extend([status] * len(request.descriptors))
         return response
+
+
+def _names(config: EnvoyRlsConfig) -> dict[str, str]:
+    """The descriptor entries that carry each field, for errors."""
+    return {
+        "qos_class": f"descriptor entry {config.class_key!r}",
+        "tenant": f"descriptor entry {config.tenant_key!r}",
+        "model": f"descriptor entry {config.model_key!r}",
+    }
+
+
+def _class_of(config: EnvoyRlsConfig, entries: dict[str, str]) -> str:
+    value = entries.get(config.class_key)
+    if value is None:
+        if config.default_class is None:
+            raise InvalidArgument(
+                config.class_key,
+                f"no descriptor entry {config.class_key!r} names the QoS class, and "
+                "envoy_rls.default_class is not set",
+            )
+        return config.default_class
+    return config.class_aliases.get(value, value)
+
+
+def _cost(config: EnvoyRlsConfig, entries: dict[str, str], hits: int, limit: int) -> int:
+    if config.cost_key is not None and config.cost_key in entries:
+        raw = entries[config.cost_key]
+        # ASCII digits only: int() would also take " 5", "1_000" and "\u0665" (an
+        # Arabic-Indic five), none of which a gateway means as a token count.
+        cost = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else 0
+        if not 1 <= cost <= limit:
+            raise InvalidArgument(
+                config.cost_key,
+                f"descriptor entry {config.cost_key!r} must be a whole number of tokens "
+                f"from 1 to {limit} (got {raw[:40]!r})",
+            )
+        return cost
+    return max(1, math.ceil(hits * config.tokens_per_hit))
 
 
 def _read(request: rls.RateLimitRequest) -> tuple[dict[str, str], int]:

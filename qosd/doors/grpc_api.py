@@ -157,6 +157,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
         self, request: qosd_pb2.ReportRequest, context: grpc.aio.ServicerContext
     ) -> qosd_pb2.ReportResponse:
         admission = self._decisions.admission
+        # One config for the whole call: the samples are judged by the classes they
+        # were validated against, whatever a reload changes while they are stored.
         rules = self._decisions.rules
         try:
             rules.report_size(len(request.samples), len(request.loads))
@@ -195,7 +197,7 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             self._metrics.report_samples.labels("unavailable").inc(len(request.samples))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"samples not stored: {exc}; retry")
         self._metrics.report_samples.labels("accepted").inc(len(accepted))
-        self._judge(accepted)
+        judge_samples(self._metrics, rules.config, accepted)
         self._metrics.report_samples.labels("rejected").inc(len(rejected))
         if self._tracer is not None:
             span = trace.get_current_span()
@@ -213,18 +215,17 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
             loads_rejected=loads_rejected,
         )
 
-    def _judge(self, samples: list[Sample]) -> None:
-        """Counts the stored samples that met or missed their objectives, judged as
-        the windows judge them (``windows.verdict``): the burn-rate alerts' SLI."""
-        judge_samples(self._metrics, self._decisions.admission.config, samples)
-
 
 def judge_samples(metrics: Metrics, config: Config, samples: list[Sample]) -> None:
     """Counts stored samples that met or missed their objectives
-    (``qosd_slo_samples_total``), as the windows judge them (``windows.verdict``)."""
+    (``qosd_slo_samples_total``), as the windows judge them (``windows.verdict``): the
+    burn-rate alerts' SLI. A sample whose class ``config`` lacks (validated under
+    another config) has no objective here, and is not judged: counting is no reason
+    to fail a call whose samples are stored already."""
     classes = config.classes
     for sample in samples:
-        met = verdict(sample, classes[sample.qos_class].slo)
+        cls = classes.get(sample.qos_class)
+        met = verdict(sample, cls.slo) if cls is not None else None
         if met is not None:
             metrics.slo_sample(sample.pool, sample.qos_class, met)
 

@@ -13,14 +13,23 @@ runs the gRPC method's own handler chain (qosd.doors.grpc_api.add_to_server): th
 authorization (``authorization: Bearer`` and mTLS identities), the same trace
 propagation (``traceparent``), the same validation. Answers are the response
 messages, with every field present; an error is ``{"code": "INVALID_ARGUMENT",
-"message": ...}`` with the HTTP status its gRPC code maps to.
+"message": ...}`` with the HTTP status its gRPC code maps to, and so is an unknown path
+(404) or method (405) on the listener.
+
+A caller that leaves is treated as gRPC treats a cancelled call: the listener cancels
+its handler (``handler_cancellation``), so a waiting Acquire leaves the queue and an
+admission that raced its departure is undone (qosd.waiting, qosd.admission). A
+Release or Report runs to its end all the same: cut half way, a lease would be left
+to its TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -59,6 +68,8 @@ METADATA_HEADERS = ("authorization", "traceparent", "tracestate", "baggage", *RE
 #: The largest request body: a Report batch at limits.max_report_batch is far below it.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ROUTES = {"acquire": "Acquire", "release": "Release", "report": "Report"}
+#: The calls that run to their end when their caller leaves: they settle what exists.
+FINISHED_ANYWAY = frozenset({"Release", "Report"})
 
 
 class HttpCallContext:
@@ -116,12 +127,15 @@ class JsonApi:
 
     def __init__(self, chains: dict[str, tuple[type[Message], RawHandler]]) -> None:
         self._chains = chains
+        self._unfinished: set[asyncio.Task[Any]] = set()  # calls whose callers left
 
     def add_routes(self, app: web.Application) -> None:
         for path in ROUTES:
             app.router.add_post(f"/v1/{path}", _guarded(self._post))
         app.router.add_get("/v1/status", _guarded(self._status))
         openapi.add_route(app)  # this API's document, and the proxy's
+        app.middlewares.append(_routing_errors)
+        app.on_cleanup.append(self._finish)
 
     async def _post(self, request: web.Request) -> web.Response:
         method = ROUTES[request.path.rsplit("/", 1)[1]]
@@ -131,13 +145,24 @@ class JsonApi:
             body = parse_json(raw) if raw else {}
             if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
                 raise BadJson("the body must be a JSON object, the message's fields")
-            message = json_format.ParseDict(body, message_type())
         except BodyTooLarge as exc:
             return _error(413, "INVALID_ARGUMENT", str(exc))
         except BadJson as exc:
             return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
+        try:
+            message = json_format.ParseDict(body, message_type())
         except json_format.ParseError as exc:
             return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
+        except (ValueError, TypeError, OverflowError) as exc:
+            # protobuf's converters raise these unwrapped for a few values (an enum
+            # given infinity, before bodies refused infinities): still the caller's.
+            field = _failing_field(body, message_type)
+            return _error(
+                400,
+                "INVALID_ARGUMENT",
+                f"{message_type.DESCRIPTOR.name}: {field or 'a field'}: a value it cannot "
+                f"take ({type(exc).__name__}: {exc})",
+            )
         return await self._call(method, message, request)
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -152,8 +177,9 @@ class JsonApi:
 
     async def _call(self, method: str, message: Message, request: web.Request) -> web.Response:
         context = HttpCallContext(request)
+        call = self._chains[method][1](message.SerializeToString(), context)
         try:
-            answer = await self._chains[method][1](message.SerializeToString(), context)
+            answer = await (self._finished(call) if method in FINISHED_ANYWAY else call)
         except grpc.aio.AbortError:
             code = context.code()
             return _error(HTTP_STATUS.get(code, 500), code.name, context.details())
@@ -161,6 +187,63 @@ class JsonApi:
             answer, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
         return web.json_response(body)
+
+    def _finished(self, call: Awaitable[Any]) -> Awaitable[Any]:
+        """``call``, run to its end even if its caller leaves (the listener cancels a
+        departed caller's handler): a Release cut inside its store call would leave
+        its lease to the TTL, and its caller, gone, cannot retry it."""
+        task = asyncio.ensure_future(call)
+        self._unfinished.add(task)
+        task.add_done_callback(self._forget)
+        return asyncio.shield(task)
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self._unfinished.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: an answer nobody is left to read is no error
+
+    async def _finish(self, app: web.Application) -> None:
+        """At the listener's stop, before the store closes: the calls whose callers
+        left end first."""
+        await asyncio.gather(*self._unfinished, return_exceptions=True)
+
+
+@web.middleware
+async def _routing_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """An unknown path or method answered in this door's format, not as aiohttp's
+    text page: a gateway reads one error format from the listener, whatever it got
+    wrong."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return _error(
+            404,
+            "NOT_FOUND",
+            f"nothing is served at {request.path[:100]!r}: the JSON API is POST /v1/acquire, "
+            "/v1/release and /v1/report, and GET /v1/status (/openapi.json lists every path)",
+        )
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        answer = _error(
+            405,
+            "UNIMPLEMENTED",
+            f"{request.method} is not served at {request.path[:100]!r}: use {allowed}",
+        )
+        answer.headers["Allow"] = allowed
+        return answer
+
+
+def _failing_field(body: dict[str, Any], message_type: type[Message]) -> str | None:
+    """The first top-level field of ``body`` that protobuf refuses on its own, to name
+    it in the error (on the error path only: each is parsed again)."""
+    for name, value in body.items():
+        try:
+            json_format.ParseDict({name: value}, message_type())
+        except Exception:  # whatever protobuf raises, this is the field
+            return str(name)[:100]
+    return None
 
 
 def _guarded(

@@ -55,6 +55,15 @@ def add_proxy(commands: Any) -> None:
         help="the longest an upstream may go silent: between two chunks of a stream, or "
         "for a whole answer that is not streamed (default 300, the lease TTL's default)",
     )  # fmt: skip
+    proxy.add_argument(
+        "--client-write-timeout", type=float, default=60.0, metavar="SECONDS",
+        help="the longest one write to a client may wait for it to read; a client that "
+        "stops reading is taken to have left (default 60)",
+    )  # fmt: skip
+    proxy.add_argument(
+        "--max-answer-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
+        help="the largest upstream answer that is not streamed (beyond: 502; default 64 MiB)",
+    )  # fmt: skip
     from qosd.cli import add_config_flags  # noqa: PLC0415 - cli imports this module
 
     add_config_flags(proxy, listen_flag="--grpc-listen")
@@ -98,10 +107,13 @@ def run_proxy(args: argparse.Namespace) -> int:
         )
         if default_class not in classes:
             raise ValueError(f"--default-class {default_class!r} is not a configured class")
-        if args.max_body_bytes < 1024:
-            raise ValueError("--max-body-bytes must be at least 1024")
+        for flag, size in (("--max-body-bytes", args.max_body_bytes),
+                           ("--max-answer-bytes", args.max_answer_bytes)):  # fmt: skip
+            if size < 1024:
+                raise ValueError(f"{flag} must be at least 1024")
         for flag, value in (("--upstream-connect-timeout", args.upstream_connect_timeout),
-                            ("--upstream-read-timeout", args.upstream_read_timeout)):  # fmt: skip
+                            ("--upstream-read-timeout", args.upstream_read_timeout),
+                            ("--client-write-timeout", args.client_write_timeout)):  # fmt: skip
             if not 0 < value <= 86_400:
                 raise ValueError(f"{flag} must be above 0 and at most 86400 seconds")
         keys = api_keys(args.api_key, classes)
@@ -117,6 +129,8 @@ def run_proxy(args: argparse.Namespace) -> int:
         upstream_key_file=args.upstream_key_file,
         upstream_connect_timeout_s=args.upstream_connect_timeout,
         upstream_read_timeout_s=args.upstream_read_timeout,
+        client_write_timeout_s=args.client_write_timeout,
+        max_answer_bytes=args.max_answer_bytes,
     )
     import uvloop  # noqa: PLC0415
 

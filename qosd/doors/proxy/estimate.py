@@ -21,7 +21,9 @@ usage the server reports. It refuses a prompt as too large only when even
 token, would put it past the request limit: beyond doubt.
 
 Expected output comes from ``max_completion_tokens`` / ``max_tokens``, or from the
-mean output learned per class.
+mean output learned per class, times the answers asked for (``n``, ``best_of``).
+Usage a server reports past the request limit, or beyond what the request could
+produce, is settled at the limit but never learned from.
 """
 
 from __future__ import annotations
@@ -55,13 +57,25 @@ OUTPUT_LEARNING_RATE = 0.02
 _PRIOR_SCALE_BYTES = 2048.0
 
 
+#: Request fields the server turns into prompt tokens beside the messages: the chat
+#: template renders tools and functions into the prompt, and a schema to answer in
+#: is prompt too (OpenAI counts it). Each counts as its JSON's bytes.
+PROMPT_FIELDS = ("tools", "functions", "response_format")
+#: Message fields beside ``content`` that are prompt text: earlier calls' arguments.
+MESSAGE_FIELDS = ("tool_calls", "function_call")
+
+
 def prompt_text(body: dict[str, Any]) -> str:
-    """The text a request sends the model: its messages' contents, or its prompt."""
+    """The text a request sends the model: its messages' contents and the calls they
+    carry, or its prompt; and the tools, functions and answer schema it declares. A
+    32K-token ``tools`` array is 32K tokens of prompt, whatever the messages say."""
+    parts: list[str] = []
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts: list[str] = []
         for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
@@ -69,12 +83,22 @@ def prompt_text(body: dict[str, Any]) -> str:
                     str(part.get("text", "")) for part in content if isinstance(part, dict)
                 )
             elif content is not None:
-                parts.append(json.dumps(content))
-        return "\n".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        return "\n".join(str(item) for item in prompt)
-    return prompt if isinstance(prompt, str) else ""
+                parts.append(_json(content))
+            parts.extend(_json(message[name]) for name in MESSAGE_FIELDS if message.get(name))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            parts.append("\n".join(str(item) for item in prompt))
+        elif isinstance(prompt, str):
+            parts.append(prompt)
+    parts.extend(_json(body[name]) for name in PROMPT_FIELDS if body.get(name))
+    return "\n".join(parts)
+
+
+def _json(value: Any) -> str:
+    """A structured part of the prompt as the template writes it: JSON, non-ASCII kept
+    (so its bytes are the text's bytes, not escapes)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 @dataclass(slots=True)
@@ -127,17 +151,35 @@ class Estimator:
         """The fewest tokens ``prompt_bytes`` of text can be, whatever the tokenizer."""
         return math.ceil(prompt_bytes / MAX_BYTES_PER_TOKEN)
 
-    def expected_output(self, qos_class: str, max_tokens: int | None) -> int:
+    def expected_output(self, qos_class: str, max_tokens: int | None, choices: int = 1) -> int:
+        """Output tokens of the whole answer: ``choices`` answers (``n``, ``best_of``)
+        of up to ``max_tokens`` each, else of the class's learned mean each."""
         if max_tokens is not None:
-            return max_tokens
-        return round(self.output_tokens.get(qos_class, DEFAULT_OUTPUT_TOKENS))
+            return max_tokens * choices
+        return round(self.output_tokens.get(qos_class, DEFAULT_OUTPUT_TOKENS)) * choices
 
-    def learn(self, model: str, qos_class: str, prompt_bytes: int, usage: Usage) -> None:
-        """Takes the usage a response reported into the fit and the output mean."""
-        if usage.prompt_tokens > 0:
+    def learn(
+        self,
+        model: str,
+        qos_class: str,
+        prompt_bytes: int,
+        usage: Usage,
+        choices: int = 1,
+        max_tokens: int | None = None,
+    ) -> None:
+        """Takes the usage a response reported into the fit and the output mean, unless
+        it cannot be true: a count past the request limit (clamped by ``Usage.parse``),
+        more prompt tokens than a byte each plus the most a template adds, or more
+        output than the request allowed. One such answer would otherwise skew the
+        estimates of the next thousand requests."""
+        if not usage.credible:
+            return
+        if 0 < usage.prompt_tokens <= prompt_bytes / MIN_BYTES_PER_TOKEN + MAX_OVERHEAD_TOKENS:
             self.fits.setdefault(model, _Fit()).add(float(prompt_bytes), usage.prompt_tokens)
+        if max_tokens is not None and usage.completion_tokens > max_tokens * choices:
+            return
         old = self.output_tokens.get(qos_class)
-        produced = float(usage.completion_tokens)
+        produced = usage.completion_tokens / choices  # per answer, as expected_output asks
         self.output_tokens[qos_class] = (
             produced if old is None else old + OUTPUT_LEARNING_RATE * (produced - old)
         )
@@ -145,26 +187,33 @@ class Estimator:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts as an OpenAI-compatible server reports them (``usage``)."""
+    """Token counts as an OpenAI-compatible server reports them (``usage``), each
+    within the request limit."""
 
     prompt_tokens: int
     completion_tokens: int
+    #: False when a count was past the limit (and clamped to it): settled at the
+    #: limit, never learned from.
+    credible: bool = True
 
     @classmethod
-    def parse(cls, value: Any) -> Usage | None:
+    def parse(cls, value: Any, limit: int) -> Usage | None:
+        """The usage a server reported, each count clamped to [0, ``limit``]
+        (``limits.max_request_tokens``); None when it is missing or not counts."""
         if not isinstance(value, dict):
             return None
-        prompt, completion = (
-            _count(value.get("prompt_tokens")),
-            _count(value.get("completion_tokens")),
-        )
+        prompt = _count(value.get("prompt_tokens"))
+        completion = _count(value.get("completion_tokens"))
         if prompt is None or completion is None:
             return None
-        return cls(prompt, completion)
+        credible = prompt <= limit and completion <= limit
+        return cls(min(prompt, limit), min(completion, limit), credible)
 
 
 def _count(value: Any) -> int | None:
-    """A token count as a server sent it: a whole number (not a bool), at least 0."""
+    """A token count as a server sent it: a whole number (not a bool), at least 0. Of
+    any size: the caller clamps it before any arithmetic (a 400-digit count does not
+    fit a float)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return max(0, value)
     return None

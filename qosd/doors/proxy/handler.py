@@ -66,8 +66,14 @@ FORWARDED_HEADERS = ("traceparent", "tracestate", REQUEST_ID_HEADER,
 LOAD_HEADER = "endpoint-load-metrics"
 #: How a client that left before its answer is counted: nginx's code.
 CLIENT_CLOSED = 499
-#: Marks a request whose client left while its stream was written.
-_CLIENT_LEFT = "qosd.client_left"
+#: Bodies larger than this are parsed off the event loop.
+PARSE_OFF_LOOP_BYTES = 256 * 1024
+#: The most answers one request may ask for (``n``, ``best_of``): OpenAI's cap on n.
+MAX_CHOICES = 128
+#: Seconds each upstream gets to list its models for ``/v1/models``.
+MODELS_TIMEOUT_S = 5.0
+#: The largest model listing read from an upstream.
+MODELS_MAX_BYTES = 1024 * 1024
 #: The door's names for the fields of a request, in its errors.
 FIELD_NAMES = {
     "qos_class": CLASS_HEADER,
@@ -100,6 +106,12 @@ class ProxySettings:
     #: (a non-streaming answer comes whole, so this bounds its generation too).
     upstream_connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 300.0
+    #: Seconds one write to a client may wait for it to read: a client that stops
+    #: reading without closing is taken to have left (499), so it holds no lease.
+    client_write_timeout_s: float = 60.0
+    #: The largest upstream answer held whole (not streamed): beyond, a 502. A stream's
+    #: lines may each be up to ``max_body_bytes`` (beyond: an error event ends it).
+    max_answer_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -112,12 +124,18 @@ class _Call:
     prompt_bytes: int
     stream: bool
     wants_usage: bool
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # at most limits.max_request_tokens
+    choices: int = 1  # answers generated (n, best_of)
     # What became of it, for its telemetry (filled in as it goes).
     outcome: AcquireOutcome | None = None
     progress: _Progress | None = None
     upstream: Upstream | None = None
     error_type: str | None = None  # why it failed, low-cardinality (error.type)
+    #: The stream's answer once its status line went out: from then on, an error can
+    #: only end it with an error event, never answer anew.
+    response: web.StreamResponse | None = None
+    ended: bool = False  # that stream's end went out (or the client is gone)
+    client_left: bool = False  # while its stream was written (or it stopped reading)
 
     @property
     def model(self) -> str:
@@ -174,25 +192,41 @@ class Proxy:
         return await self._handle(request, "/v1/completions")
 
     async def models(self, request: web.Request) -> web.Response:
-        """Every upstream's models, as one list (one server asked per model), for a
-        caller the completions routes would take."""
+        """Every upstream's models, as one list (one server asked per model, all at
+        once), for a caller the completions routes would take. A server that is slow,
+        down or answers nonsense costs the list only its own entries: a stub instead."""
         try:
             self._authorize(request)
             self._identity(request)
+            listed = await asyncio.gather(
+                *(self._listed(model, servers[0])
+                  for model, servers in self.settings.upstreams.by_model.items())
+            )  # fmt: skip
         except OpenAIError as error:
             return error.response()
-        data: list[Any] = []
-        for model, servers in self.settings.upstreams.by_model.items():
-            try:
-                async with self._session.get(
-                    f"{servers[0].url}/v1/models", headers=self._upstream_headers()
-                ) as answer:
-                    listed = (await answer.json()).get("data", [])
-            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
-                listed = []
-            found = [m for m in listed if isinstance(m, dict) and m.get("id") == model]
-            data.extend(found or [{"id": model, "object": "model", "owned_by": "qosd-proxy"}])
-        return web.json_response({"object": "list", "data": data})
+        except Exception:
+            log.exception("listing the models failed")
+            return OpenAIError(500, "internal error; the proxy's log has the details",
+                               code="internal_error").response()  # fmt: skip
+        return web.json_response({"object": "list", "data": [m for ms in listed for m in ms]})
+
+    async def _listed(self, model: str, server: Upstream) -> list[Any]:
+        """``model``'s entries as ``server`` lists them, else a stub entry."""
+        stub = [{"id": model, "object": "model", "owned_by": "qosd-proxy"}]
+        try:
+            async with self._session.get(
+                f"{server.url}/v1/models", headers=self._upstream_headers(),
+                timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+            ) as answer:  # fmt: skip
+                if answer.status != 200:
+                    return stub
+                listing = json.loads(await _read_capped(answer, MODELS_MAX_BYTES))
+        except (TimeoutError, aiohttp.ClientError, AnswerTooLarge, ValueError, RecursionError):
+            return stub
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(data, list):
+            return stub
+        return [m for m in data if isinstance(m, dict) and m.get("id") == model] or stub
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
         arrived = time.monotonic()
@@ -204,25 +238,72 @@ class Proxy:
             call = await self._parse(request)
             span = self._telemetry.start(path, call.model, call.max_tokens, request.headers)
             response = await self._admit_and_forward(request, path, call)
-            code = CLIENT_CLOSED if request.get(_CLIENT_LEFT) else response.status
+            code = CLIENT_CLOSED if call.client_left else response.status
             return response
         except OpenAIError as error:
             code = error.status
             if call is not None and call.error_type is None:
                 call.error_type = error.code or str(error.status)
+            if call is not None and call.response is not None:
+                code = CLIENT_CLOSED
+                code = await self._end_prepared(request, call, error)
+                return call.response
             return error.response()
         except asyncio.CancelledError:
             code = CLIENT_CLOSED  # the client left: aiohttp cancels its handler
             raise
         except Exception:
             log.exception("proxying %s failed", path)
-            return OpenAIError(500, "internal error; the proxy's log has the details").response()
+            failure = OpenAIError(500, "internal error; the proxy's log has the details",
+                                  code="internal_error")  # fmt: skip
+            if call is not None and call.response is not None:
+                call.error_type = call.error_type or "internal_error"
+                code = CLIENT_CLOSED
+                code = await self._end_prepared(request, call, failure)
+                return call.response
+            return failure.response()
         finally:
             self._metrics.proxy_requests.labels(
                 call.model if call else "", call.qos_class if call else "", str(code)
             ).inc()
             if call is not None:
-                self._finish_telemetry(span, path, call, code, arrived)
+                try:  # an answer that went out is not undone by its telemetry
+                    self._finish_telemetry(span, path, call, code, arrived)
+                except Exception:
+                    log.exception("the telemetry of a request to %s failed", path)
+
+    async def _end_prepared(self, request: web.Request, call: _Call, error: OpenAIError) -> int:
+        """Ends a stream whose status line (200) already went out, with ``error`` as
+        its last event (unless it has ended): a second answer would be a second status
+        line inside the first. The code it is counted under: 200, as a stream cut
+        upstream, or 499 when the client could not be written to."""
+        response = call.response
+        assert response is not None
+        if not call.ended and await self._send(request, call, error.event()):
+            await self._send(request, call, b"", eof=True)
+        call.ended = True
+        return CLIENT_CLOSED if call.client_left else response.status
+
+    async def _send(
+        self, request: web.Request, call: _Call, data: bytes, *, eof: bool = False
+    ) -> bool:
+        """Writes to the client, waiting at most ``client_write_timeout_s`` for it to
+        take the bytes. False when it left or stopped reading: it is then taken to have
+        left and its connection dropped, since a write it never reads never ends."""
+        response = call.response
+        assert response is not None
+        try:
+            async with asyncio.timeout(self.settings.client_write_timeout_s):
+                if eof:
+                    await response.write_eof(data)
+                else:
+                    await response.write(data)
+        except (ConnectionError, TimeoutError):
+            call.client_left = True
+            if request.transport is not None:
+                request.transport.abort()
+            return False
+        return True
 
     def _finish_telemetry(
         self, span: Span | None, path: str, call: _Call, code: int, arrived: float
@@ -279,6 +360,9 @@ class Proxy:
                               code=refusal_.code.name.lower())  # fmt: skip
 
     async def _parse(self, request: web.Request) -> _Call:
+        # Who asks, before a byte of the body is read: with API keys, an unknown
+        # caller costs no reading or parsing.
+        qos_class, tenant = self._identity(request)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -288,12 +372,12 @@ class Proxy:
                 f"{self.settings.max_body_bytes} bytes (--max-body-bytes)",
                 "body",
             ) from exc
-        try:
-            body = parse_json(raw)
-        except BadJson as exc:
-            raise OpenAIError(400, str(exc), "body") from exc
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the request body must be a JSON object", "body")
+        if len(raw) > PARSE_OFF_LOOP_BYTES:
+            # Parsing megabytes takes a while: off the event loop, which goes on
+            # serving everyone else meanwhile.
+            body, prompt_bytes = await asyncio.to_thread(_read_body, raw)
+        else:
+            body, prompt_bytes = _read_body(raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise OpenAIError(400, "model: a model name is required", "model")
@@ -301,20 +385,14 @@ class Proxy:
             served = ", ".join(self.settings.upstreams.models())
             raise OpenAIError(404, f"model {model[:80]!r} is not served here (models: {served})",
                               "model", code="model_not_found")  # fmt: skip
-        qos_class, tenant = self._identity(request)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0
-        ):
-            raise OpenAIError(400, "max_tokens: must be a non-negative integer", "max_tokens")
+        limit = self._decisions.rules.max_tokens
+        max_tokens, choices = _asked_output(body, limit)
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             raise OpenAIError(400, "stream: must be true or false", "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise OpenAIError(400, "stream_options: must be an object", "stream_options")
-        prompt_bytes = len(prompt_text(body).encode("utf-8", "surrogatepass"))
-        limit = self._decisions.rules.max_tokens
         if self.estimator.fewest_tokens(prompt_bytes) > limit:
             raise OpenAIError(
                 400,
@@ -329,7 +407,9 @@ class Proxy:
                 model=model,
                 qos_class=qos_class,
                 input_tokens=self.estimator.prompt_tokens(model, prompt_bytes),
-                expected_output_tokens=self.estimator.expected_output(qos_class, max_tokens),
+                expected_output_tokens=self.estimator.expected_output(
+                    qos_class, max_tokens, choices
+                ),
                 slo_ttft_ms=_objective(request, TTFT_HEADERS),
                 slo_tpot_ms=_objective(request, TPOT_HEADERS),
                 estimated=True,
@@ -346,6 +426,7 @@ class Proxy:
             stream=stream is True,
             wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
             max_tokens=max_tokens,
+            choices=choices,
         )
 
     def _identity(self, request: web.Request) -> tuple[str, str]:
@@ -388,8 +469,9 @@ class Proxy:
                               code="invalid_api_key")  # fmt: skip
         key_class, key_tenant = found
         qos_class = key_class
-        if asked and asked != key_class:
-            classes = self._decisions.admission.config.classes
+        classes = self._decisions.admission.config.classes
+        # A key's class gone from the config is refused below, as an unknown class.
+        if asked and asked != key_class and key_class in classes:
             if asked not in classes:
                 raise OpenAIError(400, f"{named_by}: unknown class {asked[:40]!r} "
                                   f"(classes: {', '.join(classes)})", named_by)  # fmt: skip
@@ -413,19 +495,26 @@ class Proxy:
         except DuplicateRequest as exc:
             raise OpenAIError(409, str(exc), REQUEST_ID_HEADER,
                               code="duplicate_request_id") from exc  # fmt: skip
-        call.outcome = decision_outcome = outcome
-        decision = decision_outcome.decision
-        limits = rate_limit_headers(decision)
+        call.outcome = outcome
+        decision = outcome.decision
         if not decision.admitted:
             call.error_type = decision.reason.name.lower()
-            raise refusal(decision.reason, decision.retry_after_ms, outcome.message, limits)
+            raise refusal(decision.reason, decision.retry_after_ms, outcome.message,
+                          rate_limit_headers(decision))  # fmt: skip
+        # Admitted: from here on, nothing comes before the try whose finally ends the
+        # lease.
         call.progress = progress = _Progress()
         try:
+            limits = rate_limit_headers(decision)
             call.upstream = upstream = self.settings.upstreams.pick(call.model)
             assert upstream is not None  # checked in _parse; upstreams never change
             response = await self._forward(request, path, call, upstream,
                                            outcome.server_priority, progress, limits)  # fmt: skip
             return response
+        except Exception:
+            if progress.outcome is Outcome.CANCELLED and not progress.used_nothing:
+                progress.cut, progress.outcome = True, Outcome.ERROR  # the proxy failed
+            raise
         finally:
             # In a task of its own: the answer goes out while the lease ends (a store
             # call the client need not wait for), and a client that leaves cancels
@@ -455,15 +544,20 @@ class Proxy:
         limits: dict[str, str],
     ) -> web.StreamResponse:
         """The upstream's answer, carrying ``limits`` (the rate-limit headers)."""
-        payload = call.raw  # as the client sent it, unless the proxy adds to it
-        if call.stream or self.settings.priority_upstreams:
+        payload = call.raw  # as the client sent it, unless the proxy changes it
+        if call.stream or self.settings.priority_upstreams or "priority" in call.body:
             body = dict(call.body)
+            # A client's own priority would jump vLLM's queue: only qosd sets it.
+            body.pop("priority", None)
             if call.stream:  # the usage to settle with, whether or not the client asked
                 body["stream_options"] = {**(body.get("stream_options") or {}),
                                           "include_usage": True}  # fmt: skip
             if self.settings.priority_upstreams:
                 body["priority"] = priority
-            payload = json.dumps(body).encode()
+            if len(call.raw) > PARSE_OFF_LOOP_BYTES:
+                payload = await asyncio.to_thread(_encoded, body)
+            else:
+                payload = _encoded(body)
         headers = self._upstream_headers()
         headers.update((k, v) for k in FORWARDED_HEADERS if (v := request.headers.get(k)))
         upstream.in_flight += 1
@@ -486,7 +580,7 @@ class Proxy:
                     _read_load(upstream, answer)
                     if answer.status != 200:
                         progress.used_nothing, progress.outcome = True, Outcome.ERROR
-                        return await _passed_on(answer, limits)
+                        return await _passed_on(answer, limits, self.settings.max_answer_bytes)
                     if not call.stream:
                         return await self._whole(answer, progress, limits)
                     return await self._stream(request, answer, call, progress, limits)
@@ -500,14 +594,17 @@ class Proxy:
         self, answer: aiohttp.ClientResponse, progress: _Progress, limits: dict[str, str]
     ) -> web.Response:
         try:
-            raw = await answer.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            raw = await _read_capped(answer, self.settings.max_answer_bytes)
+        except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
             progress.cut, progress.outcome = True, Outcome.ERROR
             raise _broke_off(exc) from exc
         progress.last_token_at = time.monotonic()
         try:
-            answered = json.loads(raw)
-            progress.usage = Usage.parse(answered.get("usage"))
+            if len(raw) > PARSE_OFF_LOOP_BYTES:
+                answered = await asyncio.to_thread(json.loads, raw)
+            else:
+                answered = json.loads(raw)
+            progress.usage = Usage.parse(answered.get("usage"), self._decisions.rules.max_tokens)
             model = answered.get("model")
             progress.response_model = model if isinstance(model, str) else None
         except (ValueError, AttributeError, RecursionError):
@@ -526,58 +623,67 @@ class Proxy:
     ) -> web.StreamResponse:
         """Relays the server-sent events as they come (a slow client slows the reads
         from the upstream: backpressure both ways), minus the usage chunk the client
-        did not ask for. A stream that breaks off ends with an OpenAI error event, which
-        the SDKs raise."""
+        did not ask for. Once the status line has gone out, whatever breaks (the
+        upstream's connection, its silence, a line past the limit, an event the proxy
+        cannot read) ends the stream with an OpenAI error event, which the SDKs raise;
+        a client that leaves or stops reading ends the upstream request."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **limits}
         )
         await response.prepare(request)
-        lines = aiter(answer.content)
+        call.response = response
+        lines = _Lines(answer.content, self.settings.max_body_bytes)
+        limit = self._decisions.rules.max_tokens
         while True:
-            try:  # reading from the upstream; a failure writing to the client propagates
-                line = await anext(lines)
-            except StopAsyncIteration:
-                break
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                progress.cut, progress.outcome = True, Outcome.ERROR
+            try:  # reading from the upstream, and what its events say
+                line = await lines.next()
+                if line is None:
+                    break
+                if _is_event(line) and self._saw(line, progress, limit) and not call.wants_usage:
+                    continue  # the usage chunk the proxy asked for, not the client
+            except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
                 error = _broke_off(exc)
-                event = {"error": {"message": str(error), "type": "upstream_error",
-                                   "param": None, "code": error.code}}  # fmt: skip
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                await response.write_eof()
-                return response
-            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                self._saw(line, call, progress)
-                if progress.usage is not None and not call.wants_usage and _is_usage(line):
+            except Exception:
+                log.exception("relaying a stream from %s failed", answer.url)
+                error = OpenAIError(500, "the stream could not be relayed; the proxy's log "
+                                    "has the details", code="internal_error")  # fmt: skip
+            else:
+                if await self._send(request, call, line):
                     continue
-            try:
-                await response.write(line)
-            except ConnectionResetError:  # the client left between two chunks
-                request[_CLIENT_LEFT] = True
-                return response  # settled as cancelled; aiohttp ends the connection quietly
-        await response.write_eof()
-        progress.outcome = Outcome.OK
+                answer.close()  # the client left or stopped reading: so does the request
+                return response
+            progress.cut, progress.outcome = True, Outcome.ERROR
+            call.error_type = error.code
+            answer.close()
+            await self._end_prepared(request, call, error)
+            return response
+        progress.outcome = Outcome.OK  # whole, whether or not its end reaches the client
+        await self._send(request, call, b"", eof=True)
+        call.ended = True
         return response
 
     @staticmethod
-    def _saw(line: bytes, call: _Call, progress: _Progress) -> None:
-        """Notes what one event of the stream shows: usage, or a token."""
+    def _saw(line: bytes, progress: _Progress, limit: int) -> bool:
+        """Notes what one event of the stream shows: usage, or a token. True for a
+        usage chunk whose usage was read."""
         try:
             chunk = json.loads(line[6:])
         except (ValueError, RecursionError):
-            return
+            return False
         if not isinstance(chunk, dict):
-            return
+            return False
         if progress.response_model is None and isinstance(model := chunk.get("model"), str):
             progress.response_model = model
         if _is_usage_chunk(chunk):
-            progress.usage = Usage.parse(chunk.get("usage"))
-        elif _has_content(chunk):
+            progress.usage = Usage.parse(chunk.get("usage"), limit)
+            return progress.usage is not None
+        if _has_content(chunk):
             now = time.monotonic()
             if progress.first_token_at is None:
                 progress.first_token_at = now
             progress.last_token_at = now
             progress.chunks += 1
+        return False
 
     # -- settlement and reports -----------------------------------------------------
 
@@ -587,8 +693,30 @@ class Proxy:
             await asyncio.gather(*self._settling, return_exceptions=True)
 
     async def _settle(self, call: _Call, lease_id: str, progress: _Progress) -> None:
-        """Ends the lease and records the request's latencies. Usage beyond the request
-        limit is settled at the limit."""
+        """Ends the lease first, in a finally that nothing before it can skip; then
+        learns from the usage and records the request's latencies. Usage beyond the
+        request limit is settled at the limit (``Usage.parse`` clamps it)."""
+        counts: tuple[int | None, int | None] = (None, None)  # None: the estimate stands
+        try:
+            counts = self._used(call, progress)
+        except Exception:
+            log.exception("lease %s: its usage could not be read; settled with the estimate",
+                          lease_id)  # fmt: skip
+        finally:
+            await self._release(lease_id, *counts, progress.outcome)
+        if progress.used_nothing:
+            return
+        try:
+            if progress.usage is not None:
+                self.estimator.learn(call.model, call.qos_class, call.prompt_bytes,
+                                     progress.usage, call.choices, call.max_tokens)  # fmt: skip
+            self._record(call, progress, counts[1])
+        except Exception:
+            log.exception("lease %s: its usage and latencies were not recorded", lease_id)
+
+    def _used(self, call: _Call, progress: _Progress) -> tuple[int | None, int | None]:
+        """The tokens to settle with, each at most the request limit; None: the
+        estimate stands."""
         usage = progress.usage
         input_tokens: int | None
         output_tokens: int | None
@@ -596,7 +724,6 @@ class Proxy:
             input_tokens, output_tokens = 0, 0
         elif usage is not None:
             input_tokens, output_tokens = usage.prompt_tokens, usage.completion_tokens
-            self.estimator.learn(call.model, call.qos_class, call.prompt_bytes, usage)
         elif call.stream and not progress.cut and progress.outcome is Outcome.CANCELLED:
             # The client left mid-stream: what was streamed, the prompt as estimated.
             input_tokens, output_tokens = call.admission.input_tokens, progress.chunks
@@ -607,18 +734,21 @@ class Proxy:
             input_tokens = min(input_tokens, limit)
         if output_tokens is not None:
             output_tokens = min(output_tokens, limit)
+        return input_tokens, output_tokens
+
+    async def _release(
+        self, lease_id: str, input_tokens: int | None, output_tokens: int | None, outcome: Outcome
+    ) -> None:
         decisions = self._decisions
         try:
-            release = decisions.rules.release(
-                lease_id, input_tokens, output_tokens, progress.outcome
-            )
+            release = decisions.rules.release(lease_id, input_tokens, output_tokens, outcome)
             await decisions.release(release)
         except StoreUnavailable as exc:
             log.warning("lease %s not settled yet (retried until it lands): %s", lease_id, exc)
         except (LeaseNotFound, LeaseExpired, InvalidArgument) as exc:
             log.warning("lease %s not settled: %s", lease_id, exc)
-        if not progress.used_nothing:
-            self._record(call, progress, output_tokens)
+        except Exception:
+            log.exception("lease %s not settled (it ends at its TTL)", lease_id)
 
     def _record(self, call: _Call, progress: _Progress, output_tokens: int | None) -> None:
         """A latency sample for the SLO loop, measured at the proxy from the moment
@@ -680,15 +810,112 @@ class Proxy:
             await self.flush_samples()
 
 
-async def _passed_on(answer: aiohttp.ClientResponse, limits: dict[str, str]) -> web.Response:
+async def _passed_on(
+    answer: aiohttp.ClientResponse, limits: dict[str, str], limit: int
+) -> web.Response:
     """An upstream's refusal, passed on as it came with ``limits`` (a body that breaks
-    off: a 502)."""
+    off, or is over ``limit`` bytes: a 502)."""
     try:
-        body = await answer.read()
-    except (TimeoutError, aiohttp.ClientError) as exc:
+        body = await _read_capped(answer, limit)
+    except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
         raise _broke_off(exc) from exc
     return web.Response(status=answer.status, body=body, content_type=answer.content_type,
                         headers=limits)  # fmt: skip
+
+
+class AnswerTooLarge(Exception):
+    """An upstream answer held whole, or one line of a stream, past the proxy's limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"over {limit} bytes")
+        self.limit = limit
+
+
+async def _read_capped(answer: aiohttp.ClientResponse, limit: int) -> bytes:
+    """An answer's whole body, or AnswerTooLarge past ``limit`` bytes (at once when
+    its Content-Length says so): what an upstream sends is not held without bound."""
+    if answer.content_length is not None and answer.content_length > limit:
+        raise AnswerTooLarge(limit)
+    body = bytearray()
+    async for piece in answer.content.iter_any():
+        body += piece
+        if len(body) > limit:
+            raise AnswerTooLarge(limit)
+    return bytes(body)
+
+
+class _Lines:
+    """A stream's lines, each up to ``limit`` bytes. aiohttp's own line reader stops at
+    128 KiB (twice its read buffer), and not every version lets a caller raise that:
+    an event that large (a long tool call, an image) is still a valid event."""
+
+    def __init__(self, content: aiohttp.StreamReader, limit: int) -> None:
+        self._content = content
+        self._limit = limit
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no newline
+
+    async def next(self) -> bytes | None:
+        """The next line, its newline included; None at the end of the stream."""
+        buffer = self._buffer
+        while True:
+            end = buffer.find(b"\n", self._scanned)
+            if end >= self._limit:
+                raise AnswerTooLarge(self._limit)
+            if end >= 0:
+                line = bytes(buffer[: end + 1])
+                del buffer[: end + 1]
+                self._scanned = 0
+                return line
+            self._scanned = len(buffer)
+            if self._scanned >= self._limit:
+                raise AnswerTooLarge(self._limit)
+            piece = await self._content.readany()
+            if not piece:
+                line = bytes(buffer)
+                buffer.clear()
+                return line or None
+            buffer += piece
+
+
+def _encoded(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _asked_output(body: dict[str, Any], limit: int) -> tuple[int | None, int]:
+    """The request's ``max_tokens`` (at most ``limit``, so that every count after it
+    fits an int64) and how many answers it asks to be generated: ``n``, or
+    ``best_of`` (the server generates that many and returns n); 400 naming the field
+    for anything else."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        named = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise OpenAIError(400, f"{named}: must be a non-negative integer", named)
+        if max_tokens > limit:
+            raise OpenAIError(400, f"{named}: {max_tokens} is more than the {limit} tokens a "
+                              "request may have (limits.max_request_tokens)", named)  # fmt: skip
+    choices = 1
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_CHOICES:
+            raise OpenAIError(400, f"{name}: must be an integer from 1 to {MAX_CHOICES}", name)
+        choices = max(choices, value)
+    return max_tokens, choices
+
+
+def _read_body(raw: bytes) -> tuple[dict[str, Any], int]:
+    """The request body as a JSON object, and its prompt's UTF-8 bytes: both in one
+    go, so that a large body is worked on off the loop in one hop."""
+    try:
+        body = parse_json(raw)
+    except BadJson as exc:
+        raise OpenAIError(400, str(exc), "body") from exc
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", "body")
+    return body, len(prompt_text(body).encode("utf-8", "surrogatepass"))
 
 
 def _broke_off(error: BaseException) -> OpenAIError:
@@ -697,6 +924,10 @@ def _broke_off(error: BaseException) -> OpenAIError:
     if isinstance(error, TimeoutError):
         return OpenAIError(504, "the upstream went silent past --upstream-read-timeout",
                            code="upstream_timeout")  # fmt: skip
+    if isinstance(error, AnswerTooLarge):
+        return OpenAIError(502, f"the upstream's answer is too large: {error} "
+                           "(--max-answer-bytes; a stream's lines: --max-body-bytes)",
+                           code="upstream_too_large")  # fmt: skip
     return OpenAIError(502, f"the upstream's answer broke off: {_what(error)}",
                        code="upstream_cut")  # fmt: skip
 
@@ -705,12 +936,9 @@ def _what(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
-def _is_usage(line: bytes) -> bool:
-    try:
-        chunk = json.loads(line[6:])
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(chunk, dict) and _is_usage_chunk(chunk)
+def _is_event(line: bytes) -> bool:
+    """A data event with JSON in it (not the final ``[DONE]``)."""
+    return line.startswith(b"data: ") and not line.startswith(b"data: [DONE]")
 
 
 def _is_usage_chunk(chunk: dict[str, Any]) -> bool:
@@ -718,7 +946,10 @@ def _is_usage_chunk(chunk: dict[str, Any]) -> bool:
 
 
 def _has_content(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or ():
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):  # "choices": 5 is no token
+        return False
+    for choice in choices:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")

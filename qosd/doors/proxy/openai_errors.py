@@ -16,6 +16,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
@@ -27,7 +28,7 @@ _TYPES = {
 
 
 #: Client errors no retry can change (the SDKs retry 408, 409, 429 and 5xx).
-_NEVER_RETRIED = frozenset({400, 401, 403, 404, 409, 413})
+_NEVER_RETRIED = frozenset({400, 401, 403, 404, 405, 409, 413})
 
 
 class OpenAIError(Exception):
@@ -46,8 +47,8 @@ class OpenAIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def response(self) -> web.Response:
-        body = {
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
             "error": {
                 "message": str(self),
                 "type": _TYPES.get(self.status, "server_error"),
@@ -55,6 +56,14 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+    def event(self) -> bytes:
+        """The error as a stream's last event, once its 200 has gone out (the SDKs
+        raise it as ``APIError``)."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+    def response(self) -> web.Response:
+        body = self.body()
         headers = self.headers
         if self.status in _NEVER_RETRIED and "x-should-retry" not in headers:
             # The SDKs retry 409 (and would any status told to): say what retrying does.

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from qosd.config import Config, parse_listen_address
 from qosd.doors import openapi
 from qosd.doors.auth import CallerCheck, Group
 from qosd.doors.proxy.handler import Proxy, ProxySettings
+from qosd.doors.proxy.openai_errors import OpenAIError
 from qosd.doors.proxy.telemetry import GenAiTelemetry
 from qosd.gc_tuning import tune_for_serving
 from qosd.server import Daemon, start, write_ready_file
@@ -48,8 +50,26 @@ class RunningProxy:
         await self.daemon.stop()
 
 
+@web.middleware
+async def openai_not_found(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path the proxy does not serve, or a method a path does not take, answered in
+    OpenAI's format (as OpenAI answers it), not as aiohttp's text page."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return OpenAIError(405, f"{request.method} is not allowed on {request.path} "
+                           f"(allowed: {allowed})", code="method_not_allowed",
+                           headers={"Allow": allowed}).response()  # fmt: skip
+    except web.HTTPNotFound:
+        return OpenAIError(404, f"invalid URL ({request.method} {request.path[:200]})",
+                           code="unknown_url").response()  # fmt: skip
+
+
 def proxy_app(proxy: Proxy) -> web.Application:
-    app = web.Application(client_max_size=proxy.settings.max_body_bytes)
+    app = web.Application(
+        client_max_size=proxy.settings.max_body_bytes, middlewares=[openai_not_found]
+    )
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_get("/v1/models", proxy.models)
