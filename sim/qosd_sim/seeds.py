@@ -2,7 +2,7 @@
 worst seed of the figures the goals are judged on.
 
 A single run per cell hides how much of a lead is luck (on the Mooncake trace a
-cell holds 17 to 60 P0 requests, so one request is two to six points). The benchmark
+seed holds 12 to 34 P0 requests, so one request is three to eight points). The benchmark
 runs each cell under ten seeds, and writes each seed's results whole (``per_seed``),
 their means in the usual layout, the worst seed beside them, and paired bootstrap
 intervals of qosd's lead over each baseline (``paired_intervals``).
