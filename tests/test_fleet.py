@@ -161,11 +161,16 @@ def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonP
     assert p2.errors == 0
     assert p2.reasons.get("QUEUE_TIMEOUT", 0) > 100  # the deadline path is exercised
     assert set(p2.reasons) <= {"NONE", "QUEUE_TIMEOUT", "RATE_LIMITED"}
-    assert p2.worst_waited_s <= 0.300 + 0.050
-    # As the caller saw it, RPC included: on a shared 2-core machine the client worker
-    # itself can be descheduled for tens of milliseconds, so this bound is looser. It
-    # still fails if a waiter outlived its deadline by a poll cycle or more.
-    assert p2.worst_elapsed_s <= 0.300 + 0.150
+    # A wait ends by its timer or the store's deadline; the daemon's timer fires as late
+    # as the machine's pace lets it, measured in the same run by the load workers' own
+    # timers (a busy CI machine held one 64 ms). Beyond that allowance, a waiter that
+    # outlived its deadline by a poll cycle or more fails.
+    pace = max(r.worst_lateness_s for r in results.values())
+    print(f"  the machine's pace: timers up to {pace * 1000:.0f} ms late")
+    assert p2.worst_waited_s <= 0.300 + 0.050 + pace
+    # As the caller saw it, RPC included: the client worker itself can be descheduled
+    # for tens of milliseconds, so this bound is looser.
+    assert p2.worst_elapsed_s <= 0.300 + 0.150 + pace
 
 
 SCARCE: dict[str, Any] = {
