@@ -97,6 +97,8 @@ class Controller:
         self._memory: dict[str, _PoolMemory] = {name: _PoolMemory() for name in pools}
         self.leader = ""
         self.last_verdicts: dict[str, Verdict] = {}
+        # Pins and unpins per pool: a turn that began before one says nothing after it.
+        self._pins: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         # Set when the store shows a pool's state lost: the next turn comes at once,
         # so a leader restores rates and pins within a round trip or two, not a turn.
@@ -250,6 +252,7 @@ class Controller:
     async def evaluate(self, pool: PoolPolicy) -> ControlRecord | None:
         """Judges one pool and moves its rate if the law says so; returns the change.
         A pool whose state was lost gets its last known record back instead."""
+        pins = self._pins.get(pool.name, 0)
         record = await self._store.control(pool)
         lost = self._remember(pool, record)
         if lost is not None:
@@ -270,7 +273,7 @@ class Controller:
         windows = await self.windows(pool)
         await self._tune_long_prefill(pool, windows, memory)
         if record.pinned:
-            self.last_verdicts[pool.name] = Verdict(HOLD, "pinned by an operator")
+            self._say(pool, pins, Verdict(HOLD, "pinned by an operator"))
             return None
         evidence = await self.evidence(pool, record.changed_ms, status.now_ms, windows)
         verdict = judge(
@@ -297,7 +300,7 @@ class Controller:
                 HOLD, f"cooling down ({waited / 1000:.1f} of {cooldown_ms / 1000:g} s): "
                 f"would {'grow' if verdict.direction == UP else 'cut'}: {verdict.reason}",
             )  # fmt: skip
-        self.last_verdicts[pool.name] = verdict
+        self._say(pool, pins, verdict)
         if verdict.direction == HOLD:
             return None
         update = step(record, verdict.direction, self._control, pool)
@@ -353,8 +356,15 @@ class Controller:
             log.info("pool %s: prompts over %.0f tokens wait for a gap in %s traffic",
                      pool.name, threshold, top)  # fmt: skip
 
+    def _say(self, pool: PoolPolicy, pins: int, verdict: Verdict) -> None:
+        """Shows a turn's verdict, unless an operator pinned or unpinned the pool since
+        the turn read its record: the pin's own word stands until the next turn."""
+        if self._pins.get(pool.name, 0) == pins:
+            self.last_verdicts[pool.name] = verdict
+
     async def pin(self, pool: PoolPolicy, capacity: float | None) -> ControlRecord:
         """Fixes a pool's admitted rate (the loop leaves it alone), or frees it."""
+        self._pins[pool.name] = self._pins.get(pool.name, 0) + 1
         record = await self._store.control(pool)
         if capacity is None and not record.pinned:
             return record  # nothing to free: no change, no cooldown
