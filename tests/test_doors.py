@@ -1016,7 +1016,7 @@ async def test_a_stream_that_breaks_after_its_200_ends_with_an_error_event(
         def failing(chunk: dict[str, Any]) -> bool:
             raise TypeError("a bug of the proxy's own")
 
-        monkeypatch.setattr(handler, "_has_content", failing)
+        monkeypatch.setattr(handler, "has_content", failing)
         broken = await streamed("word")
         last = json.loads(broken.rstrip("\n").rpartition("data: ")[2])
         assert last["error"]["code"] == "internal_error" and "HTTP/1.1" not in broken

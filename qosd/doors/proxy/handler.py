@@ -17,7 +17,6 @@ upstream key is its own setting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -37,6 +36,17 @@ from qosd.doors.bodies import BadJson, parse_json
 from qosd.doors.decisions import Decisions
 from qosd.doors.dialects import rate_limit_headers
 from qosd.doors.grpc_api import judge_samples
+from qosd.doors.proxy.answers import (
+    AnswerTooLarge,
+    Lines,
+    broke_off,
+    has_content,
+    is_event,
+    is_usage_chunk,
+    read_capped,
+    read_load,
+    what_broke,
+)
 from qosd.doors.proxy.estimate import Estimator, Usage, prompt_text
 from qosd.doors.proxy.openai_errors import OpenAIError, refusal
 from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
@@ -63,7 +73,6 @@ TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
 #: ``authorization`` never: it is the caller's credential for qosd).
 FORWARDED_HEADERS = ("traceparent", "tracestate", REQUEST_ID_HEADER,
                      "endpoint-load-metrics-format")  # fmt: skip
-LOAD_HEADER = "endpoint-load-metrics"
 #: How a client that left before its answer is counted: nginx's code.
 CLIENT_CLOSED = 499
 #: Bodies larger than this are parsed off the event loop.
@@ -220,7 +229,7 @@ class Proxy:
             ) as answer:  # fmt: skip
                 if answer.status != 200:
                     return stub
-                listing = json.loads(await _read_capped(answer, MODELS_MAX_BYTES))
+                listing = json.loads(await read_capped(answer, MODELS_MAX_BYTES))
         except (TimeoutError, aiohttp.ClientError, AnswerTooLarge, ValueError, RecursionError):
             return stub
         data = listing.get("data") if isinstance(listing, dict) else None
@@ -573,11 +582,11 @@ class Proxy:
                                   code="upstream_timeout") from exc  # fmt: skip
             except aiohttp.ClientError as exc:
                 progress.used_nothing, progress.outcome = True, Outcome.ERROR
-                raise OpenAIError(502, f"upstream {upstream.url} unreachable: {_what(exc)}",
+                raise OpenAIError(502, f"upstream {upstream.url} unreachable: {what_broke(exc)}",
                                   code="upstream_unreachable") from exc  # fmt: skip
             async with answer:
                 try:
-                    _read_load(upstream, answer)
+                    read_load(upstream, answer)
                     if answer.status != 200:
                         progress.used_nothing, progress.outcome = True, Outcome.ERROR
                         return await _passed_on(answer, limits, self.settings.max_answer_bytes)
@@ -594,10 +603,10 @@ class Proxy:
         self, answer: aiohttp.ClientResponse, progress: _Progress, limits: dict[str, str]
     ) -> web.Response:
         try:
-            raw = await _read_capped(answer, self.settings.max_answer_bytes)
+            raw = await read_capped(answer, self.settings.max_answer_bytes)
         except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
             progress.cut, progress.outcome = True, Outcome.ERROR
-            raise _broke_off(exc) from exc
+            raise broke_off(exc) from exc
         progress.last_token_at = time.monotonic()
         try:
             if len(raw) > PARSE_OFF_LOOP_BYTES:
@@ -632,17 +641,17 @@ class Proxy:
         )
         await response.prepare(request)
         call.response = response
-        lines = _Lines(answer.content, self.settings.max_body_bytes)
+        lines = Lines(answer.content, self.settings.max_body_bytes)
         limit = self._decisions.rules.max_tokens
         while True:
             try:  # reading from the upstream, and what its events say
                 line = await lines.next()
                 if line is None:
                     break
-                if _is_event(line) and self._saw(line, progress, limit) and not call.wants_usage:
+                if is_event(line) and self._saw(line, progress, limit) and not call.wants_usage:
                     continue  # the usage chunk the proxy asked for, not the client
             except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
-                error = _broke_off(exc)
+                error = broke_off(exc)
             except Exception:
                 log.exception("relaying a stream from %s failed", answer.url)
                 error = OpenAIError(500, "the stream could not be relayed; the proxy's log "
@@ -674,10 +683,10 @@ class Proxy:
             return False
         if progress.response_model is None and isinstance(model := chunk.get("model"), str):
             progress.response_model = model
-        if _is_usage_chunk(chunk):
+        if is_usage_chunk(chunk):
             progress.usage = Usage.parse(chunk.get("usage"), limit)
             return progress.usage is not None
-        if _has_content(chunk):
+        if has_content(chunk):
             now = time.monotonic()
             if progress.first_token_at is None:
                 progress.first_token_at = now
@@ -816,66 +825,11 @@ async def _passed_on(
     """An upstream's refusal, passed on as it came with ``limits`` (a body that breaks
     off, or is over ``limit`` bytes: a 502)."""
     try:
-        body = await _read_capped(answer, limit)
+        body = await read_capped(answer, limit)
     except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
-        raise _broke_off(exc) from exc
+        raise broke_off(exc) from exc
     return web.Response(status=answer.status, body=body, content_type=answer.content_type,
                         headers=limits)  # fmt: skip
-
-
-class AnswerTooLarge(Exception):
-    """An upstream answer held whole, or one line of a stream, past the proxy's limit."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"over {limit} bytes")
-        self.limit = limit
-
-
-async def _read_capped(answer: aiohttp.ClientResponse, limit: int) -> bytes:
-    """An answer's whole body, or AnswerTooLarge past ``limit`` bytes (at once when
-    its Content-Length says so): what an upstream sends is not held without bound."""
-    if answer.content_length is not None and answer.content_length > limit:
-        raise AnswerTooLarge(limit)
-    body = bytearray()
-    async for piece in answer.content.iter_any():
-        body += piece
-        if len(body) > limit:
-            raise AnswerTooLarge(limit)
-    return bytes(body)
-
-
-class _Lines:
-    """A stream's lines, each up to ``limit`` bytes. aiohttp's own line reader stops at
-    128 KiB (twice its read buffer), and not every version lets a caller raise that:
-    an event that large (a long tool call, an image) is still a valid event."""
-
-    def __init__(self, content: aiohttp.StreamReader, limit: int) -> None:
-        self._content = content
-        self._limit = limit
-        self._buffer = bytearray()
-        self._scanned = 0  # bytes of the buffer known to hold no newline
-
-    async def next(self) -> bytes | None:
-        """The next line, its newline included; None at the end of the stream."""
-        buffer = self._buffer
-        while True:
-            end = buffer.find(b"\n", self._scanned)
-            if end >= self._limit:
-                raise AnswerTooLarge(self._limit)
-            if end >= 0:
-                line = bytes(buffer[: end + 1])
-                del buffer[: end + 1]
-                self._scanned = 0
-                return line
-            self._scanned = len(buffer)
-            if self._scanned >= self._limit:
-                raise AnswerTooLarge(self._limit)
-            piece = await self._content.readany()
-            if not piece:
-                line = bytes(buffer)
-                buffer.clear()
-                return line or None
-            buffer += piece
 
 
 def _encoded(body: dict[str, Any]) -> bytes:
@@ -916,63 +870,6 @@ def _read_body(raw: bytes) -> tuple[dict[str, Any], int]:
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", "body")
     return body, len(prompt_text(body).encode("utf-8", "surrogatepass"))
-
-
-def _broke_off(error: BaseException) -> OpenAIError:
-    """An answer that stopped coming: 504 when the upstream went silent past the read
-    timeout, 502 when it broke the connection."""
-    if isinstance(error, TimeoutError):
-        return OpenAIError(504, "the upstream went silent past --upstream-read-timeout",
-                           code="upstream_timeout")  # fmt: skip
-    if isinstance(error, AnswerTooLarge):
-        return OpenAIError(502, f"the upstream's answer is too large: {error} "
-                           "(--max-answer-bytes; a stream's lines: --max-body-bytes)",
-                           code="upstream_too_large")  # fmt: skip
-    return OpenAIError(502, f"the upstream's answer broke off: {_what(error)}",
-                       code="upstream_cut")  # fmt: skip
-
-
-def _what(error: BaseException) -> str:
-    return str(error) or type(error).__name__
-
-
-def _is_event(line: bytes) -> bool:
-    """A data event with JSON in it (not the final ``[DONE]``)."""
-    return line.startswith(b"data: ") and not line.startswith(b"data: [DONE]")
-
-
-def _is_usage_chunk(chunk: dict[str, Any]) -> bool:
-    return chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict)
-
-
-def _has_content(chunk: dict[str, Any]) -> bool:
-    choices = chunk.get("choices")
-    if not isinstance(choices, list):  # "choices": 5 is no token
-        return False
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
-            return True
-        if choice.get("text"):
-            return True
-    return False
-
-
-def _read_load(upstream: Upstream, answer: aiohttp.ClientResponse) -> None:
-    """vLLM's ORCA header (``TEXT named_metrics.num_requests_waiting=N, ...``), when
-    the upstream sent one: the server's own queue, for picking among servers."""
-    value = answer.headers.get(LOAD_HEADER, "")
-    if not value.startswith("TEXT "):
-        return
-    for item in value[5:].split(","):
-        name, _, number = item.strip().partition("=")
-        if name == "named_metrics.num_requests_waiting":
-            with contextlib.suppress(ValueError):
-                waiting = float(number)
-                if math.isfinite(waiting):
-                    upstream.waiting = waiting
 
 
 def _peer_identities(request: web.Request) -> list[str]:

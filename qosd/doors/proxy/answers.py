@@ -1,0 +1,130 @@
+"""What the proxy reads from its upstreams: whole answers and streams, held within
+limits, judged for tokens and usage, and the load an upstream reports. Bytes from an
+upstream are as untrusted as a client's: a size, a shape or a cut connection ends the
+answer with an OpenAI error, never a hang or a 500 (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import aiohttp
+
+from qosd.doors.proxy.openai_errors import OpenAIError
+from qosd.doors.proxy.upstreams import Upstream
+
+#: vLLM's ORCA load header, read from every answer.
+LOAD_HEADER = "endpoint-load-metrics"
+
+
+class AnswerTooLarge(Exception):
+    """An upstream answer held whole, or one line of a stream, past the proxy's limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"over {limit} bytes")
+        self.limit = limit
+
+
+async def read_capped(answer: aiohttp.ClientResponse, limit: int) -> bytes:
+    """An answer's whole body, or AnswerTooLarge past ``limit`` bytes (at once when
+    its Content-Length says so): what an upstream sends is not held without bound."""
+    if answer.content_length is not None and answer.content_length > limit:
+        raise AnswerTooLarge(limit)
+    body = bytearray()
+    async for piece in answer.content.iter_any():
+        body += piece
+        if len(body) > limit:
+            raise AnswerTooLarge(limit)
+    return bytes(body)
+
+
+class Lines:
+    """A stream's lines, each up to ``limit`` bytes. aiohttp's own line reader stops at
+    128 KiB (twice its read buffer), and not every version lets a caller raise that:
+    an event that large (a long tool call, an image) is still a valid event."""
+
+    def __init__(self, content: aiohttp.StreamReader, limit: int) -> None:
+        self._content = content
+        self._limit = limit
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no newline
+
+    async def next(self) -> bytes | None:
+        """The next line, its newline included; None at the end of the stream."""
+        buffer = self._buffer
+        while True:
+            end = buffer.find(b"\n", self._scanned)
+            if end >= self._limit:
+                raise AnswerTooLarge(self._limit)
+            if end >= 0:
+                line = bytes(buffer[: end + 1])
+                del buffer[: end + 1]
+                self._scanned = 0
+                return line
+            self._scanned = len(buffer)
+            if self._scanned >= self._limit:
+                raise AnswerTooLarge(self._limit)
+            piece = await self._content.readany()
+            if not piece:
+                line = bytes(buffer)
+                buffer.clear()
+                return line or None
+            buffer += piece
+
+
+def broke_off(error: BaseException) -> OpenAIError:
+    """An answer that stopped coming: 504 when the upstream went silent past the read
+    timeout, 502 when it broke the connection."""
+    if isinstance(error, TimeoutError):
+        return OpenAIError(504, "the upstream went silent past --upstream-read-timeout",
+                           code="upstream_timeout")  # fmt: skip
+    if isinstance(error, AnswerTooLarge):
+        return OpenAIError(502, f"the upstream's answer is too large: {error} "
+                           "(--max-answer-bytes; a stream's lines: --max-body-bytes)",
+                           code="upstream_too_large")  # fmt: skip
+    return OpenAIError(502, f"the upstream's answer broke off: {what_broke(error)}",
+                       code="upstream_cut")  # fmt: skip
+
+
+def what_broke(error: BaseException) -> str:
+    return str(error) or type(error).__name__
+
+
+def is_event(line: bytes) -> bool:
+    """A data event with JSON in it (not the final ``[DONE]``)."""
+    return line.startswith(b"data: ") and not line.startswith(b"data: [DONE]")
+
+
+def is_usage_chunk(chunk: dict[str, Any]) -> bool:
+    return chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict)
+
+
+def has_content(chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):  # "choices": 5 is no token
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+def read_load(upstream: Upstream, answer: aiohttp.ClientResponse) -> None:
+    """vLLM's ORCA header (``TEXT named_metrics.num_requests_waiting=N, ...``), when
+    the upstream sent one: the server's own queue, for picking among servers."""
+    value = answer.headers.get(LOAD_HEADER, "")
+    if not value.startswith("TEXT "):
+        return
+    for item in value[5:].split(","):
+        name, _, number = item.strip().partition("=")
+        if name == "named_metrics.num_requests_waiting":
+            with contextlib.suppress(ValueError):
+                waiting = float(number)
+                if math.isfinite(waiting):
+                    upstream.waiting = waiting
