@@ -19,9 +19,11 @@ seeds, both engines, a proven bound).
 
 from __future__ import annotations
 
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from qosd.config import Config
@@ -40,7 +42,7 @@ from qosd_sim.gateway import RequestRecord
 from qosd_sim.gpu import GpuModel
 from qosd_sim.objectives import CLASSES, SCALED
 from qosd_sim.plots import plot_runs
-from qosd_sim.replay import ClassRule, read_trace
+from qosd_sim.replay import ClassRule, Request, read_trace
 from qosd_sim.results import ClassFacts, RunSamples, policy_summary
 
 OUTPUT_WEIGHT = 4.0
@@ -79,7 +81,41 @@ def run_demo(
         flush=True,
     )
     runs: list[PolicyRun] = []
-    interrupted = False
+    ctrl_c = _CtrlC()
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        interrupted = _run_both(runs, ctrl_c, workload, gpu, pool.cost_s, config, duration_s)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    _report(runs, config, capacity, duration_s, out_dir)
+    return 130 if interrupted else 0
+
+
+class _CtrlC:
+    """Ctrl-C as a flag as well as a KeyboardInterrupt. asyncio's own handler only
+    cancels the run's main task, and a run whose cancellation is swallowed on its way
+    out (a busy machine once let the demo finish both runs after Ctrl-C) would go on
+    to the next run; the flag stops the demo between runs whatever became of it."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.pressed = True
+        signal.default_int_handler(signum, frame)
+
+
+def _run_both(
+    runs: list[PolicyRun],
+    ctrl_c: _CtrlC,
+    workload: Sequence[Request],
+    gpu: GpuModel,
+    capacity_cost_s: float,
+    config: Config,
+    duration_s: float,
+) -> bool:
+    """Replays the workload with no QoS, then through qosd, into ``runs``; True when
+    Ctrl-C stopped it."""
     for number, policy in enumerate((Policy.FIFO, Policy.QOSD), start=1):
         print(f"\nrun {number}/2: {NAMES[policy]}", flush=True)
         records: list[RequestRecord] = []
@@ -90,7 +126,7 @@ def run_demo(
                     policy,
                     workload,
                     gpu=gpu,
-                    capacity_cost_s=pool.cost_s,
+                    capacity_cost_s=capacity_cost_s,
                     output_weight=OUTPUT_WEIGHT,
                     redis_url=config.redis.url,
                     drain_s=10.0,
@@ -101,10 +137,17 @@ def run_demo(
                 )
             )
         except KeyboardInterrupt:
-            interrupted = True
-            print("\ninterrupted: stopping the daemon and the simulated server ...", flush=True)
             runs.append(PolicyRun(policy, records, duration_s=time.monotonic() - started))
-            break
+        if ctrl_c.pressed:
+            print("\ninterrupted: stopping the daemon and the simulated server ...", flush=True)
+            return True
+    return False
+
+
+def _report(
+    runs: list[PolicyRun], config: Config, capacity: float, duration_s: float, out_dir: str
+) -> None:
+    """The report of both runs (or of what ran before Ctrl-C), and their plots."""
     facts = ClassFacts.from_config(config)
     summaries = {
         run.policy: policy_summary(
@@ -129,7 +172,6 @@ def run_demo(
         "\nThe full comparison (static buckets too, both engines, several seeds, P0's proven "
         "bound): python benchmarks/qos_replay.py --json r.json"
     )
-    return 130 if interrupted else 0
 
 
 def _ticker(records: list[RequestRecord]) -> Callable[[float, RatePoint | None], None]:
