@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 #: Digits in an integer, at most: int64 has 19.
 MAX_INTEGER_DIGITS = 24
@@ -33,17 +33,26 @@ class BadJson(ValueError):
     """The body is not JSON qosd reads; the message says why."""
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, however many segments it came in; BodyTooLarge past ``limit``
-    (at once when Content-Length says so)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(limit)
+async def read_within(content: StreamReader, length: int | None, limit: int) -> bytes | None:
+    """The whole of ``content``, however many segments it comes in; None past ``limit``
+    bytes (at once when its declared ``length`` says so). For a request's body and an
+    upstream's answer alike: what comes in is never held without bound."""
+    if length is not None and length > limit:
+        return None
     body = bytearray()
-    async for chunk in request.content.iter_any():
+    async for chunk in content.iter_any():
         body += chunk
         if len(body) > limit:
-            raise BodyTooLarge(limit)
+            return None
     return bytes(body)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body; BodyTooLarge past ``limit``."""
+    body = await read_within(request.content, request.content_length, limit)
+    if body is None:
+        raise BodyTooLarge(limit)
+    return body
 
 
 def parse_json(raw: bytes) -> Any:

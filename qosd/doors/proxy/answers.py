@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from qosd.doors.bodies import read_within
 from qosd.doors.proxy.openai_errors import OpenAIError
 from qosd.doors.proxy.upstreams import Upstream
 
@@ -27,16 +28,11 @@ class AnswerTooLarge(Exception):
 
 
 async def read_capped(answer: aiohttp.ClientResponse, limit: int) -> bytes:
-    """An answer's whole body, or AnswerTooLarge past ``limit`` bytes (at once when
-    its Content-Length says so): what an upstream sends is not held without bound."""
-    if answer.content_length is not None and answer.content_length > limit:
+    """An answer's whole body, or AnswerTooLarge past ``limit`` bytes."""
+    body = await read_within(answer.content, answer.content_length, limit)
+    if body is None:
         raise AnswerTooLarge(limit)
-    body = bytearray()
-    async for piece in answer.content.iter_any():
-        body += piece
-        if len(body) > limit:
-            raise AnswerTooLarge(limit)
-    return bytes(body)
+    return body
 
 
 class Lines:
