@@ -162,15 +162,20 @@ def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonP
     assert p2.reasons.get("QUEUE_TIMEOUT", 0) > 100  # the deadline path is exercised
     assert set(p2.reasons) <= {"NONE", "QUEUE_TIMEOUT", "RATE_LIMITED"}
     # A wait ends by its timer or the store's deadline; the daemon's timer fires as late
-    # as the machine's pace lets it, measured in the same run by the load workers' own
-    # timers (a busy CI machine held one 64 ms). Beyond that allowance, a waiter that
-    # outlived its deadline by a poll cycle or more fails.
+    # as the machine lets it. The load workers time their own timers through the run
+    # (the machine's pace), but the daemons, serving 56 callers, run later than that:
+    # fresh clones with a busy core saw waits of 342 to 364 ms with the workers' timers
+    # 19 to 47 ms late. The bound keeps 100 ms beyond the pace: the defect it is for, a
+    # pump admitting a waiter after its deadline, ends waits up to a stale period
+    # (500 ms) late.
     pace = max(r.worst_lateness_s for r in results.values())
     print(f"  the machine's pace: timers up to {pace * 1000:.0f} ms late")
-    assert p2.worst_waited_s <= 0.300 + 0.050 + pace
-    # As the caller saw it, RPC included: the client worker itself can be descheduled
-    # for tens of milliseconds, so this bound is looser.
-    assert p2.worst_elapsed_s <= 0.300 + 0.150 + pace
+    assert p2.worst_waited_s <= 0.300 + 0.100 + pace
+    # As the caller saw it, RPC included, on a client worker of 32 callers that a busy
+    # machine holds up (772 ms seen with the daemon's wait at 359): this tells a wait
+    # answered near its deadline from one answered only by the client's RPC deadline
+    # (5.3 s), or seconds late.
+    assert p2.worst_elapsed_s <= 0.300 + 1.0 + pace
 
 
 SCARCE: dict[str, Any] = {
