@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import Tracer
 
 from qosd.admission import Admission
 from qosd.config import Config, FailMode, parse_listen_address
@@ -41,6 +42,7 @@ from qosd.store.base import BucketStore
 from qosd.store.embedded import EmbeddedStore
 from qosd.store.instrumented import InstrumentedStore
 from qosd.store.redis import RedisStore
+from qosd.store.transport import monotonic_us
 from qosd.tls import ServerCertificates
 from qosd.tracing import Tracing, start_tracing
 from qosd_client.v1 import qosd_pb2
@@ -58,8 +60,11 @@ class StartupError(RuntimeError):
     """The daemon cannot start as configured (for example, a port is taken)."""
 
 
-def make_store(config: Config, daemon_id: str | None = None) -> BucketStore:
-    """The store ``config`` names, for the daemon ``daemon_id`` (None: a new id)."""
+def make_store(
+    config: Config, daemon_id: str | None = None, clock_us: Callable[[], int] = monotonic_us
+) -> BucketStore:
+    """The store ``config`` names, for the daemon ``daemon_id`` (None: a new id);
+    ``clock_us``: the embedded store's TIME (a replay in virtual time passes its own)."""
     tombstone_ms = int(config.lease.tombstone_s * 1000)
     stale_after_ms = config.waiting.stale_after_ms
     lease_ttl_ms = int(config.lease.ttl_s * 1000)
@@ -68,6 +73,7 @@ def make_store(config: Config, daemon_id: str | None = None) -> BucketStore:
             tombstone_ms,
             stale_after_ms,
             lease_ttl_ms,
+            clock_us,
             key_prefix=config.redis.key_prefix,
             daemon_id=daemon_id,
         )
@@ -208,19 +214,30 @@ async def start(
     raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
 
 
-async def _start(
+@dataclass
+class DaemonCore:
+    """What decides, with no listener: the doors' ``Decisions``, the SLO loop and the
+    status every reader shares. ``serve`` puts listeners around it; a replay in
+    virtual time (``qosd_sim.virtual``) calls its services in process."""
+
+    metrics: Metrics
+    store: InstrumentedStore
+    admission: Admission
+    decisions: Decisions
+    controller: Controller
+    status: StatusService
+    admin: AdminService
+
+
+async def start_core(
     config: Config,
-    given_store: BucketStore | None,
+    own_store: BucketStore,
     undo: contextlib.AsyncExitStack,
-    reuse_port: bool,
-) -> Daemon:
+    tracer: Tracer | None = None,
+) -> DaemonCore:
+    """Starts the store and builds the rest on it; ``undo`` gets the store's close.
+    The SLO loop is built, not started (``Controller.start``)."""
     metrics = Metrics()
-    own_store = given_store or make_store(config)
-    daemon_id = own_store.daemon_id
-    tracing = start_tracing(config.tracing, daemon_id)
-    if tracing is not None:
-        undo.push_async_callback(tracing.shutdown)
-    tracer = tracing.tracer if tracing else None
     store = InstrumentedStore(
         own_store,
         metrics,
@@ -232,19 +249,6 @@ async def _start(
     admission = Admission(config, store, tracer)
     metrics.pools_known(admission.pool_names())
     decisions = Decisions(admission, metrics, traced=tracer is not None)
-    try:
-        certificates = (
-            ServerCertificates(
-                config.server.tls,
-                on_reload=lambda ok: metrics.tls_reloads.labels("loaded" if ok else "failed").inc(),
-                on_expiry=metrics.tls_expiry.labels(config.server.tls.cert_file).set,
-            )
-            if config.server.tls.enabled
-            else None
-        )
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"server.tls: the files do not load: {exc}") from exc
-    server = grpc.aio.server(options=_server_options(config, reuse_port))
     controller = Controller(
         config,
         store,
@@ -261,7 +265,39 @@ async def _start(
         controller=controller,
         on_pool_read=metrics.pool_read,
     )
-    admin = AdminService(status, controller)
+    return DaemonCore(
+        metrics, store, admission, decisions, controller, status, AdminService(status, controller)
+    )
+
+
+async def _start(
+    config: Config,
+    given_store: BucketStore | None,
+    undo: contextlib.AsyncExitStack,
+    reuse_port: bool,
+) -> Daemon:
+    own_store = given_store or make_store(config)
+    daemon_id = own_store.daemon_id
+    tracing = start_tracing(config.tracing, daemon_id)
+    if tracing is not None:
+        undo.push_async_callback(tracing.shutdown)
+    tracer = tracing.tracer if tracing else None
+    core = await start_core(config, own_store, undo, tracer)
+    metrics, store, admission, decisions = core.metrics, core.store, core.admission, core.decisions
+    controller, status, admin = core.controller, core.status, core.admin
+    try:
+        certificates = (
+            ServerCertificates(
+                config.server.tls,
+                on_reload=lambda ok: metrics.tls_reloads.labels("loaded" if ok else "failed").inc(),
+                on_expiry=metrics.tls_expiry.labels(config.server.tls.cert_file).set,
+            )
+            if config.server.tls.enabled
+            else None
+        )
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"server.tls: the files do not load: {exc}") from exc
+    server = grpc.aio.server(options=_server_options(config, reuse_port))
     envoy_rls = EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled else None
     authorizer = Authorizer(
         config.auth,
