@@ -130,7 +130,10 @@ class LuaHost:
         script = self._scripts.get(sha.lower())
         if script is None:
             raise NoScript("NOSCRIPT No matching script. Please use EVAL.")
-        values = [a if type(a) is str else encode(a) for a in (*keys, *args)]
+        # str and int first: most arguments are, and encoding them is their text.
+        values = [
+            a if type(a) is str else str(a) if type(a) is int else encode(a) for a in (*keys, *args)
+        ]
         try:
             return _reply(self._runner(self._clock_us(), script, len(keys), *values))
         except lua.LuaError as exc:
@@ -179,5 +182,6 @@ def _reply(result: Any) -> Any:
     if kind == "ok":
         return str(values[0])
     if kind == "array":
-        return [_value(v) for v in values]
+        # str and int as they are (most of a reply), the rest as _value reads them.
+        return [v if type(v) is str or type(v) is int else _value(v) for v in values]
     return _value(values[0])
