@@ -58,6 +58,7 @@ definitions: ``sim/qosd_sim/results.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -84,6 +85,7 @@ from qosd_sim.bound import on_time_bound
 from qosd_sim.experiment import (
     MODEL,
     CapacityChoice,
+    Clock,
     Policy,
     PolicyRun,
     PoolCapacity,
@@ -460,6 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(qosd sim-vllm), through qosd proxy for static and qosd, with no gateway code",
     )
     parser.add_argument(
+        "--clock",
+        choices=[c.value for c in Clock],
+        default=Clock.VIRTUAL.value,
+        help="virtual (default): the daemon, the simulated Triton and the gateway in one "
+        "process on a virtual clock, the daemon on the embedded store (docs/yardstick.md"
+        "#virtual-time): as fast as the CPU allows, the same on a busy machine, several "
+        "at once; real: each its own process over sockets, on Redis, in real time, one "
+        "at a time (--server vllm is always real)",
+    )
+    parser.add_argument(
         "--long-prefill-threshold",
         type=int,
         default=VLLM_A100_BATCHED_TOKENS // 4,
@@ -670,21 +682,34 @@ def main() -> int:
     args = parse_args()
     if args.commit:
         return pinned_rerun(args)
+    if clock_of(args) is Clock.VIRTUAL:
+        # Nothing to share a machine with: a run in virtual time is the same beside
+        # another (a replay in real time should still run alone).
+        return pinned_cell(args)
     with one_at_a_time("qosd-qos-replay"):
-        # Recorded as the run starts (after any wait for the lock), and refused where
-        # the sources differ from it: a tree edited during a long matrix must not name
-        # its results. Each policy's daemon starts from this tree: an edit during the
-        # run is seen at its end and marks it a development run (--commit runs from a
-        # worktree no one edits).
-        commit = source_commit(ROOT)
-        changed = changed_paths(ROOT, SOURCES)
-        if changed and not args.dev and not args.from_records:
-            raise SystemExit(
-                "refusing to run from a tree whose sources differ from its commit "
-                f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): commit "
-                "them, run --commit REV, or mark a development run with --dev"
-            )
-        return run_cell(args, commit, changed)
+        return pinned_cell(args)
+
+
+def clock_of(args: argparse.Namespace) -> Clock:
+    """The run's clock: ``--server vllm`` runs a real proxy and server, in real time."""
+    return Clock.REAL if args.server == "vllm" else Clock(args.clock)
+
+
+def pinned_cell(args: argparse.Namespace) -> int:
+    # Recorded as the run starts (after any wait for the lock), and refused where
+    # the sources differ from it: a tree edited during a long matrix must not name
+    # its results. Each policy's daemon starts from this tree: an edit during the
+    # run is seen at its end and marks it a development run (--commit runs from a
+    # worktree no one edits).
+    commit = source_commit(ROOT)
+    changed = changed_paths(ROOT, SOURCES)
+    if changed and not args.dev and not args.from_records:
+        raise SystemExit(
+            "refusing to run from a tree whose sources differ from its commit "
+            f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}): commit "
+            "them, run --commit REV, or mark a development run with --dev"
+        )
+    return run_cell(args, commit, changed)
 
 
 def run_cell(args: argparse.Namespace, commit: str, changed: list[str]) -> int:
@@ -737,6 +762,7 @@ def run_cell(args: argparse.Namespace, commit: str, changed: list[str]) -> int:
         "trace": args.trace or "bundled sample",
         "engine": gpu.engine,
         "server": args.server,
+        "clock": clock_of(args).value,
         "load": args.load,
         "seeds": [s.workload.seed for s in seed_runs],
         "development_seeds": list(DEVELOPMENT_SEEDS),
@@ -804,7 +830,10 @@ def replay_seeds(
 ) -> list[SeedRun]:
     """Every seed's workload, replayed under every contender, one after another."""
     seed_runs = []
-    with redis_server() as redis:
+    clock = clock_of(args)
+    with contextlib.ExitStack() as stack:
+        # In virtual time the daemon runs on the embedded store.
+        redis_url = None if clock is Clock.VIRTUAL else stack.enter_context(redis_server()).url
         for seed in seeds:
             seed_run = SeedRun(seeded_workload(rows, gpu, workload_spec(args), seed), [])
             drawn = seed_run.workload
@@ -825,7 +854,7 @@ def replay_seeds(
                     run = run_policy_openai(
                         policy, drawn.requests, gpu=gpu,
                         capacity_cost_s=pool.cost_s * (factor or 1.0),
-                        output_weight=args.output_weight, redis_url=redis.url,
+                        output_weight=args.output_weight, redis_url=redis_url,
                         drain_s=args.drain, window_s=args.duration,
                         admit_long_prompts=args.long_prompts == "admit",
                         config_overrides=settings if policy is Policy.QOSD else None,
@@ -834,12 +863,12 @@ def replay_seeds(
                 else:
                     run = run_policy(
                         policy, drawn.requests, gpu=gpu, capacity_cost_s=pool.cost_s,
-                        output_weight=args.output_weight, redis_url=redis.url,
+                        output_weight=args.output_weight, redis_url=redis_url,
                         drain_s=args.drain, window_s=args.duration,
                         admit_long_prompts=args.long_prompts == "admit",
                         config_overrides=settings if policy is Policy.QOSD else None,
                         capacity_factor=factor, objectives=SCORINGS[HEADLINE],
-                        queue_cap=args.queue_cap,
+                        queue_cap=args.queue_cap, clock=clock,
                     )  # fmt: skip
                 seed_run.runs.append(run)
                 late = lateness([r.late_ms for r in run.records])

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -38,6 +38,7 @@ from qosd_sim.gateway import (
     PATIENT,
     ClientHabits,
     Gateway,
+    ReplayLoop,
     RequestRecord,
     RetryPolicy,
 )
@@ -52,8 +53,18 @@ from qosd_sim.replay import (
     build_workload,
     trace_token_rate,
 )
+from qosd_sim.virtual import (
+    InProcessGateway,
+    InProcessQosd,
+    in_process_daemon,
+    in_process_server,
+    virtual_loop,
+)
 
 MODEL = "llm"
+#: Each class's priority for servers that schedule by it (0 first), as a gateway that
+#: knows its classes passes it where no daemon answers with one.
+CLASS_RANKS = {name: rank for rank, name in enumerate(CLASSES)}
 
 
 class Policy(Enum):
@@ -509,14 +520,26 @@ async def sample_rates(qos: QosdClient, into: list[RatePoint], started: float) -
         await asyncio.sleep(1.0)
 
 
-async def busy_sample(metrics_url: str, started: float) -> tuple[float, float]:
+#: Reads the simulated GPU's (clock, cumulative busy seconds): over /metrics in real
+#: time, from the server object in virtual time.
+BusyReader = Callable[[], Awaitable[tuple[float, float]]]
+
+
+def busy_over_http(metrics_url: str) -> BusyReader:
+    async def read() -> tuple[float, float]:
+        return await asyncio.to_thread(read_busy_seconds, metrics_url)
+
+    return read
+
+
+async def busy_sample(read: BusyReader, started: float) -> tuple[float, float]:
     """(seconds since ``started``, busy seconds), timed by the server's own clock."""
-    clock, busy = await asyncio.to_thread(read_busy_seconds, metrics_url)
+    clock, busy = await read()
     return (clock - started, busy)
 
 
 async def sample_busy(
-    metrics_url: str, into: list[tuple[float, float]], started: float, window_s: float | None
+    read: BusyReader, into: list[tuple[float, float]], started: float, window_s: float | None
 ) -> None:
     """Every whole second from the start, and at the end of the arrival window."""
     window_pending = window_s is not None
@@ -529,7 +552,67 @@ async def sample_busy(
         for at in marks:
             await asyncio.sleep(max(0.0, started + at - time.monotonic()))
             with contextlib.suppress(Exception):
-                into.append(await busy_sample(metrics_url, started))
+                into.append(await busy_sample(read, started))
+
+
+@dataclass(frozen=True)
+class ReplayParts:
+    """What a replay drives and reads: the gateway, the daemon it asks (None: the
+    policy admits nothing), and the simulated GPU's busy time and losses."""
+
+    gateway: ReplayLoop
+    qos: QosdClient | None
+    read_busy: BusyReader
+    read_losses: Callable[[], Awaitable[tuple[float, int]]]
+
+
+async def replay_through(
+    policy: Policy,
+    workload: Sequence[Request],
+    parts: ReplayParts,
+    *,
+    drain_s: float,
+    window_s: float | None,
+    on_tick: Callable[[float, RatePoint | None], None] | None,
+) -> PolicyRun:
+    """Replays ``workload`` through ``parts``, sampling the GPU's busy time and the
+    daemon's rates as it goes; the same in real and in virtual time."""
+    run = PolicyRun(policy, [])
+    started = time.monotonic()
+    qos = parts.qos
+    background: list[asyncio.Task[None]] = []
+    try:
+        background.append(
+            asyncio.create_task(sample_busy(parts.read_busy, run.busy, started, window_s))
+        )
+        if qos is not None:
+            background.append(asyncio.create_task(sample_rates(qos, run.rates, started)))
+        if on_tick is not None:
+
+            async def ticker() -> None:
+                while True:
+                    await asyncio.sleep(1.0)
+                    on_tick(time.monotonic() - started, run.rates[-1] if run.rates else None)
+
+            background.append(asyncio.create_task(ticker()))
+        await parts.gateway.replay(workload, drain_s=drain_s)
+        run.records = parts.gateway.records
+        run.duration_s = time.monotonic() - started
+        with contextlib.suppress(Exception):
+            run.busy.append(await busy_sample(parts.read_busy, started))
+        with contextlib.suppress(Exception):
+            run.gpu_lost_s, run.gpu_late_wakeups = await parts.read_losses()
+        if qos is not None:
+            status = await qos.status(MODEL, history=100)
+            run.adjustments = [
+                f"{c.age_s:.0f}s ago {c.from_tokens_s:,.0f} -> {c.to_tokens_s:,.0f}: {c.reason}"
+                for c in status.pool(MODEL).history
+            ]
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    return run
 
 
 async def _replay(
@@ -547,56 +630,38 @@ async def _replay(
     acquire_timeout_s: float = 5.0,
     habits: ClientHabits = PATIENT,
 ) -> PolicyRun:
-    run = PolicyRun(policy, [])
     client = triton.InferenceServerClient(triton_address)
     # The gateway's deadline for Acquire must outlast the longest class wait, or the
     # deadline, not the class's max wait, ends a P2's wait.
     qos = QosdClient(qosd_address, timeout_s=acquire_timeout_s) if qosd_address else None
     replicas = [QosdClient(address, timeout_s=acquire_timeout_s) for address in replica_addresses]
-    started = time.monotonic()
-    background: list[asyncio.Task[None]] = []
     try:
-        ranks = {name: rank for rank, name in enumerate(CLASSES)}
         gateway = Gateway(
-            client, model=MODEL, qos=qos, on_record=on_record, class_ranks=ranks,
+            client, model=MODEL, qos=qos, on_record=on_record, class_ranks=CLASS_RANKS,
             replicas=replicas, habits=habits,
         )  # fmt: skip
-        background.append(
-            asyncio.create_task(sample_busy(metrics_url, run.busy, started, window_s))
+
+        async def read_losses() -> tuple[float, int]:
+            return await asyncio.to_thread(read_gpu_losses, metrics_url)
+
+        parts = ReplayParts(gateway, qos, busy_over_http(metrics_url), read_losses)
+        return await replay_through(
+            policy, workload, parts, drain_s=drain_s, window_s=window_s, on_tick=on_tick
         )
-        if qos is not None:
-            background.append(asyncio.create_task(sample_rates(qos, run.rates, started)))
-        if on_tick is not None:
-
-            async def ticker() -> None:
-                while True:
-                    await asyncio.sleep(1.0)
-                    on_tick(time.monotonic() - started, run.rates[-1] if run.rates else None)
-
-            background.append(asyncio.create_task(ticker()))
-        await gateway.replay(workload, drain_s=drain_s)
-        run.records = gateway.records
-        run.duration_s = time.monotonic() - started
-        with contextlib.suppress(Exception):
-            run.busy.append(await busy_sample(metrics_url, started))
-        with contextlib.suppress(Exception):
-            losses = await asyncio.to_thread(read_gpu_losses, metrics_url)
-            run.gpu_lost_s, run.gpu_late_wakeups = losses
-        if qos is not None:
-            status = await qos.status(MODEL, history=100)
-            run.adjustments = [
-                f"{c.age_s:.0f}s ago {c.from_tokens_s:,.0f} -> {c.to_tokens_s:,.0f}: {c.reason}"
-                for c in status.pool(MODEL).history
-            ]
     finally:
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
         await client.close()
         for daemon in [qos, *replicas]:
             if daemon is not None:
                 await daemon.close()
-    return run
+
+
+class Clock(Enum):
+    """How a replay keeps time: ``real``, each part its own process over sockets
+    (``simulator_process``, ``daemon_processes``), or ``virtual``, all of them in one
+    process on a virtual clock (``qosd_sim.virtual``)."""
+
+    REAL = "real"
+    VIRTUAL = "virtual"
 
 
 def run_policy(
@@ -618,6 +683,7 @@ def run_policy(
     capacity_factor: float | None = None,
     objectives: Scoring = SCALED,
     queue_cap: int | None = None,
+    clock: Clock = Clock.REAL,
 ) -> PolicyRun:
     """Starts the parts a policy needs, replays the workload, stops everything.
 
@@ -627,13 +693,44 @@ def run_policy(
     ``capacity_factor``: the pool's capacity is ``capacity_cost_s`` times this (a
     point of static's sweep). ``objectives``: where fifo-deadline's clients give up.
     ``queue_cap``: vllm-native's server refuses beyond this many in flight, waiting and
-    running, as vLLM's ``--max-num-queued-reqs`` counts them."""
+    running, as vLLM's ``--max-num-queued-reqs`` counts them. ``clock``: in virtual
+    time the daemon runs on the embedded store (``redis_url`` is not used), alone."""
+    native = policy is Policy.VLLM_NATIVE
+    server_gpu = dataclasses.replace(gpu, priority_scheduling=True) if native else gpu
+    max_queued = queue_cap if native else None
+    habits = PATIENT
     if not policy.admits:
-        native = policy is Policy.VLLM_NATIVE
-        server_gpu = dataclasses.replace(gpu, priority_scheduling=True) if native else gpu
         give_up = give_up_at_ttft(objectives) if policy is Policy.FIFO_DEADLINE else None
-        with simulator_process(server_gpu, max_queued=queue_cap if native else None) as simulator:
-            return uvloop.run(
+        habits = ClientHabits(give_up, RetryPolicy() if native else None)
+    virtual = clock is Clock.VIRTUAL
+    if virtual and daemons != 1:
+        raise ValueError("a replay in virtual time runs one daemon")
+    tree = None
+    acquire_timeout_s = 5.0
+    if policy.admits:
+        tree = daemon_config(
+            policy,
+            base=base_config,
+            capacity_cost_s=capacity_cost_s * (capacity_factor or 1.0),
+            output_weight=output_weight,
+            redis_url=None if virtual else redis_url,
+            admit_long_prompts=admit_long_prompts,
+            gpu=gpu,
+            overrides=config_overrides,
+        )
+        # The gateway's deadline for Acquire must outlast the longest class wait.
+        waits = [c["max_wait_ms"] for c in tree["classes"].values()]
+        acquire_timeout_s = max(waits) / 1000 + 2.0
+    if virtual:
+        config = Config.model_validate(tree) if tree is not None else None
+        run = _run_virtual(
+            policy, workload, gpu=server_gpu, config=config, habits=habits,
+            max_queued=max_queued, acquire_timeout_s=acquire_timeout_s, drain_s=drain_s,
+            window_s=window_s, on_record=on_record, on_tick=on_tick,
+        )  # fmt: skip
+    elif tree is None:
+        with simulator_process(server_gpu, max_queued=max_queued) as simulator:
+            run = uvloop.run(
                 _replay(
                     policy,
                     workload,
@@ -644,41 +741,78 @@ def run_policy(
                     window_s=window_s,
                     on_record=on_record,
                     on_tick=on_tick,
-                    habits=ClientHabits(give_up, RetryPolicy() if native else None),
+                    habits=habits,
                 )
             )
-    tree = daemon_config(
-        policy,
-        base=base_config,
-        capacity_cost_s=capacity_cost_s * (capacity_factor or 1.0),
-        output_weight=output_weight,
-        redis_url=redis_url,
-        admit_long_prompts=admit_long_prompts,
-        gpu=gpu,
-        overrides=config_overrides,
-    )
-    with (
-        daemon_processes(tree, daemons) as (daemon, *replicas),
-        simulator_process(gpu, qosd_target=daemon.address) as simulator,
-    ):
-        run = uvloop.run(
-            _replay(
-                policy,
-                workload,
-                triton_address=simulator.grpc,
-                metrics_url=simulator.metrics_url,
-                qosd_address=daemon.address,
-                replica_addresses=[replica.address for replica in replicas],
-                drain_s=drain_s,
-                window_s=window_s,
-                on_record=on_record,
-                on_tick=on_tick,
-                acquire_timeout_s=max(c["max_wait_ms"] for c in tree["classes"].values()) / 1000
-                + 2.0,
+    else:
+        with (
+            daemon_processes(tree, daemons) as (daemon, *replicas),
+            simulator_process(gpu, qosd_target=daemon.address) as simulator,
+        ):
+            run = uvloop.run(
+                _replay(
+                    policy,
+                    workload,
+                    triton_address=simulator.grpc,
+                    metrics_url=simulator.metrics_url,
+                    qosd_address=daemon.address,
+                    replica_addresses=[replica.address for replica in replicas],
+                    drain_s=drain_s,
+                    window_s=window_s,
+                    on_record=on_record,
+                    on_tick=on_tick,
+                    acquire_timeout_s=acquire_timeout_s,
+                )
             )
-        )
     run.capacity_factor = capacity_factor
     return run
+
+
+def _run_virtual(
+    policy: Policy,
+    workload: Sequence[Request],
+    *,
+    gpu: GpuModel,
+    config: Config | None,
+    habits: ClientHabits,
+    max_queued: int | None,
+    acquire_timeout_s: float,
+    drain_s: float,
+    window_s: float | None,
+    on_record: Callable[[RequestRecord], None] | None,
+    on_tick: Callable[[float, RatePoint | None], None] | None,
+) -> PolicyRun:
+    """One replay in virtual time: the daemon (``config``; None: none), the server and
+    the gateway in this process, on a virtual clock."""
+
+    async def replay() -> PolicyRun:
+        async with contextlib.AsyncExitStack() as parts:
+            qos = None
+            if config is not None:
+                core = await parts.enter_async_context(in_process_daemon(config))
+                qos = InProcessQosd(core, timeout_s=acquire_timeout_s)
+            server = await parts.enter_async_context(
+                in_process_server(gpu, qos, model=MODEL, max_queued=max_queued)
+            )
+            gateway = InProcessGateway(
+                server, model=MODEL, qos=qos, on_record=on_record, class_ranks=CLASS_RANKS,
+                habits=habits,
+            )  # fmt: skip
+
+            async def read_busy() -> tuple[float, float]:
+                return time.monotonic(), server.gpu.busy_seconds()
+
+            async def read_losses() -> tuple[float, int]:
+                return server.gpu.lost_seconds, server.gpu.late_wakeups
+
+            return await replay_through(
+                policy, workload, ReplayParts(gateway, qos, read_busy, read_losses),
+                drain_s=drain_s, window_s=window_s, on_tick=on_tick,
+            )  # fmt: skip
+        raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
+
+    with virtual_loop() as loop:
+        return loop.run_until_complete(replay())
 
 
 def give_up_at_ttft(objectives: Scoring) -> Callable[[Request], float | None]:

@@ -191,7 +191,11 @@ class Gateway(ReplayLoop):
 
     async def _stream(
         self, request: Request, lease_id: str, priority: int
-    ) -> AsyncGenerator[Any, None]:
+    ) -> AsyncGenerator[tuple[int, bool], None]:
+        """The server's answer as (tokens in this response, whether it is the last):
+        over gRPC here, in process in a replay in virtual time (``qosd_sim.virtual``).
+        Raises ``ServerRefused`` where the server refuses it for a full queue."""
+
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {
                 "model_name": self._model,
@@ -214,7 +218,12 @@ class Gateway(ReplayLoop):
                 if error is not None:
                     refused = QUEUE_FULL in str(error)
                     raise (ServerRefused if refused else RuntimeError)(str(error))
-                yield result
+                response = result.get_response()
+                tokens = 0
+                if response.raw_output_contents:
+                    tokens = int(result.as_numpy("token_count")[0])
+                final = response.parameters.get("triton_final_response")
+                yield tokens, final is not None and final.bool_param
         finally:
             responses.cancel()
 
@@ -298,16 +307,14 @@ class Gateway(ReplayLoop):
         patience: asyncio.Timeout,
     ) -> None:
         async with contextlib.aclosing(self._stream(request, lease_id, priority)) as stream:
-            async for result in stream:
+            async for tokens, final in stream:
                 now = time.monotonic()
-                response = result.get_response()
-                if response.raw_output_contents:
-                    record.tokens_seen += int(result.as_numpy("token_count")[0])
+                if tokens:
+                    record.tokens_seen += tokens
                     if record.ttft_ms is None:
                         record.ttft_ms = (now - arrived) * 1000
                         patience.reschedule(None)
-                final = response.parameters.get("triton_final_response")
-                if final is not None and final.bool_param:
+                if final:
                     record.e2e_ms = (now - arrived) * 1000
                     record.completed = True
                     break

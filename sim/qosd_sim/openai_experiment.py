@@ -29,10 +29,11 @@ from qosd_sim.experiment import (
     MODEL,
     Policy,
     PolicyRun,
-    busy_sample,
+    ReplayParts,
+    busy_over_http,
     daemon_config,
-    sample_busy,
-    sample_rates,
+    read_gpu_losses,
+    replay_through,
 )
 from qosd_sim.gpu import GpuModel
 from qosd_sim.objectives import CLASSES
@@ -98,27 +99,21 @@ async def replay_openai(
 ) -> PolicyRun:
     """One replay through ``url``, with the GPU's busy seconds and (through qosd)
     the pool's rates sampled every second."""
-    run = PolicyRun(policy, [])
     gateway = OpenAIGateway(url, model=MODEL, api_key=api_key, priorities=priorities)
     qos = QosdClient(qosd_address) if qosd_address else None
-    started = time.monotonic()
-    background = [asyncio.create_task(sample_busy(metrics_url, run.busy, started, window_s))]
-    if qos is not None:
-        background.append(asyncio.create_task(sample_rates(qos, run.rates, started)))
+
+    async def read_losses() -> tuple[float, int]:
+        return await asyncio.to_thread(read_gpu_losses, metrics_url)
+
     try:
-        await gateway.replay(workload, drain_s=drain_s)
-        run.records = gateway.records
-        run.duration_s = time.monotonic() - started
-        with contextlib.suppress(Exception):
-            run.busy.append(await busy_sample(metrics_url, started))
+        parts = ReplayParts(gateway, qos, busy_over_http(metrics_url), read_losses)
+        return await replay_through(
+            policy, workload, parts, drain_s=drain_s, window_s=window_s, on_tick=None
+        )
     finally:
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
         await gateway.close()
         if qos is not None:
             await qos.close()
-    return run
 
 
 def run_policy_openai(
