@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.yardstick_matrix import run_cells
 from qosd_harness import changed_paths, clean_worktree, one_at_a_time
 
 pytestmark = pytest.mark.fast
@@ -121,3 +122,17 @@ def test_the_matrix_runs_only_the_cells_not_yet_run_at_its_commit(tmp_path: Path
     assert not any(c.endswith("yardstick_azure_1.5x_chunked.json") for c in commands)
     assert any("--load 1.5 --engine unchunked" in c for c in commands)
     assert any("--load 1.5 --engine chunked-priority" in c for c in commands)
+
+
+def test_cells_run_side_by_side_each_logging_beside_its_results(tmp_path: Path) -> None:
+    """``yardstick_matrix --jobs N`` (virtual time): N cells at once, each one's output
+    in ``{cell}.log`` beside its results; one failed cell fails the matrix."""
+
+    def cell(name: str, code: str) -> list[str]:
+        return [sys.executable, "-c", code, "--json", str(tmp_path / f"{name}.json")]
+
+    ok = [cell("a", "print('cell a')"), cell("b", "print('cell b')")]
+    assert run_cells(ok, jobs=2)
+    assert (tmp_path / "a.log").read_text() == "cell a\n"
+    assert (tmp_path / "b.log").read_text() == "cell b\n"
+    assert not run_cells([*ok, cell("c", "raise SystemExit(3)")], jobs=2)
