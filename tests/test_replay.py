@@ -481,6 +481,8 @@ def test_busy_fraction_and_timeline() -> None:
     assert busy_fraction(samples, 4.0) == pytest.approx(0.75)
     assert busy_fraction(samples, 8.0) == pytest.approx(3.0 / 8.0)
     assert busy_fraction(samples, 20.0) is None  # not sampled that far
+    # The last sample at the last completion, the span a float's error past it.
+    assert busy_fraction(samples, 9.0 + 1e-9) == pytest.approx(3.0 / 9.0)
     assert busy_fraction([(2.0, 1.0), (3.0, 2.0)], 2.0) == pytest.approx(0.5)  # fresh at 0
     records = [
         _record("P0", at_s=0.2),

@@ -31,6 +31,23 @@ def test_the_clock_jumps_and_monotonic_reads_it_only_while_the_loop_is_open() ->
     assert time.monotonic is real_monotonic
 
 
+def test_work_in_a_thread_takes_no_loop_time_however_long_it_takes() -> None:
+    """The SLO loop does its arithmetic in a thread: the clock must not move on while
+    it runs, or a run would depend on how fast or busy the host is."""
+
+    async def thread_work() -> float:
+        timer = asyncio.create_task(asyncio.sleep(0.001))  # the next timer, 1 ms ahead
+        began = asyncio.get_running_loop().time()
+        await asyncio.to_thread(real_sleep, 0.05)  # 50 ms of the host's time
+        elapsed = asyncio.get_running_loop().time() - began
+        await timer
+        return elapsed
+
+    real_sleep = time.sleep
+    with virtual_loop() as loop:
+        assert loop.run_until_complete(thread_work()) == 0
+
+
 def _workload(count: int, seed: int, qos_class: str = "P1") -> list[Request]:
     rng = random.Random(seed)
     at = 0.0
