@@ -525,9 +525,20 @@ async def sample_rates(qos: QosdClient, into: list[RatePoint], started: float) -
 BusyReader = Callable[[], Awaitable[tuple[float, float]]]
 
 
+#: Reads the GPU seconds the simulated server lost to its host, and its late wake-ups.
+LossReader = Callable[[], Awaitable[tuple[float, int]]]
+
+
 def busy_over_http(metrics_url: str) -> BusyReader:
     async def read() -> tuple[float, float]:
         return await asyncio.to_thread(read_busy_seconds, metrics_url)
+
+    return read
+
+
+def losses_over_http(metrics_url: str) -> LossReader:
+    async def read() -> tuple[float, int]:
+        return await asyncio.to_thread(read_gpu_losses, metrics_url)
 
     return read
 
@@ -563,7 +574,7 @@ class ReplayParts:
     gateway: ReplayLoop
     qos: QosdClient | None
     read_busy: BusyReader
-    read_losses: Callable[[], Awaitable[tuple[float, int]]]
+    read_losses: LossReader
 
 
 async def replay_through(
@@ -640,11 +651,9 @@ async def _replay(
             client, model=MODEL, qos=qos, on_record=on_record, class_ranks=CLASS_RANKS,
             replicas=replicas, habits=habits,
         )  # fmt: skip
-
-        async def read_losses() -> tuple[float, int]:
-            return await asyncio.to_thread(read_gpu_losses, metrics_url)
-
-        parts = ReplayParts(gateway, qos, busy_over_http(metrics_url), read_losses)
+        parts = ReplayParts(
+            gateway, qos, busy_over_http(metrics_url), losses_over_http(metrics_url)
+        )
         return await replay_through(
             policy, workload, parts, drain_s=drain_s, window_s=window_s, on_tick=on_tick
         )

@@ -32,7 +32,7 @@ from qosd_sim.experiment import (
     ReplayParts,
     busy_over_http,
     daemon_config,
-    read_gpu_losses,
+    losses_over_http,
     replay_through,
 )
 from qosd_sim.gpu import GpuModel
@@ -101,12 +101,10 @@ async def replay_openai(
     the pool's rates sampled every second."""
     gateway = OpenAIGateway(url, model=MODEL, api_key=api_key, priorities=priorities)
     qos = QosdClient(qosd_address) if qosd_address else None
-
-    async def read_losses() -> tuple[float, int]:
-        return await asyncio.to_thread(read_gpu_losses, metrics_url)
-
     try:
-        parts = ReplayParts(gateway, qos, busy_over_http(metrics_url), read_losses)
+        parts = ReplayParts(
+            gateway, qos, busy_over_http(metrics_url), losses_over_http(metrics_url)
+        )
         return await replay_through(
             policy, workload, parts, drain_s=drain_s, window_s=window_s, on_tick=None
         )
