@@ -737,40 +737,29 @@ def run_policy(
             max_queued=max_queued, acquire_timeout_s=acquire_timeout_s, drain_s=drain_s,
             window_s=window_s, on_record=on_record, on_tick=on_tick,
         )  # fmt: skip
-    elif tree is None:
-        with simulator_process(server_gpu, max_queued=max_queued) as simulator:
-            run = uvloop.run(
-                _replay(
-                    policy,
-                    workload,
-                    triton_address=simulator.grpc,
-                    metrics_url=simulator.metrics_url,
-                    qosd_address=None,
-                    drain_s=drain_s,
-                    window_s=window_s,
-                    on_record=on_record,
-                    on_tick=on_tick,
-                    habits=habits,
-                )
-            )
     else:
-        with (
-            daemon_processes(tree, daemons) as (daemon, *replicas),
-            simulator_process(gpu, qosd_target=daemon.address) as simulator,
-        ):
+        with contextlib.ExitStack() as parts:
+            qosd_address, replicas = "", []
+            if tree is not None:
+                daemon, *replicas = parts.enter_context(daemon_processes(tree, daemons))
+                qosd_address = daemon.address
+            simulator = parts.enter_context(
+                simulator_process(server_gpu, qosd_target=qosd_address, max_queued=max_queued)
+            )
             run = uvloop.run(
                 _replay(
                     policy,
                     workload,
                     triton_address=simulator.grpc,
                     metrics_url=simulator.metrics_url,
-                    qosd_address=daemon.address,
+                    qosd_address=qosd_address or None,
                     replica_addresses=[replica.address for replica in replicas],
                     drain_s=drain_s,
                     window_s=window_s,
                     on_record=on_record,
                     on_tick=on_tick,
                     acquire_timeout_s=acquire_timeout_s,
+                    habits=habits,
                 )
             )
     run.capacity_factor = capacity_factor
