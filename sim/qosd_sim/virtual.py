@@ -16,7 +16,7 @@ fair to every policy alike:
 - no sockets: the gateway calls the daemon's servicer and the server's ``serve`` in
   process, with the same messages; the network and the daemon's CPU cost nothing
   (in real time, about a millisecond an Acquire on this machine);
-- the embedded store, whose scripts are Redis's (ADR 3), with the loop's clock as
+- the embedded store, whose scripts are Redis's (ADR 2), with the loop's clock as
   its TIME;
 - one daemon; work the daemon puts in a thread (the SLO loop's arithmetic) finishes
   before the clock moves on.
