@@ -142,8 +142,9 @@ def plot_pareto(results: Mapping[str, Any], prefix: Path) -> Path:
             ax.axhline(level, color="tab:red", linestyle=style, linewidth=1, label=label)
     ax.set_xlabel("trace goodput / the trace's FCFS-saturated throughput (mean; bars: seeds)")
     ax.set_ylabel("P0 on time, of offered (mean; bars: seeds)")
+    shape = ", bursty" if results.get("bursty") else ""
     ax.set_title(
-        f"{Path(str(results.get('trace', ''))).stem} {results.get('load')}x, "
+        f"{Path(str(results.get('trace', ''))).stem}{shape} {results.get('load')}x, "
         f"{results.get('engine')}: {len(per_seed)} seeds"
     )
     ax.set_ylim(0, 1.05)
