@@ -218,7 +218,7 @@ async def start(
 class DaemonCore:
     """What decides, with no listener: the doors' ``Decisions``, the SLO loop and the
     status every reader shares. ``serve`` puts listeners around it; a replay in
-    virtual time (``qosd_sim.virtual``) calls its services in process."""
+    virtual time (the simulator's) calls its services in process."""
 
     metrics: Metrics
     store: InstrumentedStore
