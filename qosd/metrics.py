@@ -47,6 +47,9 @@ from qosd_client.v1 import qosd_pb2
 TOP_TENANTS = 10
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+# Fine between 50 and 500 ms, where a late timer turns a met wait bound into a missed one.
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                      0.5, 1, 2.5)  # fmt: skip
 
 
 class _LocalGauge(Gauge):
@@ -156,6 +159,13 @@ class Metrics:
             "qosd_store_call_seconds", "Store (Redis or embedded) call latency, by call.",
             ["call"], buckets=STORE_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self.loop_lag = Histogram(
+            "qosd_event_loop_lag_seconds",
+            "How late the daemon's event loop ran a timer asking to wake every 50 ms: the "
+            "lateness every wait, timeout and deadline of this process shares.",
+            buckets=LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
         self.store_errors = Counter(
             "qosd_store_errors", "Store calls that failed (unreachable or timed out), by call.",
             ["call"], registry=r,

@@ -34,6 +34,7 @@ from qosd.doors.grpc_api import AdminService, QoSService, add_to_server
 from qosd.doors.json_api import JsonApi
 from qosd.gc_tuning import tune_for_serving
 from qosd.health import DaemonHttp, HealthMonitor
+from qosd.loop_lag import LoopLagProbe
 from qosd.metrics import Metrics
 from qosd.model import StoreUnavailable
 from qosd.reload import ConfigReloader, ReloadPlan
@@ -111,6 +112,7 @@ class Daemon:
     reloader: ConfigReloader | None = None
     # Workers only: keeps qosd_controller_leader current (_publish_leadership).
     leadership: asyncio.Task[None] | None = None
+    loop_lag: LoopLagProbe | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -123,6 +125,8 @@ class Daemon:
             self.leadership.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.leadership
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
         await self.monitor.stop()
         await self.health.enter_graceful_shutdown()
         await self.controller.stop()
@@ -366,6 +370,9 @@ async def _start(
         controller.start()
         undo.push_async_callback(controller.stop)
     await monitor.start()
+    daemon.loop_lag = LoopLagProbe(metrics.loop_lag)
+    daemon.loop_lag.start()
+    undo.push_async_callback(daemon.loop_lag.stop)
     if metrics.multiprocess:
         daemon.leadership = asyncio.get_running_loop().create_task(
             _publish_leadership(metrics, status, config.server.health_check_interval_s)

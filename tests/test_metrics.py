@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from qosd_client import (
 )
 from qosd_harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
+from tests.waiting import eventually
 
 CONFIG = merge(
     BASE_CONFIG,
@@ -157,6 +159,21 @@ async def test_only_the_top_tenants_are_series(daemon: Daemon) -> None:
         if name == "qosd_tenant_admitted_tokens"
     }
     assert shown == {f"tenant-{n}": 10 * n for n in range(21, 31)}
+
+
+async def test_a_stalled_loop_shows_in_the_loop_lag(daemon: Daemon) -> None:
+    """The daemon's loop is held for 300 ms (a long callback, as a stop-the-world
+    collection or a starved CPU holds it): the probe, due within the first 50 ms of
+    the stall, wakes at least 250 ms late, and the page says so."""
+
+    async def lag_over_200ms() -> float:
+        _, samples = await _scrape(daemon)
+        name = "qosd_event_loop_lag_seconds_bucket"
+        return _value(samples, name, le="+Inf") - _value(samples, name, le="0.2")
+
+    before = await lag_over_200ms()
+    time.sleep(0.3)  # noqa: ASYNC251 (the stall itself, on the daemon's loop: not a wait)
+    assert await eventually(lag_over_200ms, lambda late: late > before) > before
 
 
 def test_the_top_tenants_stay_bounded_and_keep_the_heavy_ones() -> None:

@@ -22,15 +22,17 @@ from qosd.server import Daemon, start
 from qosd_client import LatencySample, QosdClient, Reason, Unavailable
 from qosd_harness import RedisServer, redis_server
 from tests.conftest import BASE_CONFIG, merge
+from tests.pace import worst_loop_lag_s
 
 TIMEOUT_MS = 100
 RETRY_MS = 1_000
 # An answer may take the store timeout, plus scheduling noise on a busy 2-CPU machine
-# (thousands of calls answered at once: 182 and 264 ms were seen on fresh clones). What the
-# bound tells apart is an answer after one timeout from one that waited for a retry
-# (TIMEOUT_MS + RETRY_MS) or hung: it stays well below that.
+# (thousands of calls answered at once: 182 and 264 ms were seen on fresh clones), plus
+# however late the daemon's loop ran its timers (476 ms was seen once, the loop's lag
+# unmeasured then: tests.pace). What the bound tells apart is an answer after one
+# timeout from one that waited for a retry (TIMEOUT_MS + RETRY_MS) or hung.
 ANSWER_BOUND_S = TIMEOUT_MS / 1000 + 0.35
-assert ANSWER_BOUND_S < (TIMEOUT_MS + RETRY_MS) / 1000
+RETRY_WAIT_S = (TIMEOUT_MS + RETRY_MS) / 1000
 
 
 @pytest.fixture
@@ -78,18 +80,21 @@ async def answers_during(qos: QosdClient, seconds: float) -> list[tuple[float, R
     return results
 
 
-def check_outage_answers(results: list[tuple[float, Reason, bool]], fail_mode: str) -> None:
+def check_outage_answers(
+    daemon: Daemon, results: list[tuple[float, Reason, bool]], fail_mode: str
+) -> None:
     assert results, "no answers at all during the outage"
     worst = max(elapsed for elapsed, _, _ in results)
     expected = Reason.FAIL_OPEN if fail_mode == "open" else Reason.BACKEND_UNAVAILABLE
     reasons = {reason for _, reason, _ in results}
+    lag = worst_loop_lag_s(daemon.metrics.exposition().decode())
     print(
         f"\n{fail_mode}: {len(results)} answers during the outage, worst {worst * 1000:.0f} ms, "
-        f"reasons {sorted(r.name for r in reasons)}"
+        f"reasons {sorted(r.name for r in reasons)}; the loop up to {lag * 1000:.0f} ms late"
     )
     assert reasons == {expected}
     assert all(admitted == (fail_mode == "open") for _, _, admitted in results)
-    assert worst <= ANSWER_BOUND_S
+    assert worst <= min(ANSWER_BOUND_S + lag, RETRY_WAIT_S)
 
 
 async def recovers(qos: QosdClient, within_s: float) -> float:
@@ -110,7 +115,7 @@ async def test_redis_killed_then_restarted(daemon: Daemon, own_redis: RedisServe
         assert before.admitted and before.reason is Reason.NONE
 
         own_redis.kill()
-        check_outage_answers(await answers_during(qos, 1.5), fail_mode)
+        check_outage_answers(daemon, await answers_during(qos, 1.5), fail_mode)
         with pytest.raises(Unavailable, match="release not recorded"):
             await qos.release(before.lease_id)
         with pytest.raises(Unavailable, match="samples not stored"):
@@ -142,7 +147,7 @@ async def test_redis_hung_then_resumed(daemon: Daemon, own_redis: RedisServer) -
         assert lease.admitted
         os.kill(pid, signal.SIGSTOP)
         try:
-            check_outage_answers(await answers_during(qos, 1.5), fail_mode)
+            check_outage_answers(daemon, await answers_during(qos, 1.5), fail_mode)
         finally:
             os.kill(pid, signal.SIGCONT)
         took = await recovers(qos, within_s=RETRY_MS / 1000 + 2.0)
