@@ -22,6 +22,10 @@ It writes the table as markdown, and the same figures as JSON beside it.
 P0 and trace goodput, the best baseline at qosd's P0 (``headline``) with the paired
 bootstrap intervals of qosd minus it, and P0's references and bound.
 
+``--cells`` prints each cell's own table, every policy with its worst seed, its
+distance to the online reference and its interval against qosd, as
+docs/yardstick.md shows them.
+
 ``--against OLD.json`` compares one cell run twice instead (say, before and after a
 change that should not move the figures): for each policy in both, seed by seed, P0
 and P1 on time and goodput, the change, and the spread between the seeds of the old
@@ -169,6 +173,56 @@ def headline(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+CELL_HEADER = (
+    "| policy | P0 on time (worst) | P0 / online reference | trace goodput (worst) "
+    "| P1 of offered | on the frontier | qosd minus it: P0 [95 %] | goodput [95 %] |"
+)
+
+
+def _cell_name(results: dict[str, Any]) -> str:
+    workload = "bursty" if results.get("bursty") else Path(results["trace"]).stem.split("_")[0]
+    return f"{workload.removesuffix('2023')} {results['load']:g}x {results['engine']}"
+
+
+def cell_table(path: Path) -> str:
+    """One cell of the yardstick, every policy: mean of the seeds (worst seed in
+    brackets), P0 against the online reference, whether the point is on the frontier,
+    and qosd minus it with its paired bootstrap interval; then P0's references."""
+    results = json.loads(path.read_text())
+    online = results["references"]["P0_online"]["P0"]
+    points = {point["name"]: point for point in results["frontier"]}
+    stem = path.name.removesuffix(".json")
+    lines = [
+        f"**{_cell_name(results)}** ([JSON](results/{path.name}), "
+        f"[figure](results/{stem}_pareto.png)):",
+        "",
+        CELL_HEADER,
+        "|---|---:|---:|---:|---:|:---:|---:|---:|",
+    ]
+    for policy, classes in results["policies"].items():
+        worst, point = results["worst"][policy], points[policy]
+        interval = results["intervals"].get(policy, {})
+        share = classes["P0"].get("fraction_of_online")  # the mean of the seeds' ratios
+        share_text = "n/a" if share is None else f"{share:.2f}"
+        lines.append(
+            f"| {policy} | {point['P0']:.1%} ({worst['P0']['attainment_of_offered']:.1%}) "
+            f"| {share_text} | {point['goodput']:.3f} "
+            f"({worst['all']['trace_goodput_of_trace_saturated']:.3f}) "
+            f"| {classes['P1']['attainment_of_offered']:.1%} "
+            f"| {'yes' if point['pareto_optimal'] else ''} "
+            f"| {_span(interval.get('P0')) if interval else ''} "
+            f"| {_span(interval.get('goodput')) if interval else ''} |"
+        )
+    refs = results["references"]
+    lines += [
+        "",
+        f"P0 alone: online reference {_pct(online)}, the bound's set replayed "
+        f"{_pct(refs['P0_clairvoyant']['P0'])}, proven bound "
+        f"{_pct(results['bound']['scaled']['P0'])}.",
+    ]
+    return "\n".join(lines).replace("%", " %").replace("  %", " %")
+
+
 SEED_FIGURES = (
     ("P0 on time", "P0", "attainment_of_offered"),
     ("P1 of offered", "P1", "attainment_of_offered"),
@@ -220,7 +274,13 @@ def main() -> int:
         "--headline", action="store_true", help="qosd beside the best baseline at its P0"
     )
     parser.add_argument("--against", help="compare the one results file with this older one")
+    parser.add_argument(
+        "--cells", action="store_true", help="each cell's every policy, as docs/yardstick.md"
+    )
     args = parser.parse_args()
+    if args.cells:
+        print("\n\n".join(cell_table(Path(path)) for path in args.results))
+        return 0
     if args.headline:
         text = headline([Path(path) for path in args.results])
         print(text)
