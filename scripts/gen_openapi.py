@@ -501,7 +501,7 @@ RATE_LIMIT_HEADERS = {
 REFUSAL_HEADERS = {
     "x-should-retry": {
         "description": "`false` where no retry can help (a cost no bucket of the class "
-        "holds, a wait past the SDKs' 60 s window, any 4xx); the official SDKs read it.",
+        "holds, a wait past the SDKs' 120 s window, any 4xx); the official SDKs read it.",
         "schema": {"type": "string", "enum": ["true", "false"]},
     },
     "x-llm-d-request-dropped-reason": {

@@ -45,10 +45,11 @@ DROPPED_REASONS = {
     Reason.SHUTTING_DOWN: "rejected-shutting-down",
     Reason.BACKEND_UNAVAILABLE: "rejected-backend-unavailable",
 }
-#: The longest wait the official SDKs honour before a retry (retry-after over it is
-#: ignored, and the SDK backs off for about a second instead): a refusal that asks
-#: longer cannot be helped by the SDK's retries.
-SDK_RETRY_WINDOW_MS = 60_000
+#: The longest wait the official SDKs honour before a retry: openai-python's
+#: ``MAX_RETRY_AFTER_DELAY`` (two minutes; one before its #3555), past which it does
+#: not retry at all. A refusal that asks longer cannot be helped by the SDK's retries.
+#: An SDK from before that change backs off 0.5 to 8 s instead for 60 to 120 s.
+SDK_RETRY_WINDOW_MS = 120_000
 #: Reasons no retry of the same request can change.
 HOPELESS = frozenset({Reason.COST_EXCEEDS_BURST})
 
