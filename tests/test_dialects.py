@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from qosd.doors.dialects import duration
+from qosd.doors.dialects import SDK_RETRY_WINDOW_MS, duration
 from qosd.doors.proxy.handler import key_digest
 from qosd.doors.proxy.telemetry import GenAiTelemetry
 from tests.conftest import DaemonFactory
@@ -199,7 +199,8 @@ async def test_the_sdk_retries_a_refusal_that_says_so_and_not_one_that_does_not(
             )
             await stack.proxies[0].proxy.settled()  # its lease ended: the slot is free
     headers = final.value.response.headers
-    assert headers["x-should-retry"] == "false" and int(headers["retry-after-ms"]) > 60_000
+    assert headers["x-should-retry"] == "false"
+    assert int(headers["retry-after-ms"]) > SDK_RETRY_WINDOW_MS == 120_000
     refused = proxied(stack, "qosd_proxy_requests_total", model=MODEL, code="429",
                       **{"class": "P1"})  # fmt: skip
     assert refused == 1  # no retry
@@ -211,6 +212,29 @@ def test_reset_durations_read_as_openais() -> None:
 
 
 # -- OpenTelemetry's GenAI conventions ----------------------------------------------------
+
+
+def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    """Every data point the reader holds, by metric name."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    points: dict[str, list[Any]] = {}
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                points.setdefault(metric.name, []).extend(metric.data.data_points)
+    return points
+
+
+def check_client_metrics(points: dict[str, list[Any]]) -> None:
+    """The proxy is the client of its calls upstream: the three that went there (not
+    the refused one), and the tokens of the two whose usage came back, by token type."""
+    calls = points["gen_ai.client.operation.duration"]
+    assert sum(p.count for p in calls) == 3
+    assert all(p.attributes["server.address"] == "127.0.0.1" for p in calls)
+    usage = sorted((p.attributes["gen_ai.token.type"], p.sum)
+                   for p in points["gen_ai.client.token.usage"])  # fmt: skip
+    assert usage == [("input", 12), ("output", 9)]
 
 
 async def test_genai_spans_and_metrics_for_streamed_unstreamed_and_refused_requests(
@@ -265,20 +289,24 @@ async def test_genai_spans_and_metrics_for_streamed_unstreamed_and_refused_reque
     assert len(refused) == 1
     assert refused[0].attributes["error.type"] == "rate_limited"  # type: ignore[index]
     assert refused[0].attributes["qosd.decision"] == "rejected"  # type: ignore[index]
-    data = reader.get_metrics_data()
-    assert data is not None
-    points: dict[str, list[Any]] = {}
-    for resource in data.resource_metrics:
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                points.setdefault(metric.name, []).extend(metric.data.data_points)
+    points = metric_points(reader)
     durations = points["gen_ai.server.request.duration"]
     counted = {(p.attributes["qosd.class"], p.attributes["qosd.decision"],
                 p.attributes.get("error.type")): p.count for p in durations}  # fmt: skip
     assert counted == {("P1", "admitted", None): 2, ("P1", "admitted", "client_closed"): 1,
                        ("P2", "rejected", "rate_limited"): 1}  # fmt: skip
     assert all(p.attributes["gen_ai.request.model"] == MODEL for p in durations)
-    # Tokens are timed where they stream: the stream and the holder's first token; the
-    # time per output token only of a stream that ended well.
-    assert sum(p.count for p in points["gen_ai.server.time_to_first_token"]) == 2
-    assert sum(p.count for p in points["gen_ai.server.time_per_output_token"]) == 1
+    # Tokens are timed where they stream, of successful responses only (as the
+    # conventions define both): the stream that ended well, not the holder the client
+    # left after its first token; with the buckets the conventions advise for each.
+    ttft, tpot = (
+        points["gen_ai.server.time_to_first_token"],
+        points["gen_ai.server.time_per_output_token"],
+    )
+    assert sum(p.count for p in ttft) == 1 and sum(p.count for p in tpot) == 1
+    assert list(ttft[0].explicit_bounds) == [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
+                                             0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]  # fmt: skip
+    assert list(tpot[0].explicit_bounds)[:3] == [0.01, 0.025, 0.05]
+    check_client_metrics(points)
+    assert streamed.attributes["gen_ai.request.stream"] is True  # type: ignore[index]
+    assert "gen_ai.request.stream" not in (whole.attributes or {})

@@ -245,7 +245,10 @@ class Proxy:
         try:
             self._authorize(request)
             call = await self._parse(request)
-            span = self._telemetry.start(path, call.model, call.max_tokens, request.headers)
+            span = self._telemetry.start(
+                path, call.model, call.max_tokens, request.headers,
+                stream=call.stream, choices=call.body.get("n") or 1,  # n: checked in _parse
+            )  # fmt: skip
             response = await self._admit_and_forward(request, path, call)
             code = CLIENT_CLOSED if call.client_left else response.status
             return response
@@ -348,6 +351,7 @@ class Proxy:
                 if usage
                 else (progress.chunks if progress else 0),
                 upstream=call.upstream.url if call.upstream else None,
+                sent_at=progress.sent_at if progress is not None and progress.sent_at else None,
             ),
         )
 
