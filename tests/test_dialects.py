@@ -61,8 +61,9 @@ async def test_llm_d_and_dynamo_headers_land_in_their_class_and_tenant(
     make_stack: StackFactory,
 ) -> None:
     """llm-d's objective and fairness id (and their deprecated x-gateway-* names), and
-    Dynamo's priority, each land in the configured class and tenant: qosctl shows the
-    tenants' tokens, the decision counters the classes."""
+    Dynamo's priority (its header, or its body hint where no header names a class),
+    each land in the configured class and tenant: qosctl shows the tenants' tokens,
+    the decision counters the classes."""
     stack = await make_stack({**FAIR, "peer_headers": {
         "objectives": {"premium-traffic": "P0", "batch": "P2"},
         "dynamo_priority": [{"min": 5, "class": "P0"}, {"min": 1, "max": 4, "class": "P1"},
@@ -77,13 +78,27 @@ async def test_llm_d_and_dynamo_headers_land_in_their_class_and_tenant(
          "P0", "tenant-c"),
         ({"x-dynamo-request-priority": "2", "x-qos-tenant": "tenant-d"}, "P1", "tenant-d"),
         ({"x-dynamo-request-priority": "-3", "x-qos-tenant": "tenant-e"}, "P2", "tenant-e"),
+        # Dynamo's body hint (nvext.agent_hints.priority below), where no header names one.
+        ({"x-qos-tenant": "tenant-g"}, "P0", "tenant-g"),
+        # Dynamo's header overrides its body hint, as Dynamo has it.
+        ({"x-dynamo-request-priority": "+2", "x-qos-tenant": "tenant-h"}, "P1", "tenant-h"),
         # qosd's own headers first: x-qos-class wins over the peers'.
         ({"x-qos-class": "P1", "x-llm-d-inference-objective": "premium-traffic",
           "x-qos-tenant": "tenant-f", "x-llm-d-inference-fairness-id": "nobody"},
          "P1", "tenant-f"),
     ]  # fmt: skip
-    for headers, _, _ in sent:
-        await client.chat.completions.create(**chat(5, max_tokens=3), extra_headers=headers)
+    hint = {"nvext": {"agent_hints": {"priority": 6}}}
+    for headers, _, tenant in sent:
+        body = hint if tenant in ("tenant-g", "tenant-h") else None
+        await client.chat.completions.create(
+            **chat(5, max_tokens=3), extra_headers=headers, extra_body=body
+        )
+    for wrong in ("6", 2**31, True):  # Dynamo reads an i32: refused, naming the field
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(
+                **chat(5), extra_body={"nvext": {"agent_hints": {"priority": wrong}}}
+            )
+        assert refused.value.body["param"] == "nvext.agent_hints.priority"  # type: ignore[index]
     await client.close()
     shown = await tenants(stack, *(tenant for _, _, tenant in sent), "nobody")
     for _, qos_class, tenant in sent:
@@ -94,7 +109,7 @@ async def test_llm_d_and_dynamo_headers_land_in_their_class_and_tenant(
                    decision="admitted", **{"class": c})
         for c in ("P0", "P1", "P2")
     }  # fmt: skip
-    assert admitted == {"P0": 2, "P1": 2, "P2": 2}
+    assert admitted == {"P0": 3, "P1": 3, "P2": 2}
 
 
 async def test_no_header_raises_a_keys_class(make_stack: StackFactory) -> None:
@@ -107,6 +122,11 @@ async def test_no_header_raises_a_keys_class(make_stack: StackFactory) -> None:
         with pytest.raises(openai.PermissionDeniedError) as refused:
             await client.chat.completions.create(**chat(3), extra_headers=headers)
         assert refused.value.body["param"] in headers  # type: ignore[index]
+    with pytest.raises(openai.PermissionDeniedError) as refused:  # nor does the body's hint
+        await client.chat.completions.create(
+            **chat(3), extra_body={"nvext": {"agent_hints": {"priority": 9}}}
+        )
+    assert refused.value.body["param"] == "nvext.agent_hints.priority"  # type: ignore[index]
     await client.chat.completions.create(
         **chat(3), extra_headers={"x-llm-d-inference-objective": "sheddable"}
     )

@@ -1165,6 +1165,28 @@ async def test_a_clients_own_priority_never_goes_upstream(make_stack: StackFacto
     assert seen == ["none", 1]  # P1: the second class
 
 
+async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
+    """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
+    upstream in the body as they came, so that a client could jump a Dynamo router's
+    queue past its qosd class. Now both are taken out; the rest of ``nvext`` goes on."""
+    seen: list[Any] = []
+
+    async def recording(request: web.Request) -> web.Response:
+        seen.append((await request.json()).get("nvext"))
+        return web.json_response(completion())
+
+    hints = {"priority": 9, "strict_priority": 3, "osl": 64}
+    async with upstream(recording) as url:
+        stack = await make_stack(upstream=url)
+        client = stack.client()
+        await client.chat.completions.create(
+            **chat(3), extra_body={"nvext": {"cache_salt": "s", "agent_hints": hints}}
+        )
+        await client.chat.completions.create(**chat(3), extra_body={"nvext": {"cache_salt": "t"}})
+        await client.close()
+    assert seen == [{"cache_salt": "s", "agent_hints": {"osl": 64}}, {"cache_salt": "t"}]
+
+
 async def test_a_failure_right_after_admission_still_ends_the_lease(
     make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

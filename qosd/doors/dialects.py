@@ -6,7 +6,9 @@ Requests (``PeerHeaders``), after qosd's own ``x-qos-class`` and ``x-qos-tenant`
 - llm-d's ``x-llm-d-inference-objective`` (then the deprecated
   ``x-gateway-inference-objective``) names an InferenceObjective, mapped to a class
   by ``peer_headers.objectives``; Dynamo's ``x-dynamo-request-priority`` is mapped by
-  ``peer_headers.dynamo_priority``'s ranges;
+  ``peer_headers.dynamo_priority``'s ranges, and so, where no header names a class,
+  is the body's ``nvext.agent_hints.priority`` (``body_class``: Dynamo's own form,
+  which its header overrides);
 - llm-d's ``x-llm-d-inference-fairness-id`` (then ``x-gateway-inference-fairness-id``)
   names the tenant.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from qosd.config import Config, PriorityRange
 from qosd.doors.request import InvalidArgument, RequestRules
@@ -27,6 +30,13 @@ from qosd.model import BucketDecision, Reason
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 DYNAMO_PRIORITY_HEADER = "x-dynamo-request-priority"
+#: Dynamo's priority in an OpenAI body, and the field's name in answers.
+DYNAMO_PRIORITY_FIELD = "nvext.agent_hints.priority"
+#: The agent hints a client could rank itself by at a Dynamo upstream: the proxy
+#: never forwards them (only qosd's class decides).
+DYNAMO_RANKING_HINTS = ("priority", "strict_priority")
+#: Dynamo reads its priority as an i32.
+_I32 = (-(2**31), 2**31 - 1)
 #: Every request header the peers' dialects name (the JSON API passes them on).
 REQUEST_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, DYNAMO_PRIORITY_HEADER)
 #: The Gateway API Inference Extension's criticalities, and the classes they are by
@@ -87,12 +97,29 @@ class PeerHeaders:
                     return target, header
         value = get(DYNAMO_PRIORITY_HEADER)
         if value is not None:
-            priority = _priority(value)
-            for entry in self._ranges:
-                if (entry.min is None or priority >= entry.min) and (
-                    entry.max is None or priority <= entry.max
-                ):
-                    return entry.qos_class, DYNAMO_PRIORITY_HEADER
+            return self._ranked(_priority(value), DYNAMO_PRIORITY_HEADER)
+        return None
+
+    def body_class(self, body: dict[str, Any]) -> tuple[str, str] | None:
+        """(class, the field that named it) from Dynamo's ``nvext.agent_hints.priority``
+        in an OpenAI body; None when the body has none (or the dialects are off)."""
+        if not self.enabled:
+            return None
+        value = _agent_hints(body).get("priority")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not _I32[0] <= value <= _I32[1]:
+            raise InvalidArgument(
+                DYNAMO_PRIORITY_FIELD, f"{DYNAMO_PRIORITY_FIELD} must be a 32-bit integer"
+            )
+        return self._ranked(max(0, value), DYNAMO_PRIORITY_FIELD)
+
+    def _ranked(self, priority: int, named_by: str) -> tuple[str, str] | None:
+        for entry in self._ranges:
+            if (entry.min is None or priority >= entry.min) and (
+                entry.max is None or priority <= entry.max
+            ):
+                return entry.qos_class, named_by
         return None
 
     def tenant(self, get: Lookup) -> tuple[str, str] | None:
@@ -108,15 +135,35 @@ class PeerHeaders:
 
 
 def _priority(text: str) -> int:
-    """A Dynamo priority: a whole number; below 0 counts as 0 (as Dynamo clamps it)."""
+    """A Dynamo priority: a 32-bit whole number, signed as Rust's ``i32`` parses it
+    (``+5`` too); below 0 counts as 0 (as Dynamo clamps it). Where Dynamo ignores a
+    malformed one, qosd refuses it, naming the header: a class is never guessed."""
     stripped = text.strip()
-    digits = stripped.removeprefix("-")
-    if not (digits.isascii() and digits.isdigit() and len(digits) <= 18):
+    digits = stripped[1:] if stripped[:1] in ("+", "-") else stripped
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 10) or not (
+        _I32[0] <= int(stripped) <= _I32[1]
+    ):
         raise InvalidArgument(
             DYNAMO_PRIORITY_HEADER,
-            f"{DYNAMO_PRIORITY_HEADER} must be a whole number (got {text[:40]!r})",
+            f"{DYNAMO_PRIORITY_HEADER} must be a 32-bit whole number (got {text[:40]!r})",
         )
     return max(0, int(stripped))
+
+
+def _agent_hints(body: dict[str, Any]) -> dict[str, Any]:
+    nvext = body.get("nvext")
+    hints = nvext.get("agent_hints") if isinstance(nvext, dict) else None
+    return hints if isinstance(hints, dict) else {}
+
+
+def without_ranking_hints(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``body`` less the Dynamo agent hints a client could rank itself by (a copy;
+    the rest of ``nvext`` kept), or None when it has none."""
+    hints = _agent_hints(body)
+    if not any(name in hints for name in DYNAMO_RANKING_HINTS):
+        return None
+    kept = {name: value for name, value in hints.items() if name not in DYNAMO_RANKING_HINTS}
+    return {**body, "nvext": {**body["nvext"], "agent_hints": kept}}
 
 
 def rate_limit_headers(decision: BucketDecision) -> dict[str, str]:

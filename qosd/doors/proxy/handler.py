@@ -34,7 +34,7 @@ from qosd.admission import AcquireOutcome, DuplicateRequest
 from qosd.doors.auth import CallerCheck, TokenFile, bearer_of
 from qosd.doors.bodies import BadJson, parse_json
 from qosd.doors.decisions import Decisions
-from qosd.doors.dialects import rate_limit_headers
+from qosd.doors.dialects import rate_limit_headers, without_ranking_hints
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.answers import (
     AnswerTooLarge,
@@ -391,6 +391,12 @@ class Proxy:
             body, prompt_bytes = await asyncio.to_thread(_read_body, raw)
         else:
             body, prompt_bytes = _read_body(raw)
+        try:
+            from_body = self._decisions.peer_headers.body_class(body)
+        except InvalidArgument as exc:
+            raise OpenAIError(400, str(exc), exc.field) from exc
+        if from_body is not None:  # a class no header named may come from the body
+            qos_class, tenant = self._identity(request, from_body)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise OpenAIError(400, "model: a model name is required", "model")
@@ -442,23 +448,33 @@ class Proxy:
             choices=choices,
         )
 
-    def _identity(self, request: web.Request) -> tuple[str, str]:
+    def _asked_class(
+        self, request: web.Request, from_body: tuple[str, str] | None
+    ) -> tuple[str | None, str]:
+        """(the class the request asks for, where it said so): qosd's header, the
+        peers' headers, then the body's hint; (None, ...) where none names one."""
+        asked = request.headers.get(CLASS_HEADER)
+        if asked:
+            return asked, CLASS_HEADER
+        try:
+            found = self._decisions.peer_headers.qos_class(request.headers.get)
+        except InvalidArgument as exc:
+            raise OpenAIError(400, str(exc), exc.field) from exc
+        return found or from_body or (None, CLASS_HEADER)
+
+    def _identity(
+        self, request: web.Request, from_body: tuple[str, str] | None = None
+    ) -> tuple[str, str]:
         """The request's class and tenant, each from the first that names it: qosd's
-        own headers, then the peers' (``qosd.doors.dialects``), then the API key's,
-        else the default class. With API keys, a missing or unknown key is refused,
-        a header may lower the key's class but never raise it, and a key that names a
-        tenant fixes it (docs/security.md)."""
+        own headers, then the peers' (``qosd.doors.dialects``), then ``from_body`` (the
+        class the body's Dynamo hint names, once it is read), then the API key's, else
+        the default class. With API keys, a missing or unknown key is refused, a
+        header or the body may lower the key's class but never raise it, and a key
+        that names a tenant fixes it (docs/security.md)."""
         headers = request.headers
         get = headers.get
-        asked, named_by = headers.get(CLASS_HEADER), CLASS_HEADER
+        asked, named_by = self._asked_class(request, from_body)
         peers = self._decisions.peer_headers
-        if not asked:
-            try:
-                found_class = peers.qos_class(get)
-            except InvalidArgument as exc:
-                raise OpenAIError(400, str(exc), exc.field) from exc
-            if found_class is not None:
-                asked, named_by = found_class
         tenant = headers.get(TENANT_HEADER, "")
         if not tenant:
             try:
@@ -558,9 +574,16 @@ class Proxy:
     ) -> web.StreamResponse:
         """The upstream's answer, carrying ``limits`` (the rate-limit headers)."""
         payload = call.raw  # as the client sent it, unless the proxy changes it
-        if call.stream or self.settings.priority_upstreams or "priority" in call.body:
-            body = dict(call.body)
-            # A client's own priority would jump vLLM's queue: only qosd sets it.
+        # A client's own rank would jump the upstream's queue (vLLM's priority,
+        # Dynamo's agent hints): only qosd's class decides, so neither is forwarded.
+        unranked = without_ranking_hints(call.body)
+        if (
+            call.stream
+            or self.settings.priority_upstreams
+            or "priority" in call.body
+            or unranked is not None
+        ):
+            body = dict(unranked or call.body)
             body.pop("priority", None)
             if call.stream:  # the usage to settle with, whether or not the client asked
                 body["stream_options"] = {**(body.get("stream_options") or {}),
