@@ -759,8 +759,9 @@ class PeerHeadersConfig(_Strict):
     # llm-d's x-llm-d-inference-objective (and the deprecated
     # x-gateway-inference-objective): an InferenceObjective's name -> a class. Every
     # class is also its own objective name. None: {critical: P0, standard: P1,
-    # sheddable: P2} (the Gateway API Inference Extension's criticalities), for those of
-    # the classes that are configured. An objective in no entry falls through.
+    # sheddable: P2} (objectives named as the Inference Extension's former
+    # criticalities), for those of the classes that are configured. An objective in no
+    # entry falls through.
     objectives: dict[str, str] | None = None
     # Dynamo's x-dynamo-request-priority (higher is more important; below 0 counts as
     # 0, as Dynamo does), by the first range that holds it. None: 1 and above -> the

@@ -39,8 +39,10 @@ DYNAMO_RANKING_HINTS = ("priority", "strict_priority")
 _I32 = (-(2**31), 2**31 - 1)
 #: Every request header the peers' dialects name (the JSON API passes them on).
 REQUEST_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, DYNAMO_PRIORITY_HEADER)
-#: The Gateway API Inference Extension's criticalities, and the classes they are by
-#: default (where those classes are configured).
+#: Objectives named as the Gateway API Inference Extension's former criticalities, and
+#: the classes they are by default (where those classes are configured). The
+#: InferenceObjective resource has only a name and an integer priority: any other
+#: name needs an entry in ``peer_headers.objectives``.
 DEFAULT_OBJECTIVES = {"critical": "P0", "standard": "P1", "sheddable": "P2"}
 
 #: llm-d's dropped reasons (llm-d-router pkg/common/error), by qosd's reason; qosd's
