@@ -203,16 +203,22 @@ def _remove_stale_socket(path: str) -> None:
 
 
 async def start(
-    config: Config, store: BucketStore | None = None, *, reuse_port: bool = False
+    config: Config,
+    store: BucketStore | None = None,
+    *,
+    reuse_port: bool = False,
+    json_api: bool = True,
 ) -> Daemon:
     """Starts a daemon. What it has started when a step fails (the store's
     connections, tracing's exporter thread, a bound server, the HTTP listener, unix
     socket files) is undone, in reverse order, before the error propagates.
 
     ``reuse_port``: a worker of ``serve --workers N`` (qosd.workers), which shares its
-    gRPC and HTTP ports with the other workers (SO_REUSEPORT)."""
+    gRPC and HTTP ports with the other workers (SO_REUSEPORT). ``json_api`` False:
+    the HTTP listener serves health and metrics only (``qosd proxy``, whose callers'
+    identity its API keys decide: the JSON API beside it would let them by)."""
     async with contextlib.AsyncExitStack() as undo:
-        daemon = await _start(config, store, undo, reuse_port)
+        daemon = await _start(config, store, undo, reuse_port, json_api)
         undo.pop_all()  # the daemon owns all of it now: Daemon.stop undoes it
         return daemon
     raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
@@ -279,6 +285,7 @@ async def _start(
     given_store: BucketStore | None,
     undo: contextlib.AsyncExitStack,
     reuse_port: bool,
+    json_api: bool = True,
 ) -> Daemon:
     own_store = given_store or make_store(config)
     daemon_id = own_store.daemon_id
@@ -352,7 +359,7 @@ async def _start(
             daemon.metrics_page,
             certificates.ssl_context() if certificates is not None else None,
             reuse_port=reuse_port,
-            routes=JsonApi(chains).add_routes,
+            routes=JsonApi(chains).add_routes if json_api else None,
         )
         try:
             await daemon.http.start()

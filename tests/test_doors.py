@@ -1165,6 +1165,27 @@ async def test_a_clients_own_priority_never_goes_upstream(make_stack: StackFacto
     assert seen == ["none", 1]  # P1: the second class
 
 
+async def test_the_proxys_http_listener_is_no_way_around_its_keys(
+    make_stack: StackFactory,
+) -> None:
+    """The probe: the proxy's ``--http-listen`` served the daemon's whole JSON API, so
+    that a caller with no key could Acquire as P0 there while the OpenAI listener
+    held it to its key's P2. Now that listener serves health and metrics only."""
+    stack = await make_stack(HTTP, api_keys=keyed(**{"bulk-key": ("P2", "bulk")}))
+    http = stack.proxies[0].daemon.http
+    assert http is not None
+    async with aiohttp.ClientSession() as session:
+        body = {"qos_class": "P0", "model": MODEL, "input_tokens": 10}
+        for path in ("/v1/acquire", "/v1/release", "/v1/report"):
+            async with session.post(f"http://{http.address}{path}", json=body) as answer:
+                assert answer.status == 404, path
+        async with session.get(f"http://{http.address}/v1/status") as answer:
+            assert answer.status == 404
+        async with session.get(f"http://{http.address}/metrics") as answer:
+            assert answer.status == 200
+    assert (await stack.status()).active_leases == 0
+
+
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
     """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
     upstream in the body as they came, so that a client could jump a Dynamo router's
