@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import stat
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +57,8 @@ ADMIN_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 UNIX_SOCKET_MODE = 0o660
+#: At most one log line a minute for /metrics pages whose state read failed.
+STATE_READ_LOG_INTERVAL_S = 60.0
 
 
 class StartupError(RuntimeError):
@@ -113,6 +117,7 @@ class Daemon:
     # Workers only: keeps qosd_controller_leader current (_publish_leadership).
     leadership: asyncio.Task[None] | None = None
     loop_lag: LoopLagProbe | None = None
+    _state_read_failed_at: float = -math.inf  # when /metrics last logged a failed read
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -181,11 +186,18 @@ class Daemon:
         task.add_done_callback(self._background.discard)
 
     async def metrics_page(self) -> bytes:
-        """The Prometheus exposition: counters as they stand, state read now."""
+        """The Prometheus exposition: counters as they stand, state read now. A read
+        of the state that fails in any way costs the page its state only: the
+        counters are still served, and the failure logged (once a minute at most)."""
         try:
             status = await self.status.status(self.status.pool_names())
         except StoreUnavailable:
             self.metrics.store_up.set(0)
+        except Exception:
+            now = time.monotonic()
+            if now - self._state_read_failed_at >= STATE_READ_LOG_INTERVAL_S:
+                self._state_read_failed_at = now
+                log.exception("/metrics: the state read failed; serving the counters")
         else:
             policies = {name: self.status.policy(name) for name in self.status.pool_names()}
             self.metrics.update_from_status(status, self.status.leads, policies)

@@ -1165,6 +1165,31 @@ async def test_a_clients_own_priority_never_goes_upstream(make_stack: StackFacto
     assert seen == ["none", 1]  # P1: the second class
 
 
+async def test_a_report_as_large_as_allowed_is_stored_and_read_back(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The probe: on the embedded store a Report of 4,000 samples (the limit is 10,000)
+    failed with a 500, its samples lost, and with a window of 20,000 the status read
+    failed too (GetStatus, /metrics, the SLO loop) until the samples aged out: the
+    call's values crossed into Lua as a function's arguments, past its C stack. On
+    every store now: three Reports of 4,000, the status and the page read them all."""
+    running = await make_daemon({**HTTP, "report": {"window_size": 12_000}})
+    assert running.daemon.http is not None
+    url = f"http://{running.daemon.http.address}"
+    samples = [{"qos_class": "P1", "ttft_ms": 100 + i % 50} for i in range(4_000)]
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            async with session.post(f"{url}/v1/report", json={"samples": samples}) as answer:
+                assert answer.status == 200, await answer.text()
+                assert (await answer.json())["accepted"] == 4_000
+        async with session.get(f"{url}/v1/status") as answer:
+            assert answer.status == 200, await answer.text()
+        async with session.get(f"{url}/metrics") as answer:
+            assert answer.status == 200
+            page = await answer.text()
+    assert 'qosd_latency_window_samples{class="P1",pool="default"} 12000.0' in page
+
+
 async def test_the_proxys_http_listener_is_no_way_around_its_keys(
     make_stack: StackFactory,
 ) -> None:

@@ -176,6 +176,26 @@ async def test_a_stalled_loop_shows_in_the_loop_lag(daemon: Daemon) -> None:
     assert await eventually(lag_over_200ms, lambda late: late > before) > before
 
 
+async def test_a_failed_state_read_costs_the_page_its_state_only(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe: a status read that failed other than by the store being away (an
+    embedded store's reply too long for Lua, before that was fixed) answered /metrics
+    with a 500, for every scraper. Now the page still has the counters, and the
+    failure is logged."""
+    async with QosdClient(daemon.addresses[0]) as qos:
+        assert (await qos.acquire("P1", 10, model="llama-3-8b")).admitted
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a read that failed")
+
+    monkeypatch.setattr(daemon.status, "status", failing)
+    _, samples = await _scrape(daemon)
+    admitted = {"pool": "default", "class": "P1", "decision": "admitted", "reason": "NONE"}
+    assert _value(samples, "qosd_acquire_decisions_total", **admitted) == 1
+    assert "/metrics: the state read failed" in caplog.text
+
+
 def test_the_top_tenants_stay_bounded_and_keep_the_heavy_ones() -> None:
     """10,000 tenants of 1 token each and one of 5,000: 40 slots, and the heavy one is
     first, its count overstated by at most the lightest slot's."""

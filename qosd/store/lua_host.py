@@ -32,14 +32,19 @@ from typing import Any
 
 from lupa import luajit21 as lua
 
+#: The most values that cross between Python and Lua as a call's arguments or a
+#: reply's values. Past it they cross as one table: Lua's C stack holds about 8,000
+#: values, and a Report of 4,000 samples, or a status read of a 20,000-sample window,
+#: overflowed it (the call failed: a 500, and /metrics with it).
+MAX_FLAT_VALUES = 1_000
 #: Sets the time, drops what expired, runs a compiled script with its keys and
-#: arguments, and returns its reply flat: its kind ('value', 'ok', 'err' or 'array'),
-#: then the values. One crossing each way.
-_RUNNER = """
-function(now_us, script, count, ...)
+#: arguments (``args``, a table), and returns its reply flat: its kind ('value', 'ok',
+#: 'err', 'array'; 'table' past MAX_FLAT_VALUES, then the table and its length), then
+#: the values. One crossing each way.
+_RUN = """
+function(now_us, script, count, args)
   NOW_US = now_us
   expire_due()
-  local args = {...}
   local keys, argv = {}, {}
   for i = 1, count do
     keys[i] = args[i]
@@ -51,7 +56,13 @@ function(now_us, script, count, ...)
   return __reply(script())
 end
 """
-_REPLY = """
+#: _RUN with the arguments flat (up to MAX_FLAT_VALUES): no table made in Python.
+_RUNNER = """
+function(now_us, script, count, ...)
+  return __run(now_us, script, count, {...})
+end
+"""
+_REPLY = f"""
 function(reply)
   if type(reply) ~= 'table' then
     return 'value', reply
@@ -65,6 +76,9 @@ function(reply)
   local n = 0
   while reply[n + 1] ~= nil do
     n = n + 1
+  end
+  if n > {MAX_FLAT_VALUES} then
+    return 'table', reply, n
   end
   return 'array', unpack(reply, 1, n)
 end
@@ -110,6 +124,7 @@ class LuaHost:
         self._lua.execute(source)
         self._globals = self._lua.globals()
         self._globals["__reply"] = self._lua.eval(_REPLY)
+        self._run = self._globals["__run"] = self._lua.eval(_RUN)
         self._runner = self._lua.eval(_RUNNER)
         self._command = self._lua.eval(_COMMAND)
         self._scripts: dict[str, Any] = {}
@@ -135,6 +150,9 @@ class LuaHost:
             a if type(a) is str else str(a) if type(a) is int else encode(a) for a in (*keys, *args)
         ]
         try:
+            if len(values) > MAX_FLAT_VALUES:
+                args = self._lua.table_from(values)
+                return _reply(self._run(self._clock_us(), script, len(keys), args))
             return _reply(self._runner(self._clock_us(), script, len(keys), *values))
         except lua.LuaError as exc:
             raise LuaError(_message(exc)) from None
@@ -184,4 +202,7 @@ def _reply(result: Any) -> Any:
     if kind == "array":
         # str and int as they are (most of a reply), the rest as _value reads them.
         return [v if type(v) is str or type(v) is int else _value(v) for v in values]
+    if kind == "table":  # a long reply, as one table: read by index
+        table, length = values
+        return [_value(table[i]) for i in range(1, int(length) + 1)]
     return _value(values[0])
