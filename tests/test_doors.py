@@ -442,6 +442,32 @@ async def test_json_api_reads_a_body_that_comes_in_pieces(make_daemon: DaemonFac
         assert (await answer.json())["accepted"] == 1_000
 
 
+async def test_a_prompt_beside_messages_counts_in_the_cost(make_stack: StackFactory) -> None:
+    """The probe: ``{"messages": [], "prompt": "word " * 80000}`` to /v1/completions
+    was admitted as 7 tokens, the prompt left out of the estimate because the body
+    had a ``messages`` list, while an upstream that reads the prompt prefills it all.
+    Now both count, whatever the route."""
+    go_on = asyncio.Event()
+
+    async def holding(request: web.Request) -> web.Response:
+        await go_on.wait()
+        return web.json_response(completion())
+
+    prompt = "word " * 8_000
+    async with upstream(routes=[web.post("/v1/completions", holding)]) as url:
+        stack = await make_stack(upstream=url)
+        body = {"model": MODEL, "messages": [], "prompt": prompt, "max_tokens": 1}
+        async with aiohttp.ClientSession() as session:
+            asking = asyncio.create_task(session.post(f"{stack.url()}/completions", json=body))
+            pool = await eventually(stack.status, lambda p: p.cls("P1").in_flight == 1)
+            assert pool.cls("P1").in_flight_tokens >= len(prompt) / 4  # the prior: 4 bytes each
+            go_on.set()
+            answered = await asking
+            assert answered.status == 200, await answered.text()
+            answered.release()
+        assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -895,6 +921,7 @@ async def test_tools_and_n_count_in_the_cost(make_stack: StackFactory) -> None:
         (chat(n=129), "n"),
         (chat(n="2"), "n"),
         (chat(best_of=True), "best_of"),
+        (chat(max_completion_tokens=None, max_tokens=-5), "max_tokens"),
     ],
     ids=[
         "max-tokens-1e23",
@@ -903,6 +930,7 @@ async def test_tools_and_n_count_in_the_cost(make_stack: StackFactory) -> None:
         "n-129",
         "n-string",
         "best-of-true",
+        "max-tokens-negative-beside-a-null",
     ],
 )
 async def test_max_tokens_n_and_best_of_are_bounded_at_the_door(

@@ -67,8 +67,11 @@ MESSAGE_FIELDS = ("tool_calls", "function_call")
 
 def prompt_text(body: dict[str, Any]) -> str:
     """The text a request sends the model: its messages' contents and the calls they
-    carry, or its prompt; and the tools, functions and answer schema it declares. A
-    32K-token ``tools`` array is 32K tokens of prompt, whatever the messages say."""
+    carry, and its prompt; and the tools, functions and answer schema it declares. A
+    32K-token ``tools`` array is 32K tokens of prompt, whatever the messages say.
+    Both ``messages`` and ``prompt`` count, whatever the route: a body that carries
+    both was charged for its messages alone, so a long prompt beside an empty
+    ``messages`` list passed as a few tokens to an upstream that reads the prompt."""
     parts: list[str] = []
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -85,12 +88,11 @@ def prompt_text(body: dict[str, Any]) -> str:
             elif content is not None:
                 parts.append(_json(content))
             parts.extend(_json(message[name]) for name in MESSAGE_FIELDS if message.get(name))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list):
-            parts.append("\n".join(str(item) for item in prompt))
-        elif isinstance(prompt, str):
-            parts.append(prompt)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        parts.append("\n".join(str(item) for item in prompt))
+    elif isinstance(prompt, str):
+        parts.append(prompt)
     parts.extend(_json(body[name]) for name in PROMPT_FIELDS if body.get(name))
     return "\n".join(parts)
 

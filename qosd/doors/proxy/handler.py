@@ -868,14 +868,18 @@ def _asked_output(body: dict[str, Any], limit: int) -> tuple[int | None, int]:
     fits an int64) and how many answers it asks to be generated: ``n``, or
     ``best_of`` (the server generates that many and returns n); 400 naming the field
     for anything else."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        named = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+    for named in ("max_completion_tokens", "max_tokens"):  # each checked, null or not
+        value = body.get(named)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise OpenAIError(400, f"{named}: must be a non-negative integer", named)
-        if max_tokens > limit:
-            raise OpenAIError(400, f"{named}: {max_tokens} is more than the {limit} tokens a "
+        if value > limit:
+            raise OpenAIError(400, f"{named}: {value} is more than the {limit} tokens a "
                               "request may have (limits.max_request_tokens)", named)  # fmt: skip
+    # As vLLM reads them (max_completion_tokens or max_tokens): a null or 0 first
+    # leaves the second.
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     choices = 1
     for name in ("n", "best_of"):
         value = body.get(name)
