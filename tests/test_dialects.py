@@ -127,6 +127,18 @@ async def test_no_header_raises_a_keys_class(make_stack: StackFactory) -> None:
             **chat(3), extra_body={"nvext": {"agent_hints": {"priority": 9}}}
         )
     assert refused.value.body["param"] == "nvext.agent_hints.priority"  # type: ignore[index]
+    # The key is checked first: a caller without one (or with a wrong one) learns
+    # nothing of its other headers, a malformed one included (the probe saw a 400).
+    stranger = openai.AsyncOpenAI(base_url=stack.url(), api_key="wrong-key", max_retries=0)
+    for authorization, status in (("Basic d3Jvbmc=", 401), ("Bearer wrong-key", 403)):
+        with pytest.raises(openai.APIStatusError) as refused_key:
+            await stranger.chat.completions.create(
+                **chat(3),
+                extra_headers={"x-dynamo-request-priority": "zz", "authorization": authorization},
+            )
+        assert refused_key.value.status_code == status
+        assert refused_key.value.body["param"] == "authorization"  # type: ignore[index]
+    await stranger.close()
     await client.chat.completions.create(
         **chat(3), extra_headers={"x-llm-d-inference-objective": "sheddable"}
     )

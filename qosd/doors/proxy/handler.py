@@ -462,6 +462,22 @@ class Proxy:
             raise OpenAIError(400, str(exc), exc.field) from exc
         return found or from_body or (None, CLASS_HEADER)
 
+    def _api_key(self, request: web.Request) -> tuple[str, str]:
+        """The (class, tenant) of the request's API key; 401 without one, 403 for one
+        not known here."""
+        header = request.headers.get("authorization")
+        key = bearer_of(header) if header is not None else b""
+        if not key:
+            self._metrics.auth_refusals.labels("proxy", "UNAUTHENTICATED").inc()
+            raise OpenAIError(401, "an API key is required: 'Authorization: Bearer <key>'",
+                              "authorization", code="invalid_api_key")  # fmt: skip
+        found = self.settings.api_keys.get(hashlib.sha256(key).hexdigest())
+        if found is None:
+            self._metrics.auth_refusals.labels("proxy", "PERMISSION_DENIED").inc()
+            raise OpenAIError(403, "the API key is not known here", "authorization",
+                              code="invalid_api_key")  # fmt: skip
+        return found
+
     def _identity(
         self, request: web.Request, from_body: tuple[str, str] | None = None
     ) -> tuple[str, str]:
@@ -472,30 +488,18 @@ class Proxy:
         header or the body may lower the key's class but never raise it, and a key
         that names a tenant fixes it (docs/security.md)."""
         headers = request.headers
-        get = headers.get
+        # The key first: a caller without one learns nothing of the other headers.
+        found = self._api_key(request) if self.settings.api_keys else None
         asked, named_by = self._asked_class(request, from_body)
-        peers = self._decisions.peer_headers
         tenant = headers.get(TENANT_HEADER, "")
         if not tenant:
             try:
-                found_tenant = peers.tenant(get)
+                found_tenant = self._decisions.peer_headers.tenant(headers.get)
             except InvalidArgument as exc:
                 raise OpenAIError(400, str(exc), exc.field) from exc
             tenant = found_tenant[0] if found_tenant else ""
-        keys = self.settings.api_keys
-        if not keys:
-            return asked or self.settings.default_class, tenant
-        header = headers.get("authorization")
-        key = bearer_of(header) if header is not None else b""
-        if not key:
-            self._metrics.auth_refusals.labels("proxy", "UNAUTHENTICATED").inc()
-            raise OpenAIError(401, "an API key is required: 'Authorization: Bearer <key>'",
-                              "authorization", code="invalid_api_key")  # fmt: skip
-        found = keys.get(hashlib.sha256(key).hexdigest())
         if found is None:
-            self._metrics.auth_refusals.labels("proxy", "PERMISSION_DENIED").inc()
-            raise OpenAIError(403, "the API key is not known here", "authorization",
-                              code="invalid_api_key")  # fmt: skip
+            return asked or self.settings.default_class, tenant
         key_class, key_tenant = found
         qos_class = key_class
         classes = self._decisions.admission.config.classes
