@@ -158,6 +158,10 @@ async def test_refusals_are_429s_the_sdk_retries(make_stack: StackFactory) -> No
         (json.dumps(chat()).encode(), {"x-slo-ttft-ms": "-5"}, 400, "x-slo-ttft-ms"),
         (json.dumps(chat()).encode(), {"x-llm-d-slo-tpot-ms": "nan"}, 400, "x-llm-d-slo-tpot-ms"),
         (json.dumps(chat()).encode(), {"x-slo-ttft-ms": "1e12"}, 400, "x-slo-ttft-ms"),
+        # float() takes these; no client means them as milliseconds (the probe).
+        (json.dumps(chat()).encode(), {"x-slo-ttft-ms": "1_000"}, 400, "x-slo-ttft-ms"),
+        (json.dumps(chat()).encode(), {"x-slo-ttft-ms": "1e3"}, 400, "x-slo-ttft-ms"),
+        (json.dumps(chat()).encode(), {"x-slo-tpot-ms": "+50"}, 400, "x-slo-tpot-ms"),
         (json.dumps(chat(max_tokens=-1)).encode(), {}, 400, "max_tokens"),
         (json.dumps(chat(20_000)).encode(), {}, 413, "body"),
     ],

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,8 @@ TENANT_HEADER = "x-qos-tenant"
 REQUEST_ID_HEADER = "x-request-id"
 #: Per-request objectives: qosd's own headers, then llm-d's.
 TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
+#: An objective header's value: milliseconds, in ASCII decimal digits.
+DECIMAL_MS = re.compile(r"[0-9]+(?:\.[0-9]+)?", re.ASCII)
 TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
 #: Request headers passed upstream as they came (the rest are the proxy's business;
 #: ``authorization`` never: it is the caller's credential for qosd).
@@ -925,10 +928,9 @@ def _objective(request: web.Request, names: tuple[str, ...]) -> float | None:
         text = request.headers.get(name)
         if text is None:
             continue
-        try:
-            value = float(text) if len(text) <= 32 else math.nan
-        except ValueError:
-            value = math.nan
+        # Plain decimal digits only: float() would also take "1_000", " 5", "1e3" and
+        # "\u0661\u0660\u0660" (Arabic-Indic), none of which a client means as ms.
+        value = float(text) if len(text) <= 32 and DECIMAL_MS.fullmatch(text) else math.nan
         if not (math.isfinite(value) and 0 < value <= MAX_LATENCY_MS):
             raise OpenAIError(
                 400,
