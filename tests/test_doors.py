@@ -1239,6 +1239,49 @@ async def test_the_proxys_http_listener_is_no_way_around_its_keys(
     assert (await stack.status()).active_leases == 0
 
 
+@pytest.mark.parametrize(
+    ("upstream_status", "body", "status", "code"),
+    [
+        (500, b"boom", 502, "upstream_error"),
+        (401, b'{"error": {"message": "bad key"}}', 502, "upstream_refused_proxy"),
+        (204, b"", 502, "upstream_error"),
+        (307, b"elsewhere", 502, "upstream_error"),
+        (422, b"<html>no</html>", 422, "upstream_422"),
+        (400, b'{"error": {"message": "bad field", "code": "x"}}', 400, "x"),
+        (503, b"busy", 503, "upstream_503"),
+    ],
+    ids=["500-text", "401", "204", "307", "422-html", "400-openai", "503-text"],
+)
+async def test_an_upstream_status_reaches_the_client_as_the_clients_to_see(
+    make_stack: StackFactory, upstream_status: int, body: bytes, status: int, code: str
+) -> None:
+    """The probe: an upstream's 500 (body ``boom``, text/plain) reached the client as a
+    500, which the docs call a bug of the proxy; its 401 looked like the client's own
+    key refused; 204, 304 and 299 went through too. Now the client's own faults and
+    the upstream's overload go on, in OpenAI's format; anything else is a 502 naming
+    the upstream's status. Either way the lease ends."""
+
+    async def answering(request: web.Request) -> web.Response:
+        # A redirect's Location (aiohttp would follow a 307 with the POST) goes nowhere
+        # the proxy should send a request of a client's.
+        where = {"Location": "http://127.0.0.1:9/v1/chat/completions"}
+        return web.Response(status=upstream_status, body=body, content_type="text/plain",
+                            headers=where if upstream_status == 307 else None)  # fmt: skip
+
+    async with upstream(answering) as url:
+        stack = await make_stack(upstream=url)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{stack.url()}/chat/completions", json=chat(3), allow_redirects=False
+            ) as answer,  # fmt: skip
+        ):
+            assert answer.status == status
+            error = (await answer.json())["error"]
+        assert error["code"] == code
+        assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
+
+
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
     """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
     upstream in the body as they came, so that a client could jump a Dynamo router's

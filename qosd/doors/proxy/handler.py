@@ -607,8 +607,8 @@ class Proxy:
         try:
             progress.sent_at = time.monotonic()
             try:
-                answer = await self._session.post(
-                    upstream.url + path, data=payload, headers=headers
+                answer = await self._session.post(  # a redirect is answered, not followed
+                    upstream.url + path, data=payload, headers=headers, allow_redirects=False
                 )
             except TimeoutError as exc:  # it may have started: its estimate stands
                 progress.cut, progress.outcome = True, Outcome.ERROR
@@ -853,17 +853,55 @@ class Proxy:
             await self.flush_samples()
 
 
+#: Upstream statuses the client is answered with as they are: its request's own
+#: faults (a bad field, an unknown model, too long a prompt) and the upstream's
+#: overload and gateway statuses, which the SDKs retry.
+PASSED_ON_STATUSES = frozenset({400, 404, 408, 409, 413, 415, 422, 429, 502, 503, 504})
+
+
 async def _passed_on(
     answer: aiohttp.ClientResponse, limits: dict[str, str], limit: int
 ) -> web.Response:
-    """An upstream's refusal, passed on as it came with ``limits`` (a body that breaks
-    off, or is over ``limit`` bytes: a 502)."""
+    """An upstream's answer other than 200, with ``limits``. A status that is the
+    client's to see (PASSED_ON_STATUSES) goes on, its body in OpenAI's format (the
+    upstream's own when it is, else its text as the message). Any other is a 502
+    naming the upstream's status: its 500 is no bug of the proxy, its 401 or 403
+    refused the proxy's upstream key, not the client's, and a 204 or a 3xx is no
+    answer to a completion. A body that breaks off, or is over ``limit`` bytes: a 502."""
     try:
         body = await read_capped(answer, limit)
     except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
         raise broke_off(exc) from exc
-    return web.Response(status=answer.status, body=body, content_type=answer.content_type,
-                        headers=limits)  # fmt: skip
+    text = body.decode("utf-8", "replace")
+    if answer.status in PASSED_ON_STATUSES:
+        if _is_openai_error(body):
+            return web.Response(status=answer.status, body=body,
+                                content_type="application/json", headers=limits)  # fmt: skip
+        failure = OpenAIError(answer.status, f"upstream: {_excerpt(text)}",
+                              code=f"upstream_{answer.status}")  # fmt: skip
+    elif answer.status in (401, 403, 407):
+        failure = OpenAIError(502, f"the upstream refused the proxy's credentials "
+                              f"({answer.status}: {_excerpt(text)}); see --upstream-key-file",
+                              code="upstream_refused_proxy")  # fmt: skip
+    else:
+        failure = OpenAIError(502, f"the upstream answered {answer.status}: {_excerpt(text)}",
+                              code="upstream_error")  # fmt: skip
+    failure.headers = {**limits, **failure.headers}
+    return failure.response()
+
+
+def _is_openai_error(body: bytes) -> bool:
+    try:
+        answered = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(answered, dict) and isinstance(answered.get("error"), dict)
+
+
+def _excerpt(text: str, length: int = 200) -> str:
+    """An upstream's text for a message: printable, one line, bounded."""
+    flat = "".join(c if c.isprintable() else " " for c in text[: length * 2]).strip()
+    return (flat[:length] + "...") if len(flat) > length else (flat or "(no body)")
 
 
 def _encoded(body: dict[str, Any]) -> bytes:
