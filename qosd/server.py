@@ -371,7 +371,7 @@ async def _start(
             daemon.metrics_page,
             certificates.ssl_context() if certificates is not None else None,
             reuse_port=reuse_port,
-            routes=JsonApi(chains).add_routes if json_api else None,
+            routes=JsonApi(chains, authorizer).add_routes if json_api else None,
         )
         try:
             await daemon.http.start()

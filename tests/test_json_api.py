@@ -71,11 +71,31 @@ async def test_bad_input_gets_a_400_naming_the_field(make_daemon: DaemonFactory)
         '{"qos_class": "P9", "model": "m", "input_tokens": 5}': "qos_class",
         '{"qos_klass": "P1"}': "qos_klass",
         "{not json": "AcquireRequest",
-    }
+        # What protobuf's JSON parser lets by (the probe): a boolean for a number, a
+        # field under both its names, a name twice.
+        '{"qos_class": "P1", "model": "m", "input_tokens": 5, "slo_ttft_ms": true}':
+            "slo_ttft_ms: must be a number",
+        '{"qos_class": "P2", "qosClass": "P0", "model": "m", "input_tokens": 5}':
+            "qos_class: given twice",
+        '{"qos_class": "P2", "qos_class": "P0", "model": "m", "input_tokens": 5}':
+            "'qos_class' twice",
+    }  # fmt: skip
     for body, field in cases.items():
         code, error = await post(base, "/v1/acquire", body)
         assert code == 400, body
         assert error["code"] == "INVALID_ARGUMENT" and field in error["message"], error
+    # An enum as a number it does not define (protobuf wraps any integer modulo 2**32),
+    # or as a fraction or a boolean; and a nested message's field, named by its path.
+    for body, field in (
+        ('{"lease_id": "default:P1:x", "outcome": 4294967298}', "outcome: 4294967298"),
+        ('{"lease_id": "default:P1:x", "outcome": 1.5}', "outcome: 1.5"),
+        ('{"lease_id": "default:P1:x", "outcome": true}', "outcome: true"),
+    ):
+        code, error = await post(base, "/v1/release", body)
+        assert code == 400 and field in error["message"], (body, error)
+    sample = '{"samples": [{"qos_class": "P1", "ttft_ms": true}]}'
+    code, error = await post(base, "/v1/report", sample)
+    assert code == 400 and "samples.ttft_ms: must be a number" in error["message"], error
     code, error = await post(base, "/v1/release", '{"lease_id": "default:P1:nope"}')
     assert code == 404 and error["code"] == "NOT_FOUND"
     code, error = await asyncio.to_thread(curl, f"{base}/v1/status?pool=gpu-9")
@@ -92,6 +112,10 @@ async def test_the_same_auth_as_grpc(make_daemon: DaemonFactory, tmp_path: Path)
     base = f"http://{running.daemon.http.address}"
     body = '{"qos_class": "P1", "model": "m", "input_tokens": 5}'
     code, error = await post(base, "/v1/acquire", body)
+    assert code == 401 and error["code"] == "UNAUTHENTICATED"
+    # Before the body is read (the probe: a caller with no token had 3.8 MB parsed,
+    # and got a 400): a body that is no JSON at all is a 401 too.
+    code, error = await post(base, "/v1/acquire", "{not json")
     assert code == 401 and error["code"] == "UNAUTHENTICATED"
     code, error = await post(base, "/v1/acquire", body, "authorization: Bearer wrong")
     assert code == 403 and error["code"] == "PERMISSION_DENIED"

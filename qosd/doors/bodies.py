@@ -5,8 +5,10 @@ A body is read to its end, up to a limit: a request may arrive in many TCP segme
 and reading what happens to be buffered reads half a body. JSON is parsed with its
 numbers bounded (a 5,000-digit integer costs quadratic time to convert and is no
 token count; ``1e400`` becomes infinity, which no field takes and protobuf's
-converters fail on), without NaN or Infinity (not JSON), and with its nesting bounded
-(deep nesting exhausts the parser's recursion).
+converters fail on), without NaN or Infinity (not JSON), with its nesting bounded
+(deep nesting exhausts the parser's recursion), and with no name twice in one object
+(which one counts is the parser's choice, and two parsers of one body, the door's and
+an upstream's, may choose apart).
 """
 
 from __future__ import annotations
@@ -62,7 +64,13 @@ def parse_json(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise BadJson(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        value = json.loads(text, parse_int=_integer, parse_float=_finite, parse_constant=_constant)
+        value = json.loads(
+            text,
+            parse_int=_integer,
+            parse_float=_finite,
+            parse_constant=_constant,
+            object_pairs_hook=_unique,
+        )
     except RecursionError:
         raise BadJson(f"the body nests deeper than {MAX_DEPTH} levels") from None
     except BadJson:  # a number refused by _integer, _finite or _constant
@@ -71,6 +79,17 @@ def parse_json(raw: bytes) -> Any:
         raise BadJson(f"the body is not valid JSON: {exc}") from None
     if _depth_exceeds(value, MAX_DEPTH):
         raise BadJson(f"the body nests deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise BadJson(f"the body names {name[:40]!r} twice in one object")
+            seen.add(name)
     return value
 
 

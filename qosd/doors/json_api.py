@@ -26,6 +26,7 @@ to its TTL.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,9 +35,11 @@ from typing import Any
 import grpc
 from aiohttp import web
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from qosd.doors import openapi
+from qosd.doors.auth import Authorizer, Group
 from qosd.doors.bodies import BadJson, BodyTooLarge, parse_json, read_body
 from qosd.doors.dialects import REQUEST_HEADERS
 from qosd.doors.grpc_api import RawHandler
@@ -68,8 +71,64 @@ METADATA_HEADERS = ("authorization", "traceparent", "tracestate", "baggage", *RE
 #: The largest request body: a Report batch at limits.max_report_batch is far below it.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ROUTES = {"acquire": "Acquire", "release": "Release", "report": "Report"}
+#: Bodies larger than this are parsed off the event loop (as the proxy does).
+PARSE_OFF_LOOP_BYTES = 256 * 1024
+QOS_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
+_NUMBERS = frozenset({
+    FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_INT32,
+    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED32,
+    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED32, FieldDescriptor.TYPE_SFIXED64,
+})  # fmt: skip
 #: The calls that run to their end when their caller leaves: they settle what exists.
 FINISHED_ANYWAY = frozenset({"Release", "Report"})
+
+
+def check_json_types(body: dict[str, Any], descriptor: Any, path: str = "") -> None:
+    """What protobuf's JSON parser lets by and no caller means, refused as BadJson
+    naming the field: a field given twice under its two names (``qos_class`` and
+    ``qosClass``: the parser keeps the last); true or false for a number (it reads
+    them as 1 and 0); an enum as a number it does not define (it wraps any integer
+    modulo 2^32), or as a fraction or a boolean. Nested messages are checked alike."""
+    named: dict[str, str] = {}
+    for key, value in body.items():
+        field = descriptor.fields_by_name.get(key) or _by_json_name(descriptor).get(key)
+        if field is None:
+            continue  # an unknown field: the parser refuses it, naming it
+        name = f"{path}{field.name}"
+        if field.name in named:
+            raise BadJson(f"{name}: given twice (as {named[field.name]!r} and {key!r})")
+        named[field.name] = key
+        repeated = field.is_repeated and isinstance(value, list)
+        for item in value if repeated else (value,):
+            _check_json_value(item, field, name)
+
+
+def _check_json_value(value: Any, field: Any, name: str) -> None:
+    """One value of ``field`` (a FieldDescriptor; Any: protobuf's stubs make its
+    enum and message types optional)."""
+    if field.type in _NUMBERS and isinstance(value, bool):
+        raise BadJson(f"{name}: must be a number, not {json.dumps(value)}")
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        enum = field.enum_type
+        # The numbers it defines as a set: upb's own map wraps a lookup modulo 2^32.
+        if isinstance(value, bool | float) or (
+            isinstance(value, int) and value not in {v.number for v in enum.values}
+        ):
+            known = ", ".join(enum.values_by_name)
+            raise BadJson(f"{name}: {json.dumps(value)} is not one of {enum.name} ({known})")
+    if (
+        field.type == FieldDescriptor.TYPE_MESSAGE
+        and isinstance(value, dict)
+        and not field.message_type.GetOptions().map_entry
+        and not field.message_type.full_name.startswith("google.protobuf.")
+    ):
+        check_json_types(value, field.message_type, f"{name}.")
+
+
+@functools.cache
+def _by_json_name(descriptor: Any) -> dict[str, Any]:
+    return {field.json_name: field for field in descriptor.fields}
 
 
 class HttpCallContext:
@@ -123,10 +182,17 @@ class HttpCallContext:
 
 
 class JsonApi:
-    """The routes, over the handler chains ``add_to_server`` returned."""
+    """The routes, over the handler chains ``add_to_server`` returned. ``authorizer``:
+    the chains' own, asked once more before a body is read, so that a caller the
+    chain would refuse costs no reading or parsing."""
 
-    def __init__(self, chains: dict[str, tuple[type[Message], RawHandler]]) -> None:
+    def __init__(
+        self,
+        chains: dict[str, tuple[type[Message], RawHandler]],
+        authorizer: Authorizer | None = None,
+    ) -> None:
         self._chains = chains
+        self._authorizer = authorizer
         self._unfinished: set[asyncio.Task[Any]] = set()  # calls whose callers left
 
     def add_routes(self, app: web.Application) -> None:
@@ -140,11 +206,21 @@ class JsonApi:
     async def _post(self, request: web.Request) -> web.Response:
         method = ROUTES[request.path.rsplit("/", 1)[1]]
         message_type = self._chains[method][0]
+        if self._authorizer is not None:
+            refused = self._authorizer.judge(
+                f"{QOS_SERVICE}/{method}", Group.QOS, HttpCallContext(request)
+            )
+            if refused is not None:
+                return _error(HTTP_STATUS[refused.code], refused.code.name, refused.message)
         try:
             raw = await read_body(request, MAX_BODY_BYTES)
-            body = parse_json(raw) if raw else {}
+            if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes take a while: off the loop
+                body = await asyncio.to_thread(parse_json, raw)
+            else:
+                body = parse_json(raw) if raw else {}
             if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
                 raise BadJson("the body must be a JSON object, the message's fields")
+            check_json_types(body, message_type.DESCRIPTOR)
         except BodyTooLarge as exc:
             return _error(413, "INVALID_ARGUMENT", str(exc))
         except BadJson as exc:
