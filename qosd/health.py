@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from qosd.config import Config, FailMode, parse_listen_address
+from qosd.doors.bodies import CONNECTION_IDLE_TIMEOUT_S
 from qosd.model import StoreUnavailable
 from qosd.store.base import BucketStore
 
@@ -150,7 +151,12 @@ class DaemonHttp:
             self._routes(app)
         # A caller that leaves cancels its handler, as gRPC cancels a call: a waiting
         # Acquire leaves the queue rather than take a lease no one will release.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=CONNECTION_IDLE_TIMEOUT_S,
+        )
         await self._runner.setup()
         site = web.TCPSite(
             self._runner,

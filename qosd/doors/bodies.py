@@ -13,12 +13,20 @@ an upstream's, may choose apart).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
 
 from aiohttp import StreamReader, web
 
+#: How long a connection may take to send a request's head, or sit idle between
+#: requests, before the listener closes it (aiohttp's ``keepalive_timeout``, which since
+#: 3.14 also runs from the connection's start; its default is an hour): a client that
+#: opens connections and sends nothing, or half a head, holds each for no longer.
+CONNECTION_IDLE_TIMEOUT_S = 30.0
+#: How long a request's body may take to arrive once its head has: past it, a 408.
+BODY_TIMEOUT_S = 30.0
 #: Digits in an integer, at most: int64 has 19.
 MAX_INTEGER_DIGITS = 24
 #: Nesting of arrays and objects, at most: no request of qosd's or OpenAI's nests deeper.
@@ -29,6 +37,11 @@ class BodyTooLarge(ValueError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the request body exceeds {limit} bytes")
         self.limit = limit
+
+
+class BodyTimedOut(ValueError):
+    def __init__(self) -> None:
+        super().__init__(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
 
 
 class BadJson(ValueError):
@@ -50,8 +63,13 @@ async def read_within(content: StreamReader, length: int | None, limit: int) -> 
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body; BodyTooLarge past ``limit``."""
-    body = await read_within(request.content, request.content_length, limit)
+    """The whole body; BodyTooLarge past ``limit``, BodyTimedOut past BODY_TIMEOUT_S
+    (a body that never ends would hold its connection and handler for ever)."""
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            body = await read_within(request.content, request.content_length, limit)
+    except TimeoutError:
+        raise BodyTimedOut() from None
     if body is None:
         raise BodyTooLarge(limit)
     return body

@@ -40,7 +40,7 @@ from google.protobuf.message import Message
 
 from qosd.doors import openapi
 from qosd.doors.auth import Authorizer, Group
-from qosd.doors.bodies import BadJson, BodyTooLarge, parse_json, read_body
+from qosd.doors.bodies import BadJson, BodyTimedOut, BodyTooLarge, parse_json, read_body
 from qosd.doors.dialects import REQUEST_HEADERS
 from qosd.doors.grpc_api import RawHandler
 from qosd.status import MAX_HISTORY
@@ -82,6 +82,42 @@ _NUMBERS = frozenset({
 })  # fmt: skip
 #: The calls that run to their end when their caller leaves: they settle what exists.
 FINISHED_ANYWAY = frozenset({"Release", "Report"})
+
+
+async def _read_message(
+    request: web.Request, message_type: type[Message]
+) -> Message | web.Response:
+    """The request's body as ``message_type``, or the answer that says what is wrong
+    with it (413, 408, or a 400 naming the field)."""
+    name = message_type.DESCRIPTOR.name
+    try:
+        raw = await read_body(request, MAX_BODY_BYTES)
+        if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes take a while: off the loop
+            body = await asyncio.to_thread(parse_json, raw)
+        else:
+            body = parse_json(raw) if raw else {}
+        if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
+            raise BadJson("the body must be a JSON object, the message's fields")
+        check_json_types(body, message_type.DESCRIPTOR)
+    except BodyTooLarge as exc:
+        return _error(413, "INVALID_ARGUMENT", str(exc))
+    except BodyTimedOut as exc:
+        return _error(408, "DEADLINE_EXCEEDED", str(exc))
+    except BadJson as exc:
+        return _error(400, "INVALID_ARGUMENT", f"{name}: {exc}")
+    try:
+        return json_format.ParseDict(body, message_type())
+    except json_format.ParseError as exc:
+        return _error(400, "INVALID_ARGUMENT", f"{name}: {exc}")
+    except (ValueError, TypeError, OverflowError) as exc:
+        # protobuf's converters raise these unwrapped for a few values (an enum
+        # given infinity, before bodies refused infinities): still the caller's.
+        field = _failing_field(body, message_type)
+        return _error(
+            400,
+            "INVALID_ARGUMENT",
+            f"{name}: {field or 'a field'}: a value it cannot take ({type(exc).__name__}: {exc})",
+        )
 
 
 def check_json_types(body: dict[str, Any], descriptor: Any, path: str = "") -> None:
@@ -205,40 +241,15 @@ class JsonApi:
 
     async def _post(self, request: web.Request) -> web.Response:
         method = ROUTES[request.path.rsplit("/", 1)[1]]
-        message_type = self._chains[method][0]
         if self._authorizer is not None:
             refused = self._authorizer.judge(
                 f"{QOS_SERVICE}/{method}", Group.QOS, HttpCallContext(request)
             )
             if refused is not None:
                 return _error(HTTP_STATUS[refused.code], refused.code.name, refused.message)
-        try:
-            raw = await read_body(request, MAX_BODY_BYTES)
-            if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes take a while: off the loop
-                body = await asyncio.to_thread(parse_json, raw)
-            else:
-                body = parse_json(raw) if raw else {}
-            if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
-                raise BadJson("the body must be a JSON object, the message's fields")
-            check_json_types(body, message_type.DESCRIPTOR)
-        except BodyTooLarge as exc:
-            return _error(413, "INVALID_ARGUMENT", str(exc))
-        except BadJson as exc:
-            return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
-        try:
-            message = json_format.ParseDict(body, message_type())
-        except json_format.ParseError as exc:
-            return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
-        except (ValueError, TypeError, OverflowError) as exc:
-            # protobuf's converters raise these unwrapped for a few values (an enum
-            # given infinity, before bodies refused infinities): still the caller's.
-            field = _failing_field(body, message_type)
-            return _error(
-                400,
-                "INVALID_ARGUMENT",
-                f"{message_type.DESCRIPTOR.name}: {field or 'a field'}: a value it cannot "
-                f"take ({type(exc).__name__}: {exc})",
-            )
+        message = await _read_message(request, self._chains[method][0])
+        if isinstance(message, web.Response):
+            return message  # the body's fault, answered
         return await self._call(method, message, request)
 
     async def _status(self, request: web.Request) -> web.Response:

@@ -33,7 +33,7 @@ from opentelemetry.trace import Span
 
 from qosd.admission import AcquireOutcome, DuplicateRequest
 from qosd.doors.auth import CallerCheck, TokenFile, bearer_of
-from qosd.doors.bodies import BadJson, parse_json
+from qosd.doors.bodies import BODY_TIMEOUT_S, BadJson, parse_json
 from qosd.doors.decisions import Decisions
 from qosd.doors.dialects import rate_limit_headers, without_ranking_hints
 from qosd.doors.grpc_api import judge_samples
@@ -380,7 +380,11 @@ class Proxy:
         # caller costs no reading or parsing.
         qos_class, tenant = self._identity(request)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(BODY_TIMEOUT_S):  # a body that never ends: a 408
+                raw = await request.read()
+        except TimeoutError as exc:
+            late = f"body: the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
+            raise OpenAIError(408, late, "body", code="request_timeout") from exc
         except web.HTTPRequestEntityTooLarge as exc:
             raise OpenAIError(
                 413,

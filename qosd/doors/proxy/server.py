@@ -17,6 +17,7 @@ from aiohttp.typedefs import Handler
 from qosd.config import Config, parse_listen_address
 from qosd.doors import openapi
 from qosd.doors.auth import CallerCheck, Group
+from qosd.doors.bodies import CONNECTION_IDLE_TIMEOUT_S
 from qosd.doors.proxy.handler import Proxy, ProxySettings
 from qosd.doors.proxy.openai_errors import OpenAIError
 from qosd.doors.proxy.telemetry import GenAiTelemetry
@@ -115,7 +116,12 @@ async def start_proxy(
         proxy = Proxy(daemon.decisions, settings, session, telemetry)
         # A client that disconnects cancels its handler: its waiter leaves the queue,
         # its upstream request is closed and its lease ends.
-        runner = web.AppRunner(proxy_app(proxy), access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(
+            proxy_app(proxy),
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=CONNECTION_IDLE_TIMEOUT_S,
+        )
         await runner.setup()
         target = parse_listen_address(listen).target
         host, _, port = target.rpartition(":")
