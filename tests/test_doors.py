@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +35,7 @@ from qosd.config import Config
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.handler import CLIENT_CLOSED
 from qosd.doors.proxy.telemetry import GenAiTelemetry
+from qosd.logs import quiet_malformed_http
 from qosd.metrics import Metrics
 from qosd.model import Outcome, Sample
 from qosd.reload import plan_reload
@@ -1229,6 +1233,34 @@ async def test_a_slow_client_holds_no_connection_past_its_deadlines(
         status_line = await asyncio.wait_for(reader.readline(), 10)  # then it lingers
         writer.close()
         assert status_line.split()[1] == b"408", (address, status_line)
+    assert (await running.client.status()).pool("default").active_leases == 0
+
+
+@pytest.mark.parametrize("backend", ["embedded"], indirect=True)
+async def test_malformed_http_fills_no_log(
+    make_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe: every malformed request (here a bad chunk size) was logged at ERROR
+    with a traceback and the sender's bytes, unthrottled. Now twenty of them at once
+    leave one WARNING line, with no traceback, and the listener answers on."""
+    quiet_malformed_http()  # as `qosd serve` and `qosd proxy` configure their logging
+    running = await make_daemon(HTTP)
+    assert running.daemon.http is not None
+    host, _, port = running.daemon.http.address.rpartition(":")
+    began = time.monotonic()
+    for _ in range(20):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/acquire HTTP/1.1\r\nhost: x\r\n"
+                     b"transfer-encoding: chunked\r\n\r\nzz\r\n")  # fmt: skip
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        assert status_line.split()[1] == b"400"
+        writer.close()
+    elapsed = time.monotonic() - began
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    # One line a second at most: one, unless this machine took seconds for the twenty.
+    assert 1 <= len(logged) <= 1 + math.ceil(elapsed), [r.getMessage() for r in logged]
+    assert all(r.levelno == logging.WARNING and r.exc_info is None for r in logged)
+    assert "Error handling request" in logged[0].getMessage()
     assert (await running.client.status()).pool("default").active_leases == 0
 
 
