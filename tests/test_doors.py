@@ -11,6 +11,7 @@ misbehaves on purpose."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -1351,6 +1352,39 @@ async def test_an_upstream_status_reaches_the_client_as_the_clients_to_see(
             error = (await answer.json())["error"]
         assert error["code"] == code
         assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
+
+
+async def test_a_drain_ends_an_endless_stream_within_its_grace(
+    make_stack: StackFactory,
+) -> None:
+    """The probe: under SIGTERM a stream that never ended kept streaming for 80 s, and
+    the proxy exited after 122 s (aiohttp's own 60 s shutdown), past Kubernetes' 30 s
+    grace and so SIGKILL, its lease never released. Now the drain lasts
+    ``server.drain_grace_s``: the stream is then cut, and its lease released."""
+    started = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = await sse(request, content_chunk(), done=False)
+        started.set()
+        await asyncio.Event().wait()  # never more
+        return response
+
+    async with upstream(endless) as url:
+        stack = await make_stack({"server": {"drain_grace_s": 0.5}}, upstream=url)
+        running = stack.proxies[0]
+        releases = running.daemon.metrics.releases
+        async with aiohttp.ClientSession() as session:
+            streaming = await session.post(f"{stack.url()}/chat/completions",
+                                           json=chat(3, stream=True))  # fmt: skip
+            await started.wait()
+            assert (await stack.status()).active_leases == 1
+            before = sum(child._value.get() for child in releases._metrics.values())
+            await asyncio.wait_for(running.stop(), 20)  # 60 s and more before
+            after = sum(child._value.get() for child in releases._metrics.values())
+            with contextlib.suppress(aiohttp.ClientError):
+                await streaming.read()  # cut: it ends
+            streaming.release()
+    assert after == before + 1  # its lease was released before the daemon stopped
 
 
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:

@@ -121,6 +121,10 @@ async def start_proxy(
             access_log=None,
             handler_cancellation=True,
             keepalive_timeout=CONNECTION_IDLE_TIMEOUT_S,
+            # A drain lasts the daemon's grace, then what still runs (an endless
+            # stream) is cancelled and its lease released: aiohttp's own is 60 s,
+            # past Kubernetes' 30 s before SIGKILL.
+            shutdown_timeout=config.server.drain_grace_s,
         )
         await runner.setup()
         target = parse_listen_address(listen).target
