@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Tracer
@@ -32,7 +33,7 @@ from qosd.control.leader import Controller
 from qosd.doors.auth import Authorizer
 from qosd.doors.decisions import Decisions
 from qosd.doors.envoy_rls import MIRROR_SERVICE, EnvoyRateLimitService
-from qosd.doors.grpc_api import AdminService, QoSService, add_to_server
+from qosd.doors.grpc_api import AdminService, QoSService, RawHandler, add_to_server
 from qosd.doors.json_api import JsonApi
 from qosd.gc_tuning import tune_for_serving
 from qosd.health import DaemonHttp, HealthMonitor
@@ -219,18 +220,20 @@ async def start(
     store: BucketStore | None = None,
     *,
     reuse_port: bool = False,
-    json_api: bool = True,
+    proxied: bool = False,
 ) -> Daemon:
     """Starts a daemon. What it has started when a step fails (the store's
     connections, tracing's exporter thread, a bound server, the HTTP listener, unix
     socket files) is undone, in reverse order, before the error propagates.
 
     ``reuse_port``: a worker of ``serve --workers N`` (qosd.workers), which shares its
-    gRPC and HTTP ports with the other workers (SO_REUSEPORT). ``json_api`` False:
-    the HTTP listener serves health and metrics only (``qosd proxy``, whose callers'
-    identity its API keys decide: the JSON API beside it would let them by)."""
+    gRPC and HTTP ports with the other workers (SO_REUSEPORT). ``proxied``: the
+    daemon of ``qosd proxy``, whose callers come through the proxy and its API keys;
+    its own doors would let them by, so its HTTP listener serves health and metrics
+    only (no JSON API), and its gRPC listener the QoS service (Acquire, Release,
+    Report) only under ``auth.qos``."""
     async with contextlib.AsyncExitStack() as undo:
-        daemon = await _start(config, store, undo, reuse_port, json_api)
+        daemon = await _start(config, store, undo, reuse_port, proxied)
         undo.pop_all()  # the daemon owns all of it now: Daemon.stop undoes it
         return daemon
     raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
@@ -292,12 +295,41 @@ async def start_core(
     )
 
 
+def _serve_grpc(
+    server: grpc.aio.Server,
+    config: Config,
+    core: DaemonCore,
+    tracer: Tracer | None,
+    authorizer: Authorizer,
+    proxied: bool,
+) -> tuple[dict[str, tuple[type[Message], RawHandler]], health.aio.HealthServicer]:
+    """Puts the services on the shared gRPC server, with health and reflection; the
+    handler chains (for the JSON API) and the health servicer. A proxied daemon
+    (``start``) serves QoS only under ``auth.qos``."""
+    decisions = core.decisions
+    envoy_rls = EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled else None
+    qos_door = not proxied or config.auth.qos.configured
+    chains = add_to_server(
+        QoSService(decisions, tracer) if qos_door else None,
+        core.admin, server, envoy_rls, tracer, authorizer,
+    )  # fmt: skip
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    served = [ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    if qos_door:
+        served.insert(0, QOS_SERVICE)
+    if envoy_rls is not None:
+        served.append(MIRROR_SERVICE)
+    reflection.enable_server_reflection(served, server)
+    return chains, health_servicer
+
+
 async def _start(
     config: Config,
     given_store: BucketStore | None,
     undo: contextlib.AsyncExitStack,
     reuse_port: bool,
-    json_api: bool = True,
+    proxied: bool = False,
 ) -> Daemon:
     own_store = given_store or make_store(config)
     daemon_id = own_store.daemon_id
@@ -321,20 +353,11 @@ async def _start(
     except (OSError, ValueError) as exc:
         raise StartupError(f"server.tls: the files do not load: {exc}") from exc
     server = grpc.aio.server(options=_server_options(config, reuse_port))
-    envoy_rls = EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled else None
     authorizer = Authorizer(
         config.auth,
         on_refusal=lambda method, code: metrics.auth_refusals.labels(method, code.name).inc(),
     )
-    chains = add_to_server(
-        QoSService(decisions, tracer), admin, server, envoy_rls, tracer, authorizer
-    )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    served = [QOS_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    if envoy_rls is not None:
-        served.append(MIRROR_SERVICE)
-    reflection.enable_server_reflection(served, server)
+    chains, health_servicer = _serve_grpc(server, config, core, tracer, authorizer, proxied)
     monitor = HealthMonitor(config, store, health_servicer, ("", QOS_SERVICE, ADMIN_SERVICE))
     daemon = Daemon(
         config=config,
@@ -371,7 +394,7 @@ async def _start(
             daemon.metrics_page,
             certificates.ssl_context() if certificates is not None else None,
             reuse_port=reuse_port,
-            routes=JsonApi(chains, authorizer).add_routes if json_api else None,
+            routes=None if proxied else JsonApi(chains, authorizer).add_routes,
         )
         try:
             await daemon.http.start()

@@ -41,7 +41,7 @@ from qosd.metrics import Metrics
 from qosd.model import Outcome, Sample
 from qosd.reload import plan_reload
 from qosd.v1 import envoy_rls_pb2 as rls
-from qosd_client import DuplicateRequestId, Status
+from qosd_client import DuplicateRequestId, QosdClient, QosdError, Status
 from qosd_harness import RedisServer
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
 from tests.proxy_stack import MODEL, Stack, StackFactory, chat, make_stack
@@ -1295,10 +1295,18 @@ async def test_the_proxys_http_listener_is_no_way_around_its_keys(
 ) -> None:
     """The probe: the proxy's ``--http-listen`` served the daemon's whole JSON API, so
     that a caller with no key could Acquire as P0 there while the OpenAI listener
-    held it to its key's P2. Now that listener serves health and metrics only."""
+    held it to its key's P2; and the review: so did its gRPC listener. Now the HTTP
+    listener serves health and metrics only, and the gRPC listener no QoS call
+    without ``auth.qos`` (``qosctl status`` still works there)."""
     stack = await make_stack(HTTP, api_keys=keyed(**{"bulk-key": ("P2", "bulk")}))
-    http = stack.proxies[0].daemon.http
+    daemon = stack.proxies[0].daemon
+    http = daemon.http
     assert http is not None
+    async with QosdClient(daemon.addresses[0]) as qos:
+        with pytest.raises(QosdError) as refused:
+            await qos.acquire("P0", 10)
+        assert "UNIMPLEMENTED" in str(refused.value)  # no QoS service there
+        assert (await qos.status()).pool("default").active_leases == 0
     async with aiohttp.ClientSession() as session:
         body = {"qos_class": "P0", "model": MODEL, "input_tokens": 10}
         for path in ("/v1/acquire", "/v1/release", "/v1/report"):
