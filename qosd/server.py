@@ -220,20 +220,21 @@ async def start(
     store: BucketStore | None = None,
     *,
     reuse_port: bool = False,
-    proxied: bool = False,
+    behind_api_keys: bool = False,
 ) -> Daemon:
     """Starts a daemon. What it has started when a step fails (the store's
     connections, tracing's exporter thread, a bound server, the HTTP listener, unix
     socket files) is undone, in reverse order, before the error propagates.
 
     ``reuse_port``: a worker of ``serve --workers N`` (qosd.workers), which shares its
-    gRPC and HTTP ports with the other workers (SO_REUSEPORT). ``proxied``: the
-    daemon of ``qosd proxy``, whose callers come through the proxy and its API keys;
+    gRPC and HTTP ports with the other workers (SO_REUSEPORT). ``behind_api_keys``:
+    the daemon of ``qosd proxy --api-key``, whose callers' identity is their key's;
     its own doors would let them by, so its HTTP listener serves health and metrics
     only (no JSON API), and its gRPC listener the QoS service (Acquire, Release,
-    Report) only under ``auth.qos``."""
+    Report) only under ``auth.qos``. (Without keys, anyone who reaches the proxy
+    names a class in a header: its daemon's doors give no more.)"""
     async with contextlib.AsyncExitStack() as undo:
-        daemon = await _start(config, store, undo, reuse_port, proxied)
+        daemon = await _start(config, store, undo, reuse_port, behind_api_keys)
         undo.pop_all()  # the daemon owns all of it now: Daemon.stop undoes it
         return daemon
     raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
@@ -301,14 +302,14 @@ def _serve_grpc(
     core: DaemonCore,
     tracer: Tracer | None,
     authorizer: Authorizer,
-    proxied: bool,
+    behind_api_keys: bool,
 ) -> tuple[dict[str, tuple[type[Message], RawHandler]], health.aio.HealthServicer]:
     """Puts the services on the shared gRPC server, with health and reflection; the
-    handler chains (for the JSON API) and the health servicer. A proxied daemon
-    (``start``) serves QoS only under ``auth.qos``."""
+    handler chains (for the JSON API) and the health servicer. Behind API keys
+    (``start``), QoS only under ``auth.qos``."""
     decisions = core.decisions
     envoy_rls = EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled else None
-    qos_door = not proxied or config.auth.qos.configured
+    qos_door = not behind_api_keys or config.auth.qos.configured
     chains = add_to_server(
         QoSService(decisions, tracer) if qos_door else None,
         core.admin, server, envoy_rls, tracer, authorizer,
@@ -329,7 +330,7 @@ async def _start(
     given_store: BucketStore | None,
     undo: contextlib.AsyncExitStack,
     reuse_port: bool,
-    proxied: bool = False,
+    behind_api_keys: bool = False,
 ) -> Daemon:
     own_store = given_store or make_store(config)
     daemon_id = own_store.daemon_id
@@ -357,7 +358,7 @@ async def _start(
         config.auth,
         on_refusal=lambda method, code: metrics.auth_refusals.labels(method, code.name).inc(),
     )
-    chains, health_servicer = _serve_grpc(server, config, core, tracer, authorizer, proxied)
+    chains, health_servicer = _serve_grpc(server, config, core, tracer, authorizer, behind_api_keys)
     monitor = HealthMonitor(config, store, health_servicer, ("", QOS_SERVICE, ADMIN_SERVICE))
     daemon = Daemon(
         config=config,
@@ -394,7 +395,7 @@ async def _start(
             daemon.metrics_page,
             certificates.ssl_context() if certificates is not None else None,
             reuse_port=reuse_port,
-            routes=None if proxied else JsonApi(chains, authorizer).add_routes,
+            routes=None if behind_api_keys else JsonApi(chains, authorizer).add_routes,
         )
         try:
             await daemon.http.start()

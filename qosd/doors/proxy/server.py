@@ -87,7 +87,8 @@ async def start_proxy(
     """Starts the daemon, then the proxy's listener on ``listen`` (HOST:PORT).
     ``telemetry``: where the GenAI spans and metrics go; by default, the daemon's
     tracing (spans and metrics exported beside them when tracing is on)."""
-    daemon = await start(config, proxied=True)  # its callers come through the proxy
+    # With keys, the daemon opens no door around them (qosd.server.start).
+    daemon = await start(config, behind_api_keys=bool(settings.api_keys))
     if config.auth.qos.configured:
         settings = dataclasses.replace(
             settings, caller_check=CallerCheck(config.auth.qos, Group.QOS)
