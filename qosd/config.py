@@ -530,6 +530,12 @@ class ServerConfig(_Strict):
     drain_grace_s: Annotated[float, Field(ge=0, le=600)] = 10.0
     # HTTP for kubelet probes (/healthz, /readyz); None: no HTTP listener.
     http_listen: str | None = None
+    # An HTTP connection (this listener's, and qosd proxy's) that has not sent a whole
+    # request head this long after it opened, or sits idle this long between
+    # requests, is closed. Above the idle timeout of what connects to it (a load
+    # balancer reusing a connection the server just closed gets a 502): 75 s is over
+    # AWS ALB's and nginx-ingress's 60 s; behind GCP's load balancer (600 s) set 620.
+    http_idle_timeout_s: Annotated[float, Field(ge=1, le=3_600)] = 75.0
     # How often the daemon checks that it can answer as configured (store reachable,
     # or fail-open), which is what gRPC health and /readyz report.
     health_check_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0

@@ -24,7 +24,6 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from qosd.config import Config, FailMode, parse_listen_address
-from qosd.doors.bodies import CONNECTION_IDLE_TIMEOUT_S
 from qosd.model import StoreUnavailable
 from qosd.store.base import BucketStore
 
@@ -126,6 +125,7 @@ class DaemonHttp:
         *,
         reuse_port: bool = False,
         routes: Callable[[web.Application], None] | None = None,
+        idle_timeout_s: float = 75.0,
     ) -> None:
         """``reuse_port``: the workers of ``serve --workers N`` share one HTTP port
         (SO_REUSEPORT); each answers for itself, so ``/readyz`` says whether the
@@ -136,6 +136,7 @@ class DaemonHttp:
         self._ssl_context = ssl_context
         self._metrics_page = metrics_page
         self._routes = routes  # more of the daemon on this listener (qosd.doors.json_api)
+        self._idle_timeout_s = idle_timeout_s  # server.http_idle_timeout_s
         host, _, port = parse_listen_address(address).target.rpartition(":")
         self._host, self._port = host, int(port)
         self._runner: web.AppRunner | None = None
@@ -155,7 +156,9 @@ class DaemonHttp:
             app,
             access_log=None,
             handler_cancellation=True,
-            keepalive_timeout=CONNECTION_IDLE_TIMEOUT_S,
+            # server.http_idle_timeout_s: aiohttp's keepalive timeout, which since
+            # 3.14 also runs from a connection's start (a head never sent).
+            keepalive_timeout=self._idle_timeout_s,
         )
         await self._runner.setup()
         site = web.TCPSite(

@@ -1205,19 +1205,15 @@ async def test_a_slow_client_holds_no_connection_past_its_deadlines(
     """The probe (slowloris): on both HTTP listeners, a connection that sent nothing,
     half a head, or a head whose body never came was still open after 200 s, and
     1,100 of them took the daemon's descriptors (gRPC and /metrics failed with them).
-    Now a connection that has not sent a whole head within the idle timeout is
-    closed, and a body that has not come within the body timeout is a 408. Both are
-    shortened here to 0.5 s (30 s as shipped)."""
-    from qosd import health  # noqa: PLC0415 - patched where it is used
-    from qosd.doors import bodies  # noqa: PLC0415
-    from qosd.doors.proxy import handler, server  # noqa: PLC0415
+    Now a connection that has not sent a whole head within the idle timeout
+    (``server.http_idle_timeout_s``, 1 s here) is closed, and a body that has not
+    come within the body timeout (0.5 s here, 30 s as shipped) is a 408."""
+    from qosd.doors import bodies  # noqa: PLC0415 - patched where it is used
 
-    monkeypatch.setattr(health, "CONNECTION_IDLE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(server, "CONNECTION_IDLE_TIMEOUT_S", 0.5)
     monkeypatch.setattr(bodies, "BODY_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(handler, "BODY_TIMEOUT_S", 0.5)
-    running = await make_daemon(HTTP)
-    stack = await make_stack()
+    idle = {"server": {"http_listen": "127.0.0.1:0", "http_idle_timeout_s": 1}}
+    running = await make_daemon(idle)
+    stack = await make_stack(idle)
     assert running.daemon.http is not None
     for address, path in ((running.daemon.http.address, "/v1/acquire"),
                           (stack.proxies[0].address, "/v1/chat/completions")):  # fmt: skip
@@ -1320,26 +1316,33 @@ async def test_the_proxys_http_listener_is_no_way_around_its_keys(
 
 
 @pytest.mark.parametrize(
-    ("upstream_status", "body", "status", "code"),
+    ("upstream_status", "body", "status", "code", "should_retry"),
     [
-        (500, b"boom", 502, "upstream_error"),
-        (401, b'{"error": {"message": "bad key"}}', 502, "upstream_refused_proxy"),
-        (204, b"", 502, "upstream_error"),
-        (307, b"elsewhere", 502, "upstream_error"),
-        (422, b"<html>no</html>", 422, "upstream_422"),
-        (400, b'{"error": {"message": "bad field", "code": "x"}}', 400, "x"),
-        (503, b"busy", 503, "upstream_503"),
+        (500, b"boom", 502, "upstream_error", None),
+        (401, b'{"error": {"message": "bad key"}}', 502, "upstream_refused_proxy", "false"),
+        (204, b"", 502, "upstream_error", "false"),
+        (307, b"elsewhere", 502, "upstream_error", "false"),
+        (422, b"<html>no</html>", 422, "upstream_422", "false"),
+        (400, b'{"error": {"message": "bad field", "code": "x"}}', 400, "x", "false"),
+        (409, b'{"error": {"message": "taken", "code": "y"}}', 409, "y", "false"),
+        (503, b"busy", 503, "upstream_503", None),
     ],
-    ids=["500-text", "401", "204", "307", "422-html", "400-openai", "503-text"],
+    ids=["500-text", "401", "204", "307", "422-html", "400-openai", "409-openai", "503-text"],
 )
 async def test_an_upstream_status_reaches_the_client_as_the_clients_to_see(
-    make_stack: StackFactory, upstream_status: int, body: bytes, status: int, code: str
+    make_stack: StackFactory,
+    upstream_status: int,
+    body: bytes,
+    status: int,
+    code: str,
+    should_retry: str | None,
 ) -> None:
     """The probe: an upstream's 500 (body ``boom``, text/plain) reached the client as a
     500, which the docs call a bug of the proxy; its 401 looked like the client's own
     key refused; 204, 304 and 299 went through too. Now the client's own faults and
     the upstream's overload go on, in OpenAI's format; anything else is a 502 naming
-    the upstream's status. Either way the lease ends."""
+    the upstream's status. Either way the lease ends; and where no retry can help,
+    the answer says so (the review: a wrong upstream key had each call retried)."""
 
     async def answering(request: web.Request) -> web.Response:
         # A redirect's Location (aiohttp would follow a 307 with the POST) goes nowhere
@@ -1358,6 +1361,8 @@ async def test_an_upstream_status_reaches_the_client_as_the_clients_to_see(
         ):
             assert answer.status == status
             error = (await answer.json())["error"]
+            # The SDKs retry 409, 429 and 5xx unless told: told where no retry can help.
+            assert answer.headers.get("x-should-retry") == should_retry
         assert error["code"] == code
         assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
 

@@ -20,11 +20,8 @@ from typing import Any
 
 from aiohttp import StreamReader, web
 
-#: How long a connection may take to send a request's head, or sit idle between
-#: requests, before the listener closes it (aiohttp's ``keepalive_timeout``, which since
-#: 3.14 also runs from the connection's start; its default is an hour): a client that
-#: opens connections and sends nothing, or half a head, holds each for no longer.
-CONNECTION_IDLE_TIMEOUT_S = 30.0
+#: Bodies larger than this are parsed off the event loop, which goes on serving.
+PARSE_OFF_LOOP_BYTES = 256 * 1024
 #: How long a request's body may take to arrive once its head has: past it, a 408.
 BODY_TIMEOUT_S = 30.0
 #: Digits in an integer, at most: int64 has 19.

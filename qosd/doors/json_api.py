@@ -39,10 +39,17 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from qosd.doors import openapi
-from qosd.doors.auth import Authorizer, Group
-from qosd.doors.bodies import BadJson, BodyTimedOut, BodyTooLarge, parse_json, read_body
+from qosd.doors.auth import Authorizer
+from qosd.doors.bodies import (
+    PARSE_OFF_LOOP_BYTES,
+    BadJson,
+    BodyTimedOut,
+    BodyTooLarge,
+    parse_json,
+    read_body,
+)
 from qosd.doors.dialects import REQUEST_HEADERS
-from qosd.doors.grpc_api import RawHandler
+from qosd.doors.grpc_api import METHOD_GROUPS, RawHandler
 from qosd.status import MAX_HISTORY
 from qosd_client.v1 import qosd_pb2
 
@@ -71,8 +78,6 @@ METADATA_HEADERS = ("authorization", "traceparent", "tracestate", "baggage", *RE
 #: The largest request body: a Report batch at limits.max_report_batch is far below it.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ROUTES = {"acquire": "Acquire", "release": "Release", "report": "Report"}
-#: Bodies larger than this are parsed off the event loop (as the proxy does).
-PARSE_OFF_LOOP_BYTES = 256 * 1024
 QOS_SERVICE = qosd_pb2.DESCRIPTOR.services_by_name["QoS"].full_name
 _NUMBERS = frozenset({
     FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_INT32,
@@ -88,36 +93,38 @@ async def _read_message(
     request: web.Request, message_type: type[Message]
 ) -> Message | web.Response:
     """The request's body as ``message_type``, or the answer that says what is wrong
-    with it (413, 408, or a 400 naming the field)."""
-    name = message_type.DESCRIPTOR.name
+    with it (413, 408, or a 400 naming the field). A large body is decoded off the
+    event loop, all of it: parsing, the type checks and protobuf's conversion."""
     try:
         raw = await read_body(request, MAX_BODY_BYTES)
-        if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes take a while: off the loop
-            body = await asyncio.to_thread(parse_json, raw)
-        else:
-            body = parse_json(raw) if raw else {}
-        if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
-            raise BadJson("the body must be a JSON object, the message's fields")
-        check_json_types(body, message_type.DESCRIPTOR)
+        if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes take a while
+            return await asyncio.to_thread(_decoded, raw, message_type)
+        return _decoded(raw, message_type)
     except BodyTooLarge as exc:
         return _error(413, "INVALID_ARGUMENT", str(exc))
     except BodyTimedOut as exc:
         return _error(408, "DEADLINE_EXCEEDED", str(exc))
     except BadJson as exc:
-        return _error(400, "INVALID_ARGUMENT", f"{name}: {exc}")
+        return _error(400, "INVALID_ARGUMENT", f"{message_type.DESCRIPTOR.name}: {exc}")
+
+
+def _decoded(raw: bytes, message_type: type[Message]) -> Message:
+    """``raw`` as ``message_type``; BadJson naming the field where it cannot be."""
+    body = parse_json(raw) if raw else {}
+    if not isinstance(body, dict):  # ParseDict would iterate it, or raise TypeError
+        raise BadJson("the body must be a JSON object, the message's fields")
+    check_json_types(body, message_type.DESCRIPTOR)
     try:
         return json_format.ParseDict(body, message_type())
     except json_format.ParseError as exc:
-        return _error(400, "INVALID_ARGUMENT", f"{name}: {exc}")
+        raise BadJson(str(exc)) from None
     except (ValueError, TypeError, OverflowError) as exc:
         # protobuf's converters raise these unwrapped for a few values (an enum
         # given infinity, before bodies refused infinities): still the caller's.
         field = _failing_field(body, message_type)
-        return _error(
-            400,
-            "INVALID_ARGUMENT",
-            f"{name}: {field or 'a field'}: a value it cannot take ({type(exc).__name__}: {exc})",
-        )
+        raise BadJson(
+            f"{field or 'a field'}: a value it cannot take ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def check_json_types(body: dict[str, Any], descriptor: Any, path: str = "") -> None:
@@ -243,7 +250,7 @@ class JsonApi:
         method = ROUTES[request.path.rsplit("/", 1)[1]]
         if self._authorizer is not None:
             refused = self._authorizer.judge(
-                f"{QOS_SERVICE}/{method}", Group.QOS, HttpCallContext(request)
+                f"{QOS_SERVICE}/{method}", METHOD_GROUPS[method], HttpCallContext(request)
             )
             if refused is not None:
                 return _error(HTTP_STATUS[refused.code], refused.code.name, refused.message)

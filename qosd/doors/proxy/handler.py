@@ -33,7 +33,14 @@ from opentelemetry.trace import Span
 
 from qosd.admission import AcquireOutcome, DuplicateRequest
 from qosd.doors.auth import CallerCheck, TokenFile, bearer_of
-from qosd.doors.bodies import BODY_TIMEOUT_S, BadJson, parse_json
+from qosd.doors.bodies import (
+    PARSE_OFF_LOOP_BYTES,
+    BadJson,
+    BodyTimedOut,
+    BodyTooLarge,
+    parse_json,
+    read_body,
+)
 from qosd.doors.decisions import Decisions
 from qosd.doors.dialects import rate_limit_headers, without_ranking_hints
 from qosd.doors.grpc_api import judge_samples
@@ -49,7 +56,7 @@ from qosd.doors.proxy.answers import (
     what_broke,
 )
 from qosd.doors.proxy.estimate import Estimator, Usage, prompt_text
-from qosd.doors.proxy.openai_errors import OpenAIError, refusal
+from qosd.doors.proxy.openai_errors import NEVER_RETRIED, OpenAIError, refusal
 from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
 from qosd.doors.proxy.upstreams import Upstream, Upstreams
 from qosd.doors.request import MAX_LATENCY_MS, InvalidArgument
@@ -78,8 +85,6 @@ FORWARDED_HEADERS = ("traceparent", "tracestate", REQUEST_ID_HEADER,
                      "endpoint-load-metrics-format")  # fmt: skip
 #: How a client that left before its answer is counted: nginx's code.
 CLIENT_CLOSED = 499
-#: Bodies larger than this are parsed off the event loop.
-PARSE_OFF_LOOP_BYTES = 256 * 1024
 #: The most answers one request may ask for (``n``, ``best_of``): OpenAI's cap on n.
 MAX_CHOICES = 128
 #: Seconds each upstream gets to list its models for ``/v1/models``.
@@ -380,12 +385,10 @@ class Proxy:
         # caller costs no reading or parsing.
         qos_class, tenant = self._identity(request)
         try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):  # a body that never ends: a 408
-                raw = await request.read()
-        except TimeoutError as exc:
-            late = f"body: the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
-            raise OpenAIError(408, late, "body", code="request_timeout") from exc
-        except web.HTTPRequestEntityTooLarge as exc:
+            raw = await read_body(request, self.settings.max_body_bytes)
+        except BodyTimedOut as exc:  # a body that never ends
+            raise OpenAIError(408, f"body: {exc}", "body", code="request_timeout") from exc
+        except BodyTooLarge as exc:
             raise OpenAIError(
                 413,
                 f"the request body exceeds the proxy's limit of "
@@ -877,19 +880,24 @@ async def _passed_on(
     except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
         raise broke_off(exc) from exc
     text = body.decode("utf-8", "replace")
-    if answer.status in PASSED_ON_STATUSES:
+    status = answer.status
+    # A retry cannot help a 4xx the SDKs would retry (409), nor any upstream answer but
+    # a 500 (it may pass): say so, as OpenAIError does for the proxy's own.
+    hopeless = {"x-should-retry": "false"}
+    if status in PASSED_ON_STATUSES:
         if _is_openai_error(body):
-            return web.Response(status=answer.status, body=body,
-                                content_type="application/json", headers=limits)  # fmt: skip
-        failure = OpenAIError(answer.status, f"upstream: {_excerpt(text)}",
-                              code=f"upstream_{answer.status}")  # fmt: skip
-    elif answer.status in (401, 403, 407):
+            headers = {**limits, **(hopeless if status in NEVER_RETRIED else {})}
+            return web.Response(status=status, body=body, content_type="application/json",
+                                headers=headers)  # fmt: skip
+        failure = OpenAIError(status, f"upstream: {_excerpt(text)}", code=f"upstream_{status}")
+    elif status in (401, 403, 407):
         failure = OpenAIError(502, f"the upstream refused the proxy's credentials "
-                              f"({answer.status}: {_excerpt(text)}); see --upstream-key-file",
-                              code="upstream_refused_proxy")  # fmt: skip
+                              f"({status}: {_excerpt(text)}); see --upstream-key-file",
+                              code="upstream_refused_proxy", headers=hopeless)  # fmt: skip
     else:
-        failure = OpenAIError(502, f"the upstream answered {answer.status}: {_excerpt(text)}",
-                              code="upstream_error")  # fmt: skip
+        failure = OpenAIError(502, f"the upstream answered {status}: {_excerpt(text)}",
+                              code="upstream_error",
+                              headers=None if status == 500 else hopeless)  # fmt: skip
     failure.headers = {**limits, **failure.headers}
     return failure.response()
 

@@ -28,7 +28,7 @@ _TYPES = {
 
 
 #: Client errors no retry can change (the SDKs retry 408, 409, 429 and 5xx).
-_NEVER_RETRIED = frozenset({400, 401, 403, 404, 405, 409, 413})
+NEVER_RETRIED = frozenset({400, 401, 403, 404, 405, 409, 413, 415, 422})
 
 
 class OpenAIError(Exception):
@@ -65,7 +65,7 @@ class OpenAIError(Exception):
     def response(self) -> web.Response:
         body = self.body()
         headers = self.headers
-        if self.status in _NEVER_RETRIED and "x-should-retry" not in headers:
+        if self.status in NEVER_RETRIED and "x-should-retry" not in headers:
             # The SDKs retry 409 (and would any status told to): say what retrying does.
             headers = {**headers, "x-should-retry": "false"}
         return web.Response(

@@ -17,7 +17,6 @@ from aiohttp.typedefs import Handler
 from qosd.config import Config, parse_listen_address
 from qosd.doors import openapi
 from qosd.doors.auth import CallerCheck, Group
-from qosd.doors.bodies import CONNECTION_IDLE_TIMEOUT_S
 from qosd.doors.proxy.handler import Proxy, ProxySettings
 from qosd.doors.proxy.openai_errors import OpenAIError
 from qosd.doors.proxy.telemetry import GenAiTelemetry
@@ -121,7 +120,7 @@ async def start_proxy(
             proxy_app(proxy),
             access_log=None,
             handler_cancellation=True,
-            keepalive_timeout=CONNECTION_IDLE_TIMEOUT_S,
+            keepalive_timeout=config.server.http_idle_timeout_s,
             # A drain lasts the daemon's grace, then what still runs (an endless
             # stream) is cancelled and its lease released: aiohttp's own is 60 s,
             # past Kubernetes' 30 s before SIGKILL.
