@@ -396,6 +396,7 @@ async def _start(
             certificates.ssl_context() if certificates is not None else None,
             reuse_port=reuse_port,
             routes=None if behind_api_keys else JsonApi(chains, authorizer).add_routes,
+            idle_timeout_s=config.server.http_idle_timeout_s,
         )
         try:
             await daemon.http.start()
