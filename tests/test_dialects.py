@@ -80,8 +80,10 @@ async def test_llm_d_and_dynamo_headers_land_in_their_class_and_tenant(
         ({"x-dynamo-request-priority": "-3", "x-qos-tenant": "tenant-e"}, "P2", "tenant-e"),
         # Dynamo's body hint (nvext.agent_hints.priority below), where no header names one.
         ({"x-qos-tenant": "tenant-g"}, "P0", "tenant-g"),
-        # Dynamo's header overrides its body hint, as Dynamo has it.
+        # Dynamo's header overrides its body hint, as Dynamo has it, whatever the
+        # header's priority (0 is P2 here).
         ({"x-dynamo-request-priority": "+2", "x-qos-tenant": "tenant-h"}, "P1", "tenant-h"),
+        ({"x-dynamo-request-priority": "0", "x-qos-tenant": "tenant-i"}, "P2", "tenant-i"),
         # qosd's own headers first: x-qos-class wins over the peers'.
         ({"x-qos-class": "P1", "x-llm-d-inference-objective": "premium-traffic",
           "x-qos-tenant": "tenant-f", "x-llm-d-inference-fairness-id": "nobody"},
@@ -89,7 +91,7 @@ async def test_llm_d_and_dynamo_headers_land_in_their_class_and_tenant(
     ]  # fmt: skip
     hint = {"nvext": {"agent_hints": {"priority": 6}}}
     for headers, _, tenant in sent:
-        body = hint if tenant in ("tenant-g", "tenant-h") else None
+        body = hint if tenant in ("tenant-g", "tenant-h", "tenant-i") else None
         await client.chat.completions.create(
             **chat(5, max_tokens=3), extra_headers=headers, extra_body=body
         )
@@ -109,7 +111,7 @@ async def test_llm_d_and_dynamo_headers_land_in_their_class_and_tenant(
                    decision="admitted", **{"class": c})
         for c in ("P0", "P1", "P2")
     }  # fmt: skip
-    assert admitted == {"P0": 3, "P1": 3, "P2": 2}
+    assert admitted == {"P0": 3, "P1": 3, "P2": 3}
 
 
 async def test_no_header_raises_a_keys_class(make_stack: StackFactory) -> None:
@@ -122,11 +124,11 @@ async def test_no_header_raises_a_keys_class(make_stack: StackFactory) -> None:
         with pytest.raises(openai.PermissionDeniedError) as refused:
             await client.chat.completions.create(**chat(3), extra_headers=headers)
         assert refused.value.body["param"] in headers  # type: ignore[index]
-    with pytest.raises(openai.PermissionDeniedError) as refused:  # nor does the body's hint
-        await client.chat.completions.create(
-            **chat(3), extra_body={"nvext": {"agent_hints": {"priority": 9}}}
-        )
-    assert refused.value.body["param"] == "nvext.agent_hints.priority"  # type: ignore[index]
+    # Nor does Dynamo's body hint, which Dynamo-aware clients send as a matter of
+    # course: held to the key's class (P2), not refused.
+    await client.chat.completions.create(
+        **chat(3), extra_body={"nvext": {"agent_hints": {"priority": 9}}}
+    )
     # The key is checked first: a caller without one (or with a wrong one) learns
     # nothing of its other headers, a malformed one included (the probe saw a 400).
     stranger = openai.AsyncOpenAI(base_url=stack.url(), api_key="wrong-key", max_retries=0)
@@ -144,7 +146,7 @@ async def test_no_header_raises_a_keys_class(make_stack: StackFactory) -> None:
     )
     await client.close()
     assert proxied(stack, "qosd_acquire_decisions_total", pool="default", reason="NONE",
-                   decision="admitted", **{"class": "P2"}) == 1  # fmt: skip
+                   decision="admitted", **{"class": "P2"}) == 2  # fmt: skip
     assert proxied(stack, "qosd_acquire_decisions_total", pool="default", reason="NONE",
                    decision="admitted", **{"class": "P0"}) == 0  # fmt: skip
 

@@ -42,7 +42,12 @@ from qosd.doors.bodies import (
     read_body,
 )
 from qosd.doors.decisions import Decisions
-from qosd.doors.dialects import rate_limit_headers, without_ranking_hints
+from qosd.doors.dialects import (
+    DYNAMO_PRIORITY_FIELD,
+    DYNAMO_PRIORITY_HEADER,
+    rate_limit_headers,
+    without_ranking_hints,
+)
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.answers import (
     AnswerTooLarge,
@@ -401,12 +406,7 @@ class Proxy:
             body, prompt_bytes = await asyncio.to_thread(_read_body, raw)
         else:
             body, prompt_bytes = _read_body(raw)
-        try:
-            from_body = self._decisions.peer_headers.body_class(body)
-        except InvalidArgument as exc:
-            raise OpenAIError(400, str(exc), exc.field) from exc
-        if from_body is not None:  # a class no header named may come from the body
-            qos_class, tenant = self._identity(request, from_body)
+        qos_class, tenant = self._body_identity(request, body) or (qos_class, tenant)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise OpenAIError(400, "model: a model name is required", "model")
@@ -457,6 +457,17 @@ class Proxy:
             max_tokens=max_tokens,
             choices=choices,
         )
+
+    def _body_identity(self, request: web.Request, body: dict[str, Any]) -> tuple[str, str] | None:
+        """The class and tenant again, where the body's Dynamo hint names a class no
+        header did (Dynamo's header, when sent, overrides its hint, as in Dynamo)."""
+        if DYNAMO_PRIORITY_HEADER in request.headers:
+            return None
+        try:
+            from_body = self._decisions.peer_headers.body_class(body)
+        except InvalidArgument as exc:
+            raise OpenAIError(400, str(exc), exc.field) from exc
+        return None if from_body is None else self._identity(request, from_body)
 
     def _asked_class(
         self, request: web.Request, from_body: tuple[str, str] | None
@@ -518,7 +529,12 @@ class Proxy:
             if asked not in classes:
                 raise OpenAIError(400, f"{named_by}: unknown class {asked[:40]!r} "
                                   f"(classes: {', '.join(classes)})", named_by)  # fmt: skip
-            if classes[asked].priority < classes[key_class].priority:
+            raises = classes[asked].priority < classes[key_class].priority
+            if raises and named_by == DYNAMO_PRIORITY_FIELD:
+                # A hint Dynamo-aware clients send as a matter of course: held to the
+                # key's class, not refused (a header is the caller's own ask: refused).
+                return key_class, key_tenant or tenant
+            if raises:
                 self._metrics.auth_refusals.labels("proxy", "PERMISSION_DENIED").inc()
                 raise OpenAIError(
                     403,
