@@ -199,36 +199,7 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",
         )
-        self.config_reloads = Counter(
-            "qosd_config_reloads",
-            "Config reloads (SIGHUP or the file replaced) that were applied.",
-            registry=r,
-        )
-        self.config_reload_failures = Counter(
-            "qosd_config_reload_failures",
-            "Config reloads refused (the file did not load or validate; the running config stays).",
-            registry=r,
-        )
-        self.config_last_reload_success = Gauge(
-            "qosd_config_last_reload_success_timestamp_seconds",
-            "When the running config was last loaded: at start, then each applied reload.",
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.config_last_reload_successful = Gauge(
-            "qosd_config_last_reload_successful",
-            "1 if the last reload was applied (or none was asked for), 0 if it was refused.",
-            registry=r,
-            multiprocess_mode="livemin",
-        )
-        self.config_restart_required = Gauge(
-            "qosd_config_restart_required",
-            "1 while the config file holds changes that take effect only at a restart.",
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.config_last_reload_success.set_to_current_time()
-        self.config_last_reload_successful.set(1)
+        self._add_config_instruments(r)
         self.adjustments = Counter(
             "qosd_rate_adjustments",
             "Changes of a pool's admitted rate made by this daemon: grow, cut, undo, pin, unpin, "
@@ -243,6 +214,13 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        self.state_read_failures = Counter(
+            "qosd_state_read_failures",
+            "Scrapes of /metrics whose read of the state failed other than by the store "
+            "being unreachable (qosd_store_up): served with the counters, no state series.",
+            registry=r,
+        )
+        self._state_gauges: list[Gauge] = []
         self.pool_rate = self._gauge(
             "qosd_pool_rate_tokens_per_second", "The pool's admitted rate now.", ["pool"]
         )
@@ -333,6 +311,39 @@ class Metrics:
         )
         self._top_tenants: dict[tuple[str, str], TopTenants] = {}
 
+    def _add_config_instruments(self, r: CollectorRegistry) -> None:
+        """The config's reloads: applied, refused, when, and whether a restart waits."""
+        self.config_reloads = Counter(
+            "qosd_config_reloads",
+            "Config reloads (SIGHUP or the file replaced) that were applied.",
+            registry=r,
+        )
+        self.config_reload_failures = Counter(
+            "qosd_config_reload_failures",
+            "Config reloads refused (the file did not load or validate; the running config stays).",
+            registry=r,
+        )
+        self.config_last_reload_success = Gauge(
+            "qosd_config_last_reload_success_timestamp_seconds",
+            "When the running config was last loaded: at start, then each applied reload.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.config_last_reload_successful = Gauge(
+            "qosd_config_last_reload_successful",
+            "1 if the last reload was applied (or none was asked for), 0 if it was refused.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.config_restart_required = Gauge(
+            "qosd_config_restart_required",
+            "1 while the config file holds changes that take effect only at a restart.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.config_last_reload_success.set_to_current_time()
+        self.config_last_reload_successful.set(1)
+
     @property
     def multiprocess(self) -> bool:
         """Whether this is a worker of a group (its counters merge with the others')."""
@@ -341,7 +352,14 @@ class Metrics:
     def _gauge(self, name: str, documentation: str, labels: list[str]) -> Gauge:
         gauge = _LocalGauge(name, documentation, labels, registry=self.registry)
         self.state_registry.register(gauge)
+        self._state_gauges.append(gauge)
         return gauge
+
+    def clear_state(self) -> None:
+        """Drops every state gauge's series: after a failed read, a page shows no
+        state rather than the last read's as if it were current."""
+        for gauge in self._state_gauges:
+            gauge.clear()
 
     def acquire(
         self, pool: str, qos_class: str, admitted: bool, reason: int, waited_ms: int

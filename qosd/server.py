@@ -190,19 +190,21 @@ class Daemon:
         """The Prometheus exposition: counters as they stand, state read now. A read
         of the state that fails in any way costs the page its state only: the
         counters are still served, and the failure logged (once a minute at most)."""
+        metrics = self.metrics
         try:
             status = await self.status.status(self.status.pool_names())
+            policies = {name: self.status.policy(name) for name in self.status.pool_names()}
+            metrics.update_from_status(status, self.status.leads, policies)
         except StoreUnavailable:
-            self.metrics.store_up.set(0)
+            metrics.store_up.set(0)
         except Exception:
+            metrics.state_read_failures.inc()
+            metrics.clear_state()  # no state rather than the last read's, as if current
             now = time.monotonic()
             if now - self._state_read_failed_at >= STATE_READ_LOG_INTERVAL_S:
                 self._state_read_failed_at = now
                 log.exception("/metrics: the state read failed; serving the counters")
-        else:
-            policies = {name: self.status.policy(name) for name in self.status.pool_names()}
-            self.metrics.update_from_status(status, self.status.leads, policies)
-        return self.metrics.exposition()
+        return metrics.exposition()
 
 
 def _remove_stale_socket(path: str) -> None:

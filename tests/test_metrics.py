@@ -189,10 +189,15 @@ async def test_a_failed_state_read_costs_the_page_its_state_only(
     async def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a read that failed")
 
+    _, before = await _scrape(daemon)
+    assert _value(before, "qosd_pool_rate_tokens_per_second", pool="default") > 0
     monkeypatch.setattr(daemon.status, "status", failing)
     _, samples = await _scrape(daemon)
     admitted = {"pool": "default", "class": "P1", "decision": "admitted", "reason": "NONE"}
     assert _value(samples, "qosd_acquire_decisions_total", **admitted) == 1
+    assert _value(samples, "qosd_state_read_failures_total") == 1
+    # No state at all, rather than the last read's as if it were current.
+    assert not any(name == "qosd_pool_rate_tokens_per_second" for name, _ in samples)
     assert "/metrics: the state read failed" in caplog.text
 
 
