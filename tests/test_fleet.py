@@ -27,7 +27,7 @@ from qosd_client import QosdClient, Reason
 from qosd_harness import DaemonProcess, RedisCluster, RedisServer, daemon_processes
 from tests.conftest import TEST_REDIS_TIMEOUT_MS, merge
 from tests.load import ClassLoadResult, class_load, wait_for_workers
-from tests.pace import scraped_loop_lag_s
+from tests.pace import metrics_page, worst_loop_lag_s
 from tests.waiting import eventually
 
 CAPACITY = 20_000.0
@@ -155,9 +155,12 @@ def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonP
     config, daemons = fleet
     # P0 floods (holding the shared tokens); P2 has only its own 1,000 tokens/s, and
     # 32 callers each asking for 100 of them: most time out in the queue.
+    before = [metrics_page(daemon.ready["http"]) for daemon in daemons]
     results, elapsed = run_loads(
         daemons, config["redis"], [("P0", 24, 200, 500), ("P2", 32, 100, 300)], 6.0
     )
+    lags = [worst_loop_lag_s(metrics_page(daemon.ready["http"]), page)
+            for daemon, page in zip(daemons, before, strict=True)]  # fmt: skip
     print(f"\nP2 with a 300 ms max wait under a P0 flood:\n{describe(results, elapsed)}")
     p2 = results["P2"]
     assert p2.errors == 0
@@ -167,19 +170,20 @@ def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonP
     # as its event loop lets it. The load workers' own timers are no measure of that:
     # the daemons, serving 56 callers, ran later (a fresh clone with a busy core saw a
     # wait of 486 ms with the workers' timers 27 ms late). So the bound allows each
-    # daemon's own loop lag (qosd_event_loop_lag_seconds, to its bucket's upper edge),
-    # and 100 ms more: the defect it is for, a pump admitting a waiter after its
-    # deadline, ends waits up to a stale period (500 ms) late.
+    # daemon's own loop lag during the run (qosd_event_loop_lag_seconds, to its
+    # bucket's upper edge), and 100 ms more. The defect it is for, a pump admitting a
+    # waiter after its deadline, ends waits up to a stale period (500 ms) late: the
+    # allowance stops at 350 ms, below that.
     workers_pace = max(r.worst_lateness_s for r in results.values())
-    pace = max(scraped_loop_lag_s(daemon.ready["http"]) for daemon in daemons)
+    pace = max(lags)
     print(f"  the pace: the daemons' loops up to {pace * 1000:.0f} ms late (the workers' "
           f"timers {workers_pace * 1000:.0f} ms)")  # fmt: skip
-    assert p2.worst_waited_s <= 0.300 + 0.100 + pace
+    assert p2.worst_waited_s <= 0.300 + 0.100 + min(pace, 0.350)
     # As the caller saw it, RPC included, on a client worker of 32 callers that a busy
     # machine holds up (772 ms seen with the daemon's wait at 359): this tells a wait
     # answered near its deadline from one answered only by the client's RPC deadline
     # (5.3 s), or seconds late.
-    assert p2.worst_elapsed_s <= 0.300 + 1.0 + max(pace, workers_pace)
+    assert p2.worst_elapsed_s <= 0.300 + 1.0 + min(max(pace, workers_pace), 1.0)
 
 
 SCARCE: dict[str, Any] = {
