@@ -54,7 +54,8 @@ class MalformedHttpQuieted(logging.Filter):
             self._quieted += 1
             return False
         self._last = now
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        if record.levelno > logging.WARNING:  # aiohttp's DEBUG lines stay DEBUG
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.msg = f"{record.msg}: %s%s"
         more = f" ({self._quieted} more since the last, not logged)" if self._quieted else ""
         record.args = (*(record.args if isinstance(record.args, tuple) else ()),
