@@ -310,8 +310,12 @@ def _serve_grpc(
     handler chains (for the JSON API) and the health servicer. Behind API keys
     (``start``), QoS only under ``auth.qos``."""
     decisions = core.decisions
-    envoy_rls = EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled else None
+    # Behind API keys every door that admits is shut unless auth.qos guards it:
+    # Envoy's ShouldRateLimit admits as Acquire does.
     qos_door = not behind_api_keys or config.auth.qos.configured
+    envoy_rls = (
+        EnvoyRateLimitService(decisions, tracer) if config.envoy_rls.enabled and qos_door else None
+    )
     chains = add_to_server(
         QoSService(decisions, tracer) if qos_door else None,
         core.admin, server, envoy_rls, tracer, authorizer,

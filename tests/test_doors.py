@@ -1294,7 +1294,8 @@ async def test_the_proxys_http_listener_is_no_way_around_its_keys(
     held it to its key's P2; and the review: so did its gRPC listener. Now the HTTP
     listener serves health and metrics only, and the gRPC listener no QoS call
     without ``auth.qos`` (``qosctl status`` still works there)."""
-    stack = await make_stack(HTTP, api_keys=keyed(**{"bulk-key": ("P2", "bulk")}))
+    stack = await make_stack({**HTTP, "envoy_rls": {"enabled": True}},
+                             api_keys=keyed(**{"bulk-key": ("P2", "bulk")}))  # fmt: skip
     daemon = stack.proxies[0].daemon
     http = daemon.http
     assert http is not None
@@ -1303,6 +1304,18 @@ async def test_the_proxys_http_listener_is_no_way_around_its_keys(
             await qos.acquire("P0", 10)
         assert "UNIMPLEMENTED" in str(refused.value)  # no QoS service there
         assert (await qos.status()).pool("default").active_leases == 0
+    # Nor Envoy's ShouldRateLimit, which admits as Acquire does (the second probe).
+    request = rls.RateLimitRequest(domain="llm")
+    request.descriptors.add().entries.add(key="qos_class", value="P0")
+    async with grpc.aio.insecure_channel(daemon.addresses[0]) as channel:
+        should = channel.unary_unary(
+            "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            request_serializer=rls.RateLimitRequest.SerializeToString,
+            response_deserializer=rls.RateLimitResponse.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as unserved:
+            await should(request, timeout=10)
+    assert unserved.value.code() is grpc.StatusCode.UNIMPLEMENTED
     async with aiohttp.ClientSession() as session:
         body = {"qos_class": "P0", "model": MODEL, "input_tokens": 10}
         for path in ("/v1/acquire", "/v1/release", "/v1/report"):
