@@ -1230,6 +1230,16 @@ async def test_a_slow_client_holds_no_connection_past_its_deadlines(
         status_line = await asyncio.wait_for(reader.readline(), 10)  # then it lingers
         writer.close()
         assert status_line.split()[1] == b"408", (address, status_line)
+        # A body whose Content-Encoding does not decode (the second probe: a 500 and
+        # two tracebacks a request): a 400 naming the body.
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+                     b"content-encoding: deflate\r\ncontent-length: 4\r\n"
+                     b"connection: close\r\n\r\nxxxx")  # fmt: skip
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.split(b"\r\n", 1)[0].split()[1] == b"400", (address, answer[:300])
+        assert b"body" in answer.partition(b"\r\n\r\n")[2]
     assert (await running.client.status()).pool("default").active_leases == 0
 
 

@@ -61,12 +61,15 @@ async def read_within(content: StreamReader, length: int | None, limit: int) -> 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The whole body; BodyTooLarge past ``limit``, BodyTimedOut past BODY_TIMEOUT_S
-    (a body that never ends would hold its connection and handler for ever)."""
+    (a body that never ends would hold its connection and handler for ever), BadJson
+    when it cannot be decoded (``Content-Encoding: br`` with bytes that are not)."""
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             body = await read_within(request.content, request.content_length, limit)
     except TimeoutError:
         raise BodyTimedOut() from None
+    except web.RequestPayloadError as exc:  # a Content-Encoding that does not decode
+        raise BadJson(f"the body cannot be read: {exc}") from None
     if body is None:
         raise BodyTooLarge(limit)
     return body

@@ -393,6 +393,8 @@ class Proxy:
             raw = await read_body(request, self.settings.max_body_bytes)
         except BodyTimedOut as exc:  # a body that never ends
             raise OpenAIError(408, f"body: {exc}", "body", code="request_timeout") from exc
+        except BadJson as exc:  # one that cannot be decoded
+            raise OpenAIError(400, f"body: {exc}", "body") from exc
         except BodyTooLarge as exc:
             raise OpenAIError(
                 413,
