@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from qosd.config import Config
 from qosd.doors.grpc_api import judge_samples
+from qosd.doors.proxy.estimate import Usage
 from qosd.doors.proxy.handler import CLIENT_CLOSED
 from qosd.doors.proxy.telemetry import GenAiTelemetry
 from qosd.logs import quiet_malformed_http
@@ -842,6 +843,40 @@ def proxy_answers(stack: Stack, code: int) -> float:
     """The proxy's count of its answers to P1 requests with ``code``."""
     counter = stack.proxies[0].daemon.metrics.proxy_requests.labels(MODEL, "P1", str(code))
     return float(counter._value.get())
+
+
+def test_a_negative_usage_is_no_usage() -> None:
+    """The second probe: ``prompt_tokens: -7`` was clamped to 0 and the request settled
+    as free. A count below 0 is no count: the usage is unread and the estimate stands."""
+    assert Usage.parse({"prompt_tokens": -7, "completion_tokens": 3}, 1_000) is None
+    assert Usage.parse({"prompt_tokens": 7, "completion_tokens": -1}, 1_000) is None
+    assert Usage.parse({"prompt_tokens": 0, "completion_tokens": 3}, 1_000) == Usage(0, 3)
+
+
+async def test_an_upstream_that_had_the_request_and_broke_off_is_charged(
+    make_stack: StackFactory,
+) -> None:
+    """The second probe: an upstream that read the request, worked, then dropped the
+    connection was answered as unreachable and the whole charge refunded, so a
+    crashing upstream made its load free. Only a connection never made uses nothing;
+    this one is a 502 ``upstream_cut``, settled at the estimate."""
+
+    async def dropping(request: web.Request) -> web.Response:
+        await request.read()
+        assert request.transport is not None
+        request.transport.abort()  # no answer at all
+        raise ConnectionResetError
+
+    async with upstream(dropping) as url:
+        stack = await make_stack(upstream=url)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{stack.url()}/chat/completions", json=chat(300, max_tokens=5)) as answer,
+        ):
+            assert answer.status == 502
+            assert (await answer.json())["error"]["code"] == "upstream_cut"
+        pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+    assert pool.active_leases == 0  # settled (upstream_cut: at the estimate, _used)
 
 
 @pytest.mark.parametrize("count", [10**400, 10**18], ids=["400-digits", "1e18"])

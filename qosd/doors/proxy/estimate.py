@@ -213,9 +213,10 @@ class Usage:
 
 
 def _count(value: Any) -> int | None:
-    """A token count as a server sent it: a whole number (not a bool), at least 0. Of
-    any size: the caller clamps it before any arithmetic (a 400-digit count does not
-    fit a float)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return max(0, value)
+    """A token count as a server sent it: a whole number (not a bool) of at least 0,
+    else None (no usage: the estimate stands; a negative count, clamped to 0, made a
+    request free). Of any size: the caller clamps it before any arithmetic (a
+    400-digit count does not fit a float)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
     return None

@@ -637,12 +637,16 @@ class Proxy:
                 )
             except TimeoutError as exc:  # it may have started: its estimate stands
                 progress.cut, progress.outcome = True, Outcome.ERROR
-                raise OpenAIError(504, f"upstream {upstream.url} did not answer in time",
+                raise OpenAIError(504, "upstream did not answer in time",
                                   code="upstream_timeout") from exc  # fmt: skip
-            except aiohttp.ClientError as exc:
+            except aiohttp.ClientConnectorError as exc:  # never connected: nothing used
                 progress.used_nothing, progress.outcome = True, Outcome.ERROR
-                raise OpenAIError(502, f"upstream {upstream.url} unreachable: {what_broke(exc)}",
+                raise OpenAIError(502, f"upstream unreachable: {what_broke(exc)}",
                                   code="upstream_unreachable") from exc  # fmt: skip
+            except aiohttp.ClientError as exc:  # it had the request: its estimate stands
+                progress.cut, progress.outcome = True, Outcome.ERROR
+                raise OpenAIError(502, f"upstream broke off: {what_broke(exc)}",
+                                  code="upstream_cut") from exc  # fmt: skip
             async with answer:
                 try:
                     read_load(upstream, answer)
