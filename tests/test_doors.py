@@ -1436,8 +1436,9 @@ async def test_a_drain_ends_an_endless_stream_within_its_grace(
 ) -> None:
     """The probe: under SIGTERM a stream that never ended kept streaming for 80 s, and
     the proxy exited after 122 s (aiohttp's own 60 s shutdown), past Kubernetes' 30 s
-    grace and so SIGKILL, its lease never released. Now the drain lasts
-    ``server.drain_grace_s``: the stream is then cut, and its lease released."""
+    grace and so SIGKILL, its lease never released; then twice the grace. Now the
+    drain lasts ``server.drain_grace_s``: the stream is then cut, and its lease
+    released."""
     started = asyncio.Event()
 
     async def endless(request: web.Request) -> web.StreamResponse:
@@ -1446,8 +1447,9 @@ async def test_a_drain_ends_an_endless_stream_within_its_grace(
         await asyncio.Event().wait()  # never more
         return response
 
+    grace = 2.0
     async with upstream(endless) as url:
-        stack = await make_stack({"server": {"drain_grace_s": 0.5}}, upstream=url)
+        stack = await make_stack({"server": {"drain_grace_s": grace}}, upstream=url)
         running = stack.proxies[0]
         releases = running.daemon.metrics.releases
         async with aiohttp.ClientSession() as session:
@@ -1456,12 +1458,17 @@ async def test_a_drain_ends_an_endless_stream_within_its_grace(
             await started.wait()
             assert (await stack.status()).active_leases == 1
             before = released(releases)
+            began = time.monotonic()
             await asyncio.wait_for(running.stop(), 20)  # 60 s and more before
+            took = time.monotonic() - began
             after = released(releases)
             with contextlib.suppress(aiohttp.ClientError):
                 await streaming.read()  # cut: it ends
             streaming.release()
     assert after == before + 1  # its lease was released before the daemon stopped
+    # The grace, then the cut: not twice the grace (the second probe saw aiohttp's
+    # shutdown wait it once for the handlers and once more after cancelling them).
+    assert grace <= took < 2 * grace, took
 
 
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:

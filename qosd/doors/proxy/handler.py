@@ -204,6 +204,7 @@ class Proxy:
         self.estimator = Estimator()
         self._samples: list[Sample] = []
         self._settling: set[asyncio.Task[None]] = set()
+        self._handling: set[asyncio.Task[Any]] = set()  # completions being answered
 
     # -- the routes -----------------------------------------------------------------
 
@@ -251,6 +252,29 @@ class Proxy:
         return [m for m in data if isinstance(m, dict) and m.get("id") == model] or stub
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handling.add(task)
+        try:
+            return await self._answer(request, path)
+        finally:
+            self._handling.discard(task)
+
+    async def drain(self, grace_s: float) -> None:
+        """Lets the completions being answered run up to ``grace_s``, then cancels what
+        still runs (an endless stream), as a client that left cancels its own: the
+        upstream request is closed and the lease ends (on shutdown, the listener
+        already stopped). aiohttp's own shutdown waits its timeout twice over, once
+        for the handlers and once more after cancelling them."""
+        if self._handling:
+            await asyncio.wait(set(self._handling), timeout=grace_s)
+        left = set(self._handling)
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=grace_s)
+
+    async def _answer(self, request: web.Request, path: str) -> web.StreamResponse:
         arrived = time.monotonic()
         code = 500
         call: _Call | None = None

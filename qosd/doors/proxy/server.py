@@ -39,7 +39,12 @@ class RunningProxy:
     address: str  # HOST:PORT bound
 
     async def stop(self) -> None:
+        """Drains: the listener stops, the requests in flight get the daemon's
+        ``server.drain_grace_s``, then what still runs is cut and its lease ended."""
         self.daemon.admission.begin_drain()
+        for site in list(self.runner.sites):
+            await site.stop()
+        await self.proxy.drain(self.daemon.config.server.drain_grace_s)
         await self.runner.cleanup()
         self.reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -121,10 +126,9 @@ async def start_proxy(
             access_log=None,
             handler_cancellation=True,
             keepalive_timeout=config.server.http_idle_timeout_s,
-            # A drain lasts the daemon's grace, then what still runs (an endless
-            # stream) is cancelled and its lease released: aiohttp's own is 60 s,
-            # past Kubernetes' 30 s before SIGKILL.
-            shutdown_timeout=config.server.drain_grace_s,
+            # The drain is RunningProxy.stop's (Proxy.drain); by cleanup, what is
+            # left is idle connections to close.
+            shutdown_timeout=1.0,
         )
         await runner.setup()
         target = parse_listen_address(listen).target
