@@ -81,6 +81,9 @@ class AcquireOutcome:
     # Where the request stands at servers that schedule by priority (lower first):
     # its class's rank in the pool, 0 for the top class.
     server_priority: int = 0
+    # The lease admitted, for a caller that could not use it to undo it (its request
+    # id freed: the proxy, when its upstream refused or was never reached).
+    lease: LeaseSpec | None = None
 
 
 class StoreGuard:
@@ -241,13 +244,15 @@ class Admission:
             else:
                 decision, waited_ms = await self._traced_wait(pool_policy, waiter, wait_s)
             return AcquireOutcome(
-                decision, request.pool, waited_ms, _MESSAGES.get(decision.reason, ""), policy.rank
-            )
+                decision, request.pool, waited_ms, _MESSAGES.get(decision.reason, ""),
+                policy.rank, lease if decision.admitted else None,
+            )  # fmt: skip
         if self._draining and not decision.admitted and decision.reason is Reason.RATE_LIMITED:
             decision = _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0)
         return AcquireOutcome(
-            decision, request.pool, 0, _MESSAGES.get(decision.reason, ""), policy.rank
-        )
+            decision, request.pool, 0, _MESSAGES.get(decision.reason, ""), policy.rank,
+            lease if decision.admitted else None,
+        )  # fmt: skip
 
     def _waits(self, policy: ClassPolicy, request: AdmissionRequest) -> tuple[int, int]:
         """The request's wait and its cap, ms: the class's max wait (as the caller cut

@@ -1471,6 +1471,33 @@ async def test_a_drain_ends_an_endless_stream_within_its_grace(
     assert grace <= took < 2 * grace, took
 
 
+async def test_the_sdks_retry_of_a_refused_request_is_no_reuse(
+    make_stack: StackFactory,
+) -> None:
+    """The second probe: with an ``x-request-id`` of its own, a request the upstream
+    refused (503) was retried by the SDK, as invited, and refused as a reuse of the id
+    (409, not retried), for the lease's whole TTL. A request the upstream refused or
+    never got used nothing: its admission is undone and its id freed, so the retry is
+    admitted anew, and answered."""
+    answered: list[int] = []
+
+    async def busy_once(request: web.Request) -> web.Response:
+        answered.append(len(answered))
+        if len(answered) == 1:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        return web.json_response(completion())
+
+    async with upstream(busy_once) as url:
+        stack = await make_stack(upstream=url)
+        client = stack.client(max_retries=2)
+        done = await client.chat.completions.create(
+            **chat(3), extra_headers={"x-request-id": "gw-7-000001"}
+        )
+        await client.close()
+    assert done.choices and answered == [0, 1]
+    assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
+
+
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
     """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
     upstream in the body as they came, so that a client could jump a Dynamo router's

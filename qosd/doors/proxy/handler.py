@@ -17,6 +17,7 @@ upstream key is its own setting.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -69,6 +70,7 @@ from qosd.model import (
     AdmissionRequest,
     LeaseExpired,
     LeaseNotFound,
+    LeaseSpec,
     Outcome,
     Sample,
     StoreUnavailable,
@@ -799,7 +801,14 @@ class Proxy:
             log.exception("lease %s: its usage could not be read; settled with the estimate",
                           lease_id)  # fmt: skip
         finally:
-            await self._release(lease_id, *counts, progress.outcome)
+            outcome = call.outcome
+            if progress.used_nothing and outcome is not None and outcome.lease is not None:
+                # Never reached, or refused, by the upstream: undone, its request id
+                # freed, so that the SDK's retry of it (same x-request-id) is admitted
+                # anew rather than refused as a reuse (409).
+                await self._release(lease_id, 0, 0, Outcome.CANCELLED, undo=outcome.lease)
+            else:
+                await self._release(lease_id, *counts, progress.outcome)
         if progress.used_nothing:
             return
         try:
@@ -833,11 +842,19 @@ class Proxy:
         return input_tokens, output_tokens
 
     async def _release(
-        self, lease_id: str, input_tokens: int | None, output_tokens: int | None, outcome: Outcome
+        self,
+        lease_id: str,
+        input_tokens: int | None,
+        output_tokens: int | None,
+        outcome: Outcome,
+        *,
+        undo: LeaseSpec | None = None,
     ) -> None:
         decisions = self._decisions
         try:
             release = decisions.rules.release(lease_id, input_tokens, output_tokens, outcome)
+            if undo is not None:
+                release = dataclasses.replace(release, undo=undo)
             await decisions.release(release)
         except StoreUnavailable as exc:
             log.warning("lease %s not settled yet (retried until it lands): %s", lease_id, exc)
