@@ -157,6 +157,29 @@ async def test_domains_defaults_and_refusals(make_daemon: DaemonFactory) -> None
         await call.close()
 
 
+async def test_a_request_that_does_not_decode_is_over_limit(make_daemon: DaemonFactory) -> None:
+    """The second probe: a descriptor value that is not UTF-8 (Envoy copies a header's
+    raw bytes into it, and obs-text is legal in headers) got INVALID_ARGUMENT, an
+    error status Envoy answers by letting the request through. Bytes that are no
+    RateLimitRequest are OVER_LIMIT now, saying why, as any request qosd cannot read."""
+    running = await make_daemon(RLS)
+    sent = _request("llm", {"qos_class": "P1XX"}).SerializeToString()
+    raw = sent.replace(b"P1XX", b"P1\xff\xfe")
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        call = channel.unary_unary(
+            ENVOY_METHOD,
+            request_serializer=lambda raw: raw,
+            response_deserializer=rls.RateLimitResponse.FromString,
+        )
+        answer: rls.RateLimitResponse = await call(raw, timeout=5)
+    assert answer.overall_code == OVER_LIMIT
+    assert [(h.key, h.value) for h in answer.response_headers_to_add] == [
+        ("x-qosd-reason", "INVALID_REQUEST")
+    ]
+    assert b"not a valid" in answer.raw_body
+    assert (await running.client.status()).pool("default").active_leases == 0
+
+
 async def test_without_a_default_class_a_classless_request_is_refused(
     make_daemon: DaemonFactory,
 ) -> None:
@@ -166,13 +189,14 @@ async def test_without_a_default_class_a_classless_request_is_refused(
         refused = await call(_request("llm", {"tenant": "t"}))
         assert refused.overall_code == OVER_LIMIT
         assert "qos_class" in json.loads(refused.raw_body)["message"]
-        # A message that does not decode is an INVALID_ARGUMENT status (not UNKNOWN):
-        # that is a broken client, not a request to admit or refuse.
+        # A message that does not decode is OVER_LIMIT too, not an error status,
+        # which Envoy would answer by letting the request through.
         channel = grpc.aio.insecure_channel(running.address)
-        garbage = channel.unary_unary(ENVOY_METHOD)
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await garbage(b"\xff\xff\xff", timeout=5)
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        garbage = channel.unary_unary(
+            ENVOY_METHOD, response_deserializer=rls.RateLimitResponse.FromString
+        )
+        answer: rls.RateLimitResponse = await garbage(b"\xff\xff\xff", timeout=5)
+        assert answer.overall_code == OVER_LIMIT
         await channel.close()
     finally:
         await call.close()

@@ -107,6 +107,13 @@ class EnvoyRateLimitService:
         outcome = await self._decisions.acquire(admission_request)
         return self._response(request, outcome, qos_class, config, policy)
 
+    def undecodable(self, message: str) -> rls.RateLimitResponse:
+        """OVER_LIMIT for bytes that are no RateLimitRequest (a descriptor value that is
+        not UTF-8: Envoy copies a header's raw bytes into it), as for any request qosd
+        cannot interpret: an error status would let the request through."""
+        self._count("OVER_LIMIT", INVALID_REQUEST)
+        return _refused(rls.RateLimitRequest(), message)
+
     def _response(
         self,
         request: rls.RateLimitRequest,

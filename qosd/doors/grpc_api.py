@@ -398,10 +398,15 @@ def add_to_server(
     """
     chains: dict[str, tuple[type[Message], RawHandler]] = {}
 
-    def register(service_name: str, methods: Methods, names: tuple[str, ...] = ()) -> None:
+    def register(
+        service_name: str,
+        methods: Methods,
+        names: tuple[str, ...] = (),
+        undecodable: Callable[[str], Message] | None = None,
+    ) -> None:
         handlers = {}
         for method_name, (message_type, method) in methods.items():
-            handler = _decoding(message_type, method)
+            handler = _decoding(message_type, method, undecodable)
             group = METHOD_GROUPS[method_name]
             if authorizer is not None and authorizer.guards(group):
                 handler = _authorized(authorizer, f"{service_name}/{method_name}", group, handler)
@@ -443,6 +448,7 @@ def add_to_server(
             ENVOY_SERVICE,
             {"ShouldRateLimit": (envoy_rls_pb2.RateLimitRequest, envoy_rls.ShouldRateLimit)},
             (MIRROR_SERVICE,),
+            envoy_rls.undecodable,
         )
     return chains
 
@@ -467,8 +473,13 @@ def _serialize(message: Message) -> bytes:
 
 
 def _decoding(
-    message_type: type[Message], method: Callable[..., Awaitable[Any]]
+    message_type: type[Message],
+    method: Callable[..., Awaitable[Any]],
+    undecodable: Callable[[str], Message] | None = None,
 ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """``method`` on the request decoded; one that does not decode is INVALID_ARGUMENT,
+    or ``undecodable``'s answer where an error status would be read as a yes (Envoy's
+    rate limit filter lets a request through when its call fails)."""
     parse = message_type.FromString
     full_name = message_type.DESCRIPTOR.full_name
 
@@ -476,9 +487,10 @@ def _decoding(
         try:
             request = parse(raw)
         except DecodeError as exc:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {full_name}: {exc}"
-            )
+            message = f"request is not a valid {full_name}: {exc}"
+            if undecodable is not None:
+                return undecodable(message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
             return await method(request, context)
         except grpc.aio.AbortError:
