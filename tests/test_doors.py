@@ -1498,6 +1498,35 @@ async def test_the_sdks_retry_of_a_refused_request_is_no_reuse(
     assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
 
 
+async def test_a_server_that_refuses_connections_is_passed_over(
+    make_stack: StackFactory,
+) -> None:
+    """The second probe: with two servers for one model and one down, seven requests
+    in eight failed (502): the down one refused at once, kept no request in flight,
+    and so was the least busy. A refused connection got nothing: the request goes to
+    the next server, and the one that refused is passed over for a while."""
+    with socket.socket() as held:  # bound, never listening: every connection refused
+        held.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{held.getsockname()[1]}"
+
+        async def answering(request: web.Request) -> web.Response:
+            return web.json_response(completion())
+
+        async with upstream(answering) as url:
+            stack = await make_stack(upstreams=[f"{MODEL}={down}", f"{MODEL}={url}"])
+            async with aiohttp.ClientSession() as session:
+
+                async def ask() -> int:
+                    async with session.post(f"{stack.url()}/chat/completions",
+                                            json=chat(3)) as answer:  # fmt: skip
+                        return answer.status
+
+                statuses = await asyncio.gather(*(ask() for _ in range(8)))
+            assert statuses == [200] * 8
+            pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+            assert pool.active_leases == 0
+
+
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
     """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
     upstream in the body as they came, so that a client could jump a Dynamo router's

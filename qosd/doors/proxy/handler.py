@@ -631,48 +631,24 @@ class Proxy:
         limits: dict[str, str],
     ) -> web.StreamResponse:
         """The upstream's answer, carrying ``limits`` (the rate-limit headers)."""
-        payload = call.raw  # as the client sent it, unless the proxy changes it
-        # A client's own rank would jump the upstream's queue (vLLM's priority,
-        # Dynamo's agent hints): only qosd's class decides, so neither is forwarded.
-        unranked = without_ranking_hints(call.body)
-        if (
-            call.stream
-            or self.settings.priority_upstreams
-            or "priority" in call.body
-            or unranked is not None
-        ):
-            body = dict(unranked or call.body)
-            body.pop("priority", None)
-            if call.stream:  # the usage to settle with, whether or not the client asked
-                body["stream_options"] = {**(body.get("stream_options") or {}),
-                                          "include_usage": True}  # fmt: skip
-            if self.settings.priority_upstreams:
-                body["priority"] = priority
-            if len(call.raw) > PARSE_OFF_LOOP_BYTES:
-                payload = await asyncio.to_thread(_encoded, body)
-            else:
-                payload = _encoded(body)
+        payload = await self._payload(call, priority)
         headers = self._upstream_headers()
         headers.update((k, v) for k in FORWARDED_HEADERS if (v := request.headers.get(k)))
-        upstream.in_flight += 1
         try:
-            progress.sent_at = time.monotonic()
-            try:
-                answer = await self._session.post(  # a redirect is answered, not followed
-                    upstream.url + path, data=payload, headers=headers, allow_redirects=False
-                )
-            except TimeoutError as exc:  # it may have started: its estimate stands
-                progress.cut, progress.outcome = True, Outcome.ERROR
-                raise OpenAIError(504, "upstream did not answer in time",
-                                  code="upstream_timeout") from exc  # fmt: skip
-            except aiohttp.ClientConnectorError as exc:  # never connected: nothing used
-                progress.used_nothing, progress.outcome = True, Outcome.ERROR
-                raise OpenAIError(502, f"upstream unreachable: {what_broke(exc)}",
-                                  code="upstream_unreachable") from exc  # fmt: skip
-            except aiohttp.ClientError as exc:  # it had the request: its estimate stands
-                progress.cut, progress.outcome = True, Outcome.ERROR
-                raise OpenAIError(502, f"upstream broke off: {what_broke(exc)}",
-                                  code="upstream_cut") from exc  # fmt: skip
+            answer, upstream = await self._connect(call, upstream, path, payload, headers)
+        except TimeoutError as exc:  # it may have started: its estimate stands
+            progress.cut, progress.outcome = True, Outcome.ERROR
+            raise OpenAIError(504, "upstream did not answer in time",
+                              code="upstream_timeout") from exc  # fmt: skip
+        except aiohttp.ClientConnectorError as exc:  # no server connected: nothing used
+            progress.used_nothing, progress.outcome = True, Outcome.ERROR
+            raise OpenAIError(502, f"upstream unreachable: {what_broke(exc)}",
+                              code="upstream_unreachable") from exc  # fmt: skip
+        except aiohttp.ClientError as exc:  # it had the request: its estimate stands
+            progress.cut, progress.outcome = True, Outcome.ERROR
+            raise OpenAIError(502, f"upstream broke off: {what_broke(exc)}",
+                              code="upstream_cut") from exc  # fmt: skip
+        try:
             async with answer:
                 try:
                     read_load(upstream, answer)
@@ -687,6 +663,66 @@ class Proxy:
                     raise
         finally:
             upstream.in_flight -= 1
+
+    async def _payload(self, call: _Call, priority: int) -> bytes:
+        """The body to send upstream: as the client sent it, unless the proxy changes
+        it. A client's own rank would jump the upstream's queue (vLLM's priority,
+        Dynamo's agent hints): only qosd's class decides, so neither is forwarded."""
+        unranked = without_ranking_hints(call.body)
+        if not (
+            call.stream
+            or self.settings.priority_upstreams
+            or "priority" in call.body
+            or unranked is not None
+        ):
+            return call.raw
+        body = dict(unranked or call.body)
+        body.pop("priority", None)
+        if call.stream:  # the usage to settle with, whether or not the client asked
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}  # fmt: skip
+        if self.settings.priority_upstreams:
+            body["priority"] = priority
+        if len(call.raw) > PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(_encoded, body)
+        return _encoded(body)
+
+    async def _connect(
+        self,
+        call: _Call,
+        upstream: Upstream,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+    ) -> tuple[aiohttp.ClientResponse, Upstream]:
+        """The answer of the first of the model's servers that takes the connection,
+        and that server (its request counted in flight). A server that refuses the
+        connection got nothing, so the request goes to the next (the second probe:
+        with one of two servers down, seven requests in eight failed), and the one
+        that refused is passed over for a while; when none takes it, the last error."""
+        tried: list[Upstream] = []
+        while True:
+            upstream.in_flight += 1
+            progress = call.progress
+            if progress is not None:
+                progress.sent_at = time.monotonic()
+            try:
+                answer = await self._session.post(  # a redirect is answered, not followed
+                    upstream.url + path, data=payload, headers=headers, allow_redirects=False
+                )
+            except aiohttp.ClientConnectorError:
+                upstream.in_flight -= 1
+                upstream.refused_connection()
+                tried.append(upstream)
+                following = self.settings.upstreams.pick(call.model, avoid=tried)
+                if following is None:
+                    raise
+                call.upstream = upstream = following
+                continue
+            except BaseException:
+                upstream.in_flight -= 1
+                raise
+            return answer, upstream
 
     async def _whole(
         self, answer: aiohttp.ClientResponse, progress: _Progress, limits: dict[str, str]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+#: How long a server that refused a connection is passed over.
+DOWN_AFTER_REFUSAL_S = 5.0
 
 
 @dataclass(slots=True)
@@ -12,6 +17,13 @@ class Upstream:
     in_flight: int = 0
     #: The server's own load, from its last ORCA header (requests waiting), if any.
     waiting: float = 0.0
+    #: Until when (monotonic) it is passed over: it refused a connection. A server
+    #: that refuses at once keeps no request in flight, so by load alone it would be
+    #: picked first, again and again.
+    down_until: float = 0.0
+
+    def refused_connection(self) -> None:
+        self.down_until = time.monotonic() + DOWN_AFTER_REFUSAL_S
 
 
 @dataclass(slots=True)
@@ -34,10 +46,12 @@ class Upstreams:
     def models(self) -> list[str]:
         return list(self.by_model)
 
-    def pick(self, model: str) -> Upstream | None:
+    def pick(self, model: str, avoid: Sequence[Upstream] = ()) -> Upstream | None:
         """The server of ``model`` with the fewest requests in flight from here, then
-        the fewest waiting as it last said; None for a model no upstream serves."""
-        servers = self.by_model.get(model)
+        the fewest waiting as it last said, one that refused a connection lately
+        last; None for a model no upstream serves, or none but those to ``avoid``."""
+        servers = [s for s in self.by_model.get(model, ()) if all(s is not a for a in avoid)]
         if not servers:
             return None
-        return min(servers, key=lambda s: (s.in_flight, s.waiting))
+        now = time.monotonic()
+        return min(servers, key=lambda s: (s.down_until > now, s.in_flight, s.waiting))
