@@ -227,7 +227,7 @@ def render(status: Status) -> str:
 
 
 def render_pool(pool: PoolState) -> str:
-    share = pool.admitted_rate_tokens_s / pool.capacity_tokens_s
+    share = pool.admitted_rate_tokens_s / pool.capacity_tokens_s if pool.capacity_tokens_s else 0.0
     lines = [
         f"pool {pool.name}: admitting {pool.admitted_rate_tokens_s:,.0f} tokens/s "
         f"({share:.0%} of the configured {pool.capacity_tokens_s:,.0f})"

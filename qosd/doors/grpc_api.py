@@ -245,7 +245,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
         if request.pool:
             if request.pool not in names:
                 await context.abort(
-                    grpc.StatusCode.NOT_FOUND, f"pool {request.pool!r} is not configured"
+                    grpc.StatusCode.NOT_FOUND, f"pool {request.pool[:80]!r} is not configured"
                 )
             names = [request.pool]
         if not 0 <= request.history <= MAX_HISTORY:
@@ -294,7 +294,7 @@ class AdminService(qosd_pb2_grpc.AdminServicer):
         if name not in names:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"pool {name!r} is not configured (pools: {', '.join(names)})",
+                f"pool {name[:80]!r} is not configured (pools: {', '.join(names)})",
             )
         return self._status.policy(name)
 

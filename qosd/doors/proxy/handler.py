@@ -242,6 +242,7 @@ class Proxy:
             async with self._session.get(
                 f"{server.url}/v1/models", headers=self._upstream_headers(),
                 timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+                allow_redirects=False,  # with the upstream key: to its server only
             ) as answer:  # fmt: skip
                 if answer.status != 200:
                     return stub
