@@ -14,8 +14,10 @@ cell run at another commit is run again. At the end the README's table
 
 Replays run in virtual time (``qos_replay.py --clock virtual``, its default): a seed
 of a cell is eight runs (qosd, static's five points, vllm-native, fifo-deadline) of
-the trace's 120 s and a 30 s drain, about 6 minutes of one CPU here (21 in real
-time); ten seeds about an hour; the 18 cells about 17 CPU-hours. A run in virtual
+the trace's 120 s and a 30 s drain, about 6 minutes of one CPU here on the Azure
+trace, 7 on its bursts, 1 on Mooncake's (fewer, longer requests), and 21 minutes of
+an idle machine in real time whatever the trace; the 18 cells about 14 CPU-hours in
+virtual time. A run in virtual
 time is the same beside another, so ``--jobs N`` runs N cells at once, each writing
 its output to ``{cell}.log`` beside its results; in real time (``--clock real``) a
 replay takes a machine-wide lock, and cells run one at a time whatever ``--jobs``.
@@ -44,8 +46,13 @@ WORKLOADS = {
 LOADS = (1.5, 2.0)
 ENGINES = ("chunked", "unchunked", "chunked-priority")
 #: One seed of a cell, all policies (8 runs of 120 s and a 30 s drain), on one CPU
-#: of the development VM: in virtual time, and in real time.
-MINUTES_PER_SEED = {"virtual": 6, "real": 21}
+#: of the development VM, by workload: in virtual time (measured: Azure 2x alone
+#: 5.7 min; this round's cells, three sharing two CPUs, 6.3 min a seed on Azure, 7
+#: on bursts, 0.9 to 1.2 on Mooncake), and in real time (the trace's own pace).
+MINUTES_PER_SEED = {
+    "virtual": {"azure": 6.0, "bursty": 7.0, "mooncake": 1.2},
+    "real": {"azure": 21.0, "bursty": 21.0, "mooncake": 21.0},
+}
 
 
 def cell_path(out: Path, workload: str, load: float, engine: str) -> Path:
@@ -107,7 +114,7 @@ def main() -> int:
              for x in args.loads.split(",") for e in args.engines.split(",")]  # fmt: skip
     seeds = len(args.seeds.split(","))
     todo = [c for c in cells if recorded_commit(cell_path(args.out, *c)) != commit]
-    minutes = len(todo) * seeds * MINUTES_PER_SEED[args.clock]
+    minutes = sum(seeds * MINUTES_PER_SEED[args.clock][w] for w, _, _ in todo)
     print(f"{len(cells)} cells at {commit} ({len(cells) - len(todo)} done), {seeds} seeds each: "
           f"about {minutes / 60:.1f} CPU-hours to go ({args.clock} time)", flush=True)  # fmt: skip
     commands = [cell_command(w, load, e, commit, cell_path(args.out, w, load, e), args.seeds,
