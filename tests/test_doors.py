@@ -1005,11 +1005,14 @@ async def test_a_large_body_is_parsed_off_the_loop_and_only_for_a_known_key(
     parsed_in: list[int] = []
     released: list[bool] = []
     hold = threading.Event()
-    from qosd.doors.bodies import parse_json  # noqa: PLC0415 - the one patched over
+    from qosd.doors.bodies import (  # noqa: PLC0415 - the one patched over
+        PARSE_OFF_LOOP_BYTES,
+        parse_json,
+    )
 
     def held_parse(raw: bytes) -> Any:
         parsed_in.append(threading.get_ident())
-        if len(raw) > handler.PARSE_OFF_LOOP_BYTES:
+        if len(raw) > PARSE_OFF_LOOP_BYTES:
             released.append(hold.wait(10))  # on the loop, nothing would set it
         return parse_json(raw)
 
