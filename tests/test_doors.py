@@ -1530,6 +1530,25 @@ async def test_a_server_that_refuses_connections_is_passed_over(
             assert pool.active_leases == 0
 
 
+async def test_a_caller_without_a_key_is_not_invited_to_send_its_body(
+    make_stack: StackFactory,
+) -> None:
+    """The second probe: ``Expect: 100-continue`` on a proxy with API keys got
+    ``100 Continue`` before the key was checked, so a caller with none uploaded up to
+    8 MiB for its 401. The key is judged first now; a caller with one is invited."""
+    stack = await make_stack(api_keys=keyed(**{"bulk-key": ("P2", "bulk")}))
+    host, _, port = stack.proxies[0].address.rpartition(":")
+    keyed_head = b"authorization: Bearer bulk-key\r\n"
+    for authorization, first_line in ((b"", b"401"), (keyed_head, b"100")):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + authorization
+                     + b"content-type: application/json\r\ncontent-length: 1000000\r\n"
+                     b"expect: 100-continue\r\n\r\n")  # fmt: skip
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        assert status_line.split()[1] == first_line, (authorization, status_line)
+
+
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
     """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
     upstream in the body as they came, so that a client could jump a Dynamo router's

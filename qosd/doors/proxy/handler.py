@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import grpc
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own: no public name
 from opentelemetry.trace import Span
 
 from qosd.admission import AcquireOutcome, DuplicateRequest
@@ -215,6 +216,22 @@ class Proxy:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/completions")
+
+    async def expect_continue(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: the caller is judged (``auth.qos``, its API key)
+        before it is invited to send its body, not after: a caller with no key was
+        told to go on and sent up to 8 MiB for its 401. Its refusal, or aiohttp's own
+        answer to the header."""
+        try:
+            self._authorize(request)
+            if self.settings.api_keys:
+                self._api_key(request)
+        except OpenAIError as error:
+            response = error.response()
+            response.force_close()  # the body it held back is not read
+            return response
+        await _default_expect_handler(request)
+        return None
 
     async def models(self, request: web.Request) -> web.Response:
         """Every upstream's models, as one list (one server asked per model, all at

@@ -75,8 +75,10 @@ def proxy_app(proxy: Proxy) -> web.Application:
     app = web.Application(
         client_max_size=proxy.settings.max_body_bytes, middlewares=[openai_not_found]
     )
-    app.router.add_post("/v1/chat/completions", proxy.chat_completions)
-    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.chat_completions,
+                        expect_handler=proxy.expect_continue)  # fmt: skip
+    app.router.add_post("/v1/completions", proxy.completions,
+                        expect_handler=proxy.expect_continue)  # fmt: skip
     app.router.add_get("/v1/models", proxy.models)
     openapi.add_route(app)
     return app
