@@ -100,6 +100,9 @@ async def test_bad_input_gets_a_400_naming_the_field(make_daemon: DaemonFactory)
     assert code == 404 and error["code"] == "NOT_FOUND"
     code, error = await asyncio.to_thread(curl, f"{base}/v1/status?pool=gpu-9")
     assert code == 404 and "gpu-9" in error["message"]
+    # A percent-escape that is not UTF-8 (aiohttp would read it as U+FFFD): a 400.
+    code, error = await asyncio.to_thread(curl, f"{base}/v1/status?tenant=%ff")
+    assert code == 400 and "not UTF-8" in error["message"]
 
 
 async def test_the_same_auth_as_grpc(make_daemon: DaemonFactory, tmp_path: Path) -> None:

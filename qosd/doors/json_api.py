@@ -31,6 +31,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
 import grpc
 from aiohttp import web
@@ -260,6 +261,10 @@ class JsonApi:
         return await self._call(method, message, request)
 
     async def _status(self, request: web.Request) -> web.Response:
+        try:  # aiohttp reads percent-escapes that are not UTF-8 as U+FFFD, silently
+            parse_qsl(request.rel_url.raw_query_string, keep_blank_values=True, errors="strict")
+        except UnicodeDecodeError:
+            return _error(400, "INVALID_ARGUMENT", "the query string is not UTF-8")
         query = request.query
         text = query.get("history", "0")
         if not (text.isascii() and text.isdigit() and len(text) <= len(str(MAX_HISTORY))):
