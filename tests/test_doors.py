@@ -1549,6 +1549,32 @@ async def test_a_caller_without_a_key_is_not_invited_to_send_its_body(
         assert status_line.split()[1] == first_line, (authorization, status_line)
 
 
+async def test_an_event_written_without_the_space_is_read(make_stack: StackFactory) -> None:
+    """The second probe: an upstream that wrote ``data:{...}`` (the space after the
+    colon is optional in server-sent events) had its usage left unread, so its usage
+    chunk went to a client that had not asked for one. Both framings are read now."""
+
+    async def unspaced(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in (content_chunk(), usage_chunk(3, 1)):
+            await response.write(b"data:" + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data:[DONE]\n\n")
+        return response
+
+    async with upstream(unspaced) as url:
+        stack = await make_stack(upstream=url)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{stack.url()}/chat/completions", json=chat(3, stream=True)) as answer,
+        ):
+            text = await answer.text()
+        assert answer.status == 200
+        assert '"usage"' not in text and "tok" in text  # the usage chunk was the proxy's
+        await stack.proxies[0].proxy.settled()
+        assert (await stack.status()).active_leases == 0
+
+
 async def test_a_clients_dynamo_rank_never_goes_upstream(make_stack: StackFactory) -> None:
     """The review: Dynamo's ``nvext.agent_hints.priority`` and ``strict_priority`` went
     upstream in the body as they came, so that a client could jump a Dynamo router's

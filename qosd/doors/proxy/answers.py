@@ -87,9 +87,20 @@ def what_broke(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def event_data(line: bytes) -> bytes | None:
+    """A data event's JSON (not the final ``[DONE]``), else None. The space after
+    ``data:`` is optional, as server-sent events define it: an upstream that wrote
+    ``data:{...}`` had its usage left unread, and its usage chunk sent to a client
+    that had not asked for one."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[6:] if line.startswith(b"data: ") else line[5:]
+    return None if data.startswith(b"[DONE]") else data
+
+
 def is_event(line: bytes) -> bool:
     """A data event with JSON in it (not the final ``[DONE]``)."""
-    return line.startswith(b"data: ") and not line.startswith(b"data: [DONE]")
+    return event_data(line) is not None
 
 
 def is_usage_chunk(chunk: dict[str, Any]) -> bool:

@@ -55,6 +55,7 @@ from qosd.doors.proxy.answers import (
     AnswerTooLarge,
     Lines,
     broke_off,
+    event_data,
     has_content,
     is_event,
     is_usage_chunk,
@@ -819,7 +820,7 @@ class Proxy:
         """Notes what one event of the stream shows: usage, or a token. True for a
         usage chunk whose usage was read."""
         try:
-            chunk = json.loads(line[6:])
+            chunk = json.loads(event_data(line) or b"")
         except (ValueError, RecursionError):
             return False
         if not isinstance(chunk, dict):
