@@ -22,6 +22,7 @@ from qosd_client import LatencySample, LatencyState, QosdClient
 from qosd_client.engine_metrics import (
     PROFILES,
     EngineCounters,
+    FirstTokensWaiting,
     HistogramCounts,
     Latency,
     parse_engine_metrics,
@@ -277,3 +278,54 @@ def test_each_request_is_reported_once_when_the_e2e_series_appears_late() -> Non
     assert len(between(baseline, early)) + len(between(early, later)) == 5
     e2e.observe(0.5)  # and from then on by e2e alone
     assert len(between(later, read())) == 1
+
+
+def test_first_tokens_wait_for_the_reads_where_their_requests_finish() -> None:
+    """A first token and its request's finish can fall in different reads: always, for
+    a class of one request at a time. The first tokens wait for the finishes, which
+    take their share of them, so no finished request goes without its TTFT (five
+    requests once reached the daemon with none) and none is given a TTFT twice."""
+    registry = CollectorRegistry()
+
+    def histogram(name: str, buckets: list[float]) -> Histogram:
+        made = Histogram(name, name, ["model_name"], buckets=buckets, registry=registry)
+        return made.labels(model_name="llama")
+
+    def read() -> EngineCounters:
+        text = generate_latest(registry).decode()
+        return parse_engine_metrics(text, PROFILES["vllm"]).get("llama", EngineCounters())
+
+    ttft = histogram("vllm:time_to_first_token_seconds", [0.1, 1.0, 10.0])
+    e2e = histogram("vllm:e2e_request_latency_seconds", [1.0, 10.0])
+    waiting = FirstTokensWaiting()
+
+    def between(before: EngineCounters, after: EngineCounters) -> list[LatencySample]:
+        return samples_between(before, after, model="llama", qos_class="P1",
+                               profile=PROFILES["vllm"], first_tokens=waiting)  # fmt: skip
+
+    baseline = read()
+    for seconds in (0.05, 0.05, 0.5, 0.5):  # four first tokens, and no request done
+        ttft.observe(seconds)
+    first_tokens = read()
+    assert between(baseline, first_tokens) == [] and waiting.count == 4
+    e2e.observe(0.8)
+    e2e.observe(0.9)  # two finish
+    two = read()
+    assert [0.1 < (s.ttft_ms or 0) <= 1000 for s in between(first_tokens, two)] == [True] * 2
+    assert waiting.count == pytest.approx(2)
+    e2e.observe(5.0)
+    e2e.observe(6.0)  # and the other two
+    last = read()
+    rest = between(two, last)
+    assert len(rest) == 2 and all(s.ttft_ms and s.ttft_ms <= 1000 for s in rest)
+    assert waiting.count == 0
+    # Without the waiting first tokens, the same reads give the finishes no TTFT.
+    assert [s.ttft_ms for s in samples_between(first_tokens, last, model="llama",
+            qos_class="P1", profile=PROFILES["vllm"])] == [None] * 4  # fmt: skip
+    # A restart takes the requests in flight with it: their first tokens wait no more.
+    ttft.observe(0.05)
+    assert between(last, read()) == [] and waiting.count == 1
+    restarted = EngineCounters()  # the server back, counting from zero, one request done
+    restarted.histograms[Latency.E2E] = HistogramCounts({1.0: 1.0, 10.0: 1.0, math.inf: 1.0}, 1)
+    (after_restart,) = between(last, restarted)
+    assert after_restart.ttft_ms is None and waiting.count == 0

@@ -16,8 +16,13 @@ scaled down to ``max_samples``, keeping the proportions):
   request's TTFT and TPOT do not coincide as a rank pairing makes them
   (``benchmarks/histogram_samples.py``, ``docs/integrations.md``);
 - its e2e is never below its TTFT;
-- a TTFT observed in the interval belongs to a request that may finish in a later
-  one: the spread is of the interval's observations, not of the finished requests'.
+- a TTFT is observed at a request's first token, and the request may finish in a
+  later interval: the scraper keeps the first tokens of requests not yet finished
+  (``FirstTokensWaiting``) and gives each interval's finished requests their share
+  of them. Spread over the interval's observations alone, a class's TTFTs were lost
+  whenever its first tokens and its finishes fell in different reads: always, for a
+  class of one request at a time (a CI run once saw five requests reported with no
+  TTFT).
 
 Where an engine keeps TPOT per token (vLLM's ``inter_token_latency_seconds``) rather
 than per request, the samples' TPOTs are spread over the tokens' distribution: the
@@ -38,7 +43,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosd_client.histograms import bucket_deltas, counts_went_down, spread
+from qosd_client.histograms import Bucket, bucket_deltas, counts_went_down, spread
 from qosd_client.scraping import MetricsScraper
 from qosd_client.types import LatencySample, SampleSink
 
@@ -123,6 +128,45 @@ class EngineCounters:
     histograms: dict[Latency, HistogramCounts] = field(default_factory=dict)
 
 
+#: Less than this of an observation is none (what proportional shares leave over).
+_NOTHING = 1e-9
+
+
+class FirstTokensWaiting:
+    """First tokens whose requests have not finished, per TTFT bucket, as fractions
+    of observations: a read that shows first tokens and no finishes (or fewer) keeps
+    them for the finishes of later reads, which take a share in proportion to how
+    many finished (the requests that finish are not known by name, so each takes
+    the waiting distribution). Bounded by the requests in flight."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[float, float], float] = {}
+
+    @property
+    def count(self) -> float:
+        return sum(self._counts.values())
+
+    def add(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            key = (bucket.lower, bucket.upper)
+            self._counts[key] = self._counts.get(key, 0.0) + bucket.count
+
+    def take(self, finished: float) -> list[Bucket]:
+        """The share of the waiting first tokens that ``finished`` requests take."""
+        total = self.count
+        if total <= 0 or finished <= 0:
+            return []
+        share = min(1.0, finished / total)
+        taken = [Bucket(lower, upper, count * share)
+                 for (lower, upper), count in sorted(self._counts.items())]  # fmt: skip
+        self._counts = {key: count * (1 - share) for key, count in self._counts.items()
+                        if count * (1 - share) > _NOTHING}  # fmt: skip
+        return taken
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+
 def parse_engine_metrics(text: str, profile: EngineProfile) -> dict[str, EngineCounters]:
     """An engine's exposition text, per model (summed over other labels, such as
     vLLM's ``engine``); of each latency, the first histogram of the profile's names
@@ -184,10 +228,23 @@ def samples_between(
     profile: EngineProfile,
     max_samples: int = 200,
     rng: random.Random | None = None,
+    first_tokens: FirstTokensWaiting | None = None,
 ) -> list[LatencySample]:
     """The samples one model's histograms imply between two reads; ``rng`` pairs their
-    TPOTs (a fixed seed by default)."""
+    TPOTs (a fixed seed by default). ``first_tokens``: the model's first tokens not yet
+    given to a finished request, kept across reads (without it, the TTFTs are the
+    interval's own)."""
     reset = _restarted(before, after)
+
+    def deltas(latency: Latency) -> list[Bucket]:
+        earlier = before.histograms.get(latency, HistogramCounts()).buckets
+        return bucket_deltas(earlier, after.histograms[latency].buckets, reset=reset)
+
+    new_first_tokens = deltas(Latency.TTFT) if Latency.TTFT in after.histograms else []
+    if first_tokens is not None:
+        if reset:
+            first_tokens.clear()  # the requests in flight went down with the server
+        first_tokens.add(new_first_tokens)
     done = _finished(after)
     if done is None:
         return []
@@ -199,9 +256,13 @@ def samples_between(
     def values(latency: Latency) -> list[float | None]:
         if latency not in after.histograms:
             return [None] * count
-        earlier = before.histograms.get(latency, HistogramCounts()).buckets
-        deltas = bucket_deltas(earlier, after.histograms[latency].buckets, reset=reset)
-        spread_ms = [value * profile.to_ms for value in spread(deltas, count)]
+        if latency is not Latency.TTFT:
+            observed = deltas(latency)
+        elif first_tokens is None:
+            observed = new_first_tokens
+        else:
+            observed = first_tokens.take(finished)
+        spread_ms = [value * profile.to_ms for value in spread(observed, count)]
         return [*spread_ms] if spread_ms else [None] * count
 
     ttft, tpot, e2e = values(Latency.TTFT), values(Latency.TPOT), values(Latency.E2E)
@@ -229,6 +290,7 @@ class EngineMetricsScraper(MetricsScraper[EngineCounters]):
         super().__init__(url, sink, classes, **options)
         self.profile = profile
         self._rng = random.Random(0)  # pairs TPOTs: reproducible from one start
+        self._first_tokens: dict[str, FirstTokensWaiting] = {}  # by model
 
     def parse(self, text: str) -> dict[str, EngineCounters]:
         return parse_engine_metrics(text, self.profile)
@@ -242,4 +304,5 @@ class EngineMetricsScraper(MetricsScraper[EngineCounters]):
         return samples_between(
             before, after, model=model, qos_class=qos_class, profile=self.profile,
             max_samples=self.max_samples, rng=self._rng,
+            first_tokens=self._first_tokens.setdefault(model, FirstTokensWaiting()),
         )  # fmt: skip
