@@ -22,13 +22,12 @@ from qosd_client import LatencySample, LatencyState, QosdClient
 from qosd_client.engine_metrics import (
     PROFILES,
     EngineCounters,
-    FirstTokensWaiting,
     HistogramCounts,
     Latency,
     parse_engine_metrics,
     samples_between,
 )
-from qosd_client.histograms import Bucket, bucket_deltas, spread
+from qosd_client.histograms import Bucket, FirstTokensWaiting, bucket_deltas, spread
 from qosd_client.server_load import ModelLoad, parse_server_load, server_loads
 from qosd_harness import daemon_processes, start_command, stop_process
 from qosd_sim.experiment import MODEL

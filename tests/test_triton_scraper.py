@@ -100,6 +100,26 @@ def test_ttft_follows_the_histogram() -> None:
     assert [s.status for s in mixed].count(Outcome.CANCELLED) == 1
 
 
+def test_first_responses_wait_for_the_reads_where_their_requests_succeed() -> None:
+    """A decoupled model's first response is counted before its request's success,
+    often a read earlier: the scraper keeps it for the success (without, the request
+    reached the daemon with no TTFT)."""
+    sink = Collected()
+    scraper = TritonMetricsScraper("http://unused", sink, {"m": "P0"})
+    assert scraper.samples_since_last({"m": ModelCounters()}) == []  # the baseline
+    first = ModelCounters(first_response={100: 1, 500: 2, math.inf: 2})
+    assert scraper.samples_since_last({"m": first}) == []  # two first responses, none done
+    one = ModelCounters(success=1, duration_us=900_000, first_response=first.first_response)
+    (done,) = scraper.samples_since_last({"m": one})
+    both = ModelCounters(success=2, duration_us=1_800_000, first_response=first.first_response)
+    (other,) = scraper.samples_since_last({"m": both})
+    # Which request had which first response is not known: each took half of each
+    # bucket, the waiting responses' median (the bound between the two buckets).
+    assert done.ttft_ms == other.ttft_ms == pytest.approx(100)
+    # The stateless difference of the last two reads has no first response to give.
+    assert samples_between(one, both, model="m", qos_class="P0")[0].ttft_ms is None
+
+
 def test_the_first_read_is_the_baseline_and_unnamed_models_are_skipped() -> None:
     sink = Collected()
     scraper = TritonMetricsScraper("http://unused", sink, {"densenet_onnx": "P1"})

@@ -43,7 +43,13 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosd_client.histograms import Bucket, bucket_deltas, counts_went_down, spread
+from qosd_client.histograms import (
+    Bucket,
+    FirstTokensWaiting,
+    bucket_deltas,
+    counts_went_down,
+    spread,
+)
 from qosd_client.scraping import MetricsScraper
 from qosd_client.types import LatencySample, SampleSink
 
@@ -126,45 +132,6 @@ class EngineCounters:
     """One model's histograms at one read."""
 
     histograms: dict[Latency, HistogramCounts] = field(default_factory=dict)
-
-
-#: Less than this of an observation is none (what proportional shares leave over).
-_NOTHING = 1e-9
-
-
-class FirstTokensWaiting:
-    """First tokens whose requests have not finished, per TTFT bucket, as fractions
-    of observations: a read that shows first tokens and no finishes (or fewer) keeps
-    them for the finishes of later reads, which take a share in proportion to how
-    many finished (the requests that finish are not known by name, so each takes
-    the waiting distribution). Bounded by the requests in flight."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[float, float], float] = {}
-
-    @property
-    def count(self) -> float:
-        return sum(self._counts.values())
-
-    def add(self, buckets: list[Bucket]) -> None:
-        for bucket in buckets:
-            key = (bucket.lower, bucket.upper)
-            self._counts[key] = self._counts.get(key, 0.0) + bucket.count
-
-    def take(self, finished: float) -> list[Bucket]:
-        """The share of the waiting first tokens that ``finished`` requests take."""
-        total = self.count
-        if total <= 0 or finished <= 0:
-            return []
-        share = min(1.0, finished / total)
-        taken = [Bucket(lower, upper, count * share)
-                 for (lower, upper), count in sorted(self._counts.items())]  # fmt: skip
-        self._counts = {key: count * (1 - share) for key, count in self._counts.items()
-                        if count * (1 - share) > _NOTHING}  # fmt: skip
-        return taken
-
-    def clear(self) -> None:
-        self._counts.clear()
 
 
 def parse_engine_metrics(text: str, profile: EngineProfile) -> dict[str, EngineCounters]:

@@ -13,7 +13,8 @@ baseline and the server's gauges: ``qosd_client.scraping``):
   mean end-to-end latency (Triton only gives sums);
 - TTFTs spread over the histogram's buckets in proportion to their counts, and within
   a bucket between its bounds (``qosd_client.histograms``); requests above the last
-  finite bound count as twice that bound;
+  finite bound count as twice that bound; first responses of requests not yet done
+  wait for the reads where requests succeed (``FirstTokensWaiting``);
 - failures (``nv_inference_request_failure``) as ERROR samples, or CANCELLED for
   reason ``CANCELED``;
 - a request's e2e is never below its TTFT.
@@ -25,10 +26,11 @@ server restarted, and its new values are the difference.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosd_client.histograms import bucket_deltas, spread
+from qosd_client.histograms import FirstTokensWaiting, bucket_deltas, spread
 from qosd_client.scraping import MetricsScraper
 from qosd_client.types import LatencySample, Outcome
 
@@ -91,9 +93,17 @@ def samples_between(
     model: str,
     qos_class: str,
     max_samples: int = 200,
+    first_tokens: FirstTokensWaiting | None = None,
 ) -> list[LatencySample]:
-    """The samples one model's counters imply between two reads."""
+    """The samples one model's counters imply between two reads. ``first_tokens``: the
+    model's first responses not yet given to a request that succeeded, kept across
+    reads (without it, the TTFTs are the interval's own)."""
     reset = after.success < before.success or after.duration_us < before.duration_us
+    new_first_tokens = bucket_deltas(before.first_response, after.first_response, reset=reset)
+    if first_tokens is not None:
+        if reset:
+            first_tokens.clear()  # the requests in flight went down with the server
+        first_tokens.add(new_first_tokens)
     succeeded = _delta(after.success, before.success, reset)
     failed = _delta(after.failure, before.failure, reset or after.failure < before.failure)
     cancelled = _delta(
@@ -104,7 +114,7 @@ def samples_between(
     mean_e2e_ms = _delta(after.duration_us, before.duration_us, reset) / 1000 / max(succeeded, 1)
     scale = min(1.0, max_samples / (succeeded + failed + cancelled))
     ok_count = round(succeeded * scale)
-    ttft_buckets = bucket_deltas(before.first_response, after.first_response, reset=reset)
+    ttft_buckets = new_first_tokens if first_tokens is None else first_tokens.take(succeeded)
     ttfts: list[float | None] = [*spread(ttft_buckets, ok_count)]
     samples = [
         # A TTFT at its bucket's bound can exceed the interval's mean e2e; a request's
@@ -124,6 +134,11 @@ def samples_between(
 class TritonMetricsScraper(MetricsScraper[ModelCounters]):
     """Triton's ``/metrics`` (``qosd scrape --engine triton``)."""
 
+    def __init__(self, *args: Any, **options: Any) -> None:
+        """As ``MetricsScraper``."""
+        super().__init__(*args, **options)
+        self._first_tokens: dict[str, FirstTokensWaiting] = {}  # by model
+
     def parse(self, text: str) -> dict[str, ModelCounters]:
         return parse_triton_metrics(text)
 
@@ -134,5 +149,6 @@ class TritonMetricsScraper(MetricsScraper[ModelCounters]):
         self, before: ModelCounters, after: ModelCounters, *, model: str, qos_class: str
     ) -> list[LatencySample]:
         return samples_between(
-            before, after, model=model, qos_class=qos_class, max_samples=self.max_samples
-        )
+            before, after, model=model, qos_class=qos_class, max_samples=self.max_samples,
+            first_tokens=self._first_tokens.setdefault(model, FirstTokensWaiting()),
+        )  # fmt: skip
