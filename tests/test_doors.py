@@ -34,7 +34,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from qosd.config import Config
 from qosd.doors.grpc_api import judge_samples
-from qosd.doors.proxy.estimate import Usage
+from qosd.doors.proxy.estimate import (
+    PRIOR_MEDIA_PART_TOKENS,
+    Estimator,
+    PromptSize,
+    Usage,
+    prompt_size,
+)
 from qosd.doors.proxy.handler import CLIENT_CLOSED
 from qosd.doors.proxy.telemetry import GenAiTelemetry
 from qosd.logs import quiet_malformed_http
@@ -791,7 +797,7 @@ async def test_one_short_answer_does_not_make_a_long_prompt_look_oversized(
     client = stack.client(max_retries=0)
     await client.chat.completions.create(model=MODEL, max_tokens=1,
                                          messages=[{"role": "user", "content": "hi"}])  # fmt: skip
-    estimated = stack.proxies[0].proxy.estimator.prompt_tokens(MODEL, 8_192)
+    estimated = stack.proxies[0].proxy.estimator.prompt_tokens(MODEL, PromptSize(8_192))
     assert 1_500 <= estimated <= 3_000  # about 8 KB at ~4 bytes a token
     answer = await client.chat.completions.create(**chat(1_640, max_tokens=1))  # 8 KB
     assert answer.usage is not None and answer.usage.prompt_tokens == 1_640
@@ -801,6 +807,58 @@ async def test_one_short_answer_does_not_make_a_long_prompt_look_oversized(
     assert answer.usage is not None and answer.usage.prompt_tokens == 20_000
     await client.close()
     assert await decisions(stack, "P1") == 3
+
+
+
+async def test_an_image_is_no_free_prompt(make_stack: StackFactory) -> None:
+    """The probe: an 800 KB base64 image, 50 image URLs or 800 KB of audio each took 8
+    tokens of a 17,500-token bucket, and an upstream's 50,000 prompt tokens for them
+    were settled one burst at a time: a vision model's long prefill passed the budget,
+    ``max_in_flight_tokens`` and the long-prefill gate as nearly free. Each media part
+    now costs the tokens learned for the model's parts, from a prior above what common
+    vision encoders make of an image."""
+    go_on = asyncio.Event()
+
+    async def holding(request: web.Request) -> web.Response:
+        await go_on.wait()
+        return web.json_response(completion(prompt_tokens=2 * 3_000 + 10))
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 800_000}}
+    audio = {"type": "input_audio", "input_audio": {"data": "A" * 1_000, "format": "wav"}}
+    content = [{"type": "text", "text": "what is this?"}, image, audio]
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+    assert prompt_size(body) == PromptSize(len(b"what is this?"), 2)
+    async with upstream(holding) as url:
+        stack = await make_stack(upstream=url)
+        async with aiohttp.ClientSession() as session:
+            asking = asyncio.create_task(session.post(f"{stack.url()}/chat/completions", json=body))
+            pool = await eventually(stack.status, lambda p: p.cls("P1").in_flight == 1)
+            assert pool.cls("P1").in_flight_tokens >= 2 * PRIOR_MEDIA_PART_TOKENS
+            go_on.set()
+            answered = await asking
+            assert answered.status == 200, await answered.text()
+            answered.release()
+        assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
+    # The response's usage, less the text's estimate, is learned per part: about
+    # 3,000 each here, one step of MEDIA_LEARNING_RATE from the prior.
+    learned = stack.proxies[0].proxy.estimator.media_part_tokens[MODEL]
+    assert learned == pytest.approx(PRIOR_MEDIA_PART_TOKENS + 0.05 * (3_000 - 1_600), abs=2)
+
+
+def test_media_part_costs_are_learned_per_model_and_bounded() -> None:
+    """A text-only response teaches the text fit, one with parts the part cost; usage
+    past what the parts could cost teaches nothing."""
+    estimator = Estimator()
+    with_image = PromptSize(text_bytes=40, media_parts=1)
+    before = estimator.prompt_tokens("vl", with_image)
+    assert before >= PRIOR_MEDIA_PART_TOKENS
+    for _ in range(200):
+        estimator.learn("vl", "P1", with_image, Usage(600, 1))  # LLaVA's 576 and text
+    assert 560 <= estimator.prompt_tokens("vl", with_image) <= 640
+    assert estimator.prompt_tokens("other", with_image) == before  # per model
+    assert estimator.prompt_tokens("vl", PromptSize(40)) < 30  # text unchanged by parts
+    estimator.learn("vl", "P1", with_image, Usage(10**6, 1, credible=True))
+    assert estimator.prompt_tokens("vl", with_image) <= 640  # beyond any part: not learned
 
 
 # -- the proxy's own faults (issue: a static review of the proxy) ----------------------

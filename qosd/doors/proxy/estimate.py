@@ -20,6 +20,15 @@ usage the server reports. It refuses a prompt as too large only when even
 ``MAX_BYTES_PER_TOKEN`` bytes per token, more than any tokenizer packs into one
 token, would put it past the request limit: beyond doubt.
 
+Images, audio, video and files (a message's non-text content parts) are no text: a
+server's processor turns each into tokens by its own rule, and a part's bytes (a URL,
+or base64) say little about how many. Each costs a number of tokens learned per model
+from the usage of responses to requests that carried parts, starting from
+``PRIOR_MEDIA_PART_TOKENS``, more than the common vision encoders make of an image, so
+that no image is admitted as nearly free (a probe's 800 KB image passed as 8 tokens,
+past the budget, ``max_in_flight_tokens`` and the long-prefill gate, into a
+50,000-token prefill).
+
 Expected output comes from ``max_completion_tokens`` / ``max_tokens``, or from the
 mean output learned per class, times the answers asked for (``n``, ``best_of``).
 Usage a server reports past the request limit, or beyond what the request could
@@ -49,6 +58,17 @@ MAX_BYTES_PER_TOKEN = 32.0
 #: fallback), at most MAX_BYTES_PER_TOKEN; a template adds under 4,096 tokens.
 MIN_BYTES_PER_TOKEN = 1.0
 MAX_OVERHEAD_TOKENS = 4096.0
+#: Tokens of one media part before any response to one was seen. Vision encoders
+#: make 576 (LLaVA-1.5) to 1,601 (Llama 3.2 Vision) tokens of an image, and Qwen2-VL
+#: about 1,300 of a 1024x1024 one; audio encoders about 1,500 of 30 s.
+PRIOR_MEDIA_PART_TOKENS = 1_600.0
+#: The most tokens a media part is taken to cost (Qwen2-VL's default cap on an image).
+MAX_MEDIA_PART_TOKENS = 16_384.0
+#: Weight of the newest response in the per-model media part cost (about the last 20).
+MEDIA_LEARNING_RATE = 0.05
+#: Content part types that are text: the rest (image_url, input_audio, video_url,
+#: file, and types this proxy does not know) count as media.
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal"})
 #: Output tokens expected of a request with no max_tokens, before any was seen.
 DEFAULT_OUTPUT_TOKENS = 256
 #: Weight of the newest observation in the per-class output mean (about the last 50).
@@ -65,14 +85,24 @@ PROMPT_FIELDS = ("tools", "functions", "response_format")
 MESSAGE_FIELDS = ("tool_calls", "function_call")
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    """The text a request sends the model: its messages' contents and the calls they
-    carry, and its prompt; and the tools, functions and answer schema it declares. A
-    32K-token ``tools`` array is 32K tokens of prompt, whatever the messages say.
-    Both ``messages`` and ``prompt`` count, whatever the route: a body that carries
-    both was charged for its messages alone, so a long prompt beside an empty
-    ``messages`` list passed as a few tokens to an upstream that reads the prompt."""
+@dataclass(frozen=True, slots=True)
+class PromptSize:
+    """What a request's prompt is made of: UTF-8 bytes of text, and media parts."""
+
+    text_bytes: int
+    media_parts: int = 0
+
+
+def prompt_size(body: dict[str, Any]) -> PromptSize:
+    """The prompt a request sends the model: the text of its messages' contents and
+    the calls they carry, and of its prompt; the tools, functions and answer schema it
+    declares (a 32K-token ``tools`` array is 32K tokens of prompt, whatever the
+    messages say); and its media parts. Both ``messages`` and ``prompt`` count,
+    whatever the route: a body that carries both was charged for its messages alone,
+    so a long prompt beside an empty ``messages`` list passed as a few tokens to an
+    upstream that reads the prompt."""
     parts: list[str] = []
+    media = 0
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
@@ -82,9 +112,13 @@ def prompt_text(body: dict[str, Any]) -> str:
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts.extend(
-                    str(part.get("text", "")) for part in content if isinstance(part, dict)
-                )
+                for part in content:
+                    if not isinstance(part, dict):
+                        continue
+                    if part.get("type", "text") in TEXT_PART_TYPES:
+                        parts.append(str(part.get("text") or part.get("refusal") or ""))
+                    else:
+                        media += 1
             elif content is not None:
                 parts.append(_json(content))
             parts.extend(_json(message[name]) for name in MESSAGE_FIELDS if message.get(name))
@@ -94,7 +128,7 @@ def prompt_text(body: dict[str, Any]) -> str:
     elif isinstance(prompt, str):
         parts.append(prompt)
     parts.extend(_json(body[name]) for name in PROMPT_FIELDS if body.get(name))
-    return "\n".join(parts)
+    return PromptSize(len("\n".join(parts).encode("utf-8", "surrogatepass")), media)
 
 
 def _json(value: Any) -> str:
@@ -142,11 +176,18 @@ class Estimator:
 
     fits: dict[str, _Fit] = field(default_factory=dict)
     output_tokens: dict[str, float] = field(default_factory=dict)
+    media_part_tokens: dict[str, float] = field(default_factory=dict)  # by model
 
-    def prompt_tokens(self, model: str, prompt_bytes: int) -> int:
-        fit = self.fits.get(model) or _Fit()
-        overhead, per_byte = fit.line()
-        return max(1, round(overhead + prompt_bytes * per_byte))
+    def prompt_tokens(self, model: str, prompt: PromptSize) -> int:
+        return max(1, round(self._text_tokens(model, prompt.text_bytes)
+                            + prompt.media_parts * self._media_part(model)))  # fmt: skip
+
+    def _text_tokens(self, model: str, text_bytes: int) -> float:
+        overhead, per_byte = (self.fits.get(model) or _Fit()).line()
+        return overhead + text_bytes * per_byte
+
+    def _media_part(self, model: str) -> float:
+        return self.media_part_tokens.get(model, PRIOR_MEDIA_PART_TOKENS)
 
     @staticmethod
     def fewest_tokens(prompt_bytes: int) -> int:
@@ -164,20 +205,29 @@ class Estimator:
         self,
         model: str,
         qos_class: str,
-        prompt_bytes: int,
+        prompt: PromptSize,
         usage: Usage,
         choices: int = 1,
         max_tokens: int | None = None,
     ) -> None:
-        """Takes the usage a response reported into the fit and the output mean, unless
-        it cannot be true: a count past the request limit (clamped by ``Usage.parse``),
-        more prompt tokens than a byte each plus the most a template adds, or more
-        output than the request allowed. One such answer would otherwise skew the
-        estimates of the next thousand requests."""
+        """Takes the usage a response reported into the fit (a prompt of text alone),
+        the media part cost (one with parts: what its text leaves over, per part) and
+        the output mean, unless it cannot be true: a count past the request limit
+        (clamped by ``Usage.parse``), more prompt tokens than a byte each plus the most
+        a template adds and the most its parts can cost, or more output than the
+        request allowed. One such answer would otherwise skew the estimates of the
+        next thousand requests."""
         if not usage.credible:
             return
-        if 0 < usage.prompt_tokens <= prompt_bytes / MIN_BYTES_PER_TOKEN + MAX_OVERHEAD_TOKENS:
-            self.fits.setdefault(model, _Fit()).add(float(prompt_bytes), usage.prompt_tokens)
+        text_bytes, parts = prompt.text_bytes, prompt.media_parts
+        most = text_bytes / MIN_BYTES_PER_TOKEN + MAX_OVERHEAD_TOKENS
+        if parts == 0 and 0 < usage.prompt_tokens <= most:
+            self.fits.setdefault(model, _Fit()).add(float(text_bytes), usage.prompt_tokens)
+        elif parts and 0 < usage.prompt_tokens <= most + parts * MAX_MEDIA_PART_TOKENS:
+            left = usage.prompt_tokens - self._text_tokens(model, text_bytes)
+            per_part = min(MAX_MEDIA_PART_TOKENS, max(0.0, left / parts))
+            old_part = self._media_part(model)
+            self.media_part_tokens[model] = old_part + MEDIA_LEARNING_RATE * (per_part - old_part)
         if max_tokens is not None and usage.completion_tokens > max_tokens * choices:
             return
         old = self.output_tokens.get(qos_class)

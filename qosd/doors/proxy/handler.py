@@ -63,7 +63,7 @@ from qosd.doors.proxy.answers import (
     read_load,
     what_broke,
 )
-from qosd.doors.proxy.estimate import Estimator, Usage, prompt_text
+from qosd.doors.proxy.estimate import Estimator, PromptSize, Usage, prompt_size
 from qosd.doors.proxy.openai_errors import NEVER_RETRIED, OpenAIError, refusal
 from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
 from qosd.doors.proxy.upstreams import Upstream, Upstreams
@@ -147,7 +147,7 @@ class _Call:
     admission: AdmissionRequest
     body: dict[str, Any]
     raw: bytes  # the body as it came
-    prompt_bytes: int
+    prompt: PromptSize
     stream: bool
     wants_usage: bool
     max_tokens: int | None = None  # at most limits.max_request_tokens
@@ -450,9 +450,9 @@ class Proxy:
         if len(raw) > PARSE_OFF_LOOP_BYTES:
             # Parsing megabytes takes a while: off the event loop, which goes on
             # serving everyone else meanwhile.
-            body, prompt_bytes = await asyncio.to_thread(_read_body, raw)
+            body, prompt = await asyncio.to_thread(_read_body, raw)
         else:
-            body, prompt_bytes = _read_body(raw)
+            body, prompt = _read_body(raw)
         qos_class, tenant = self._body_identity(request, body) or (qos_class, tenant)
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -469,10 +469,10 @@ class Proxy:
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise OpenAIError(400, "stream_options: must be an object", "stream_options")
-        if self.estimator.fewest_tokens(prompt_bytes) > limit:
+        if self.estimator.fewest_tokens(prompt.text_bytes) > limit:
             raise OpenAIError(
                 400,
-                f"messages: the prompt ({prompt_bytes} bytes) is more than {limit} tokens "
+                f"messages: the prompt ({prompt.text_bytes} bytes) is more than {limit} tokens "
                 "whatever the tokenizer (limits.max_request_tokens)",
                 "messages",
             )
@@ -482,7 +482,7 @@ class Proxy:
                 tenant=tenant,
                 model=model,
                 qos_class=qos_class,
-                input_tokens=self.estimator.prompt_tokens(model, prompt_bytes),
+                input_tokens=self.estimator.prompt_tokens(model, prompt),
                 expected_output_tokens=self.estimator.expected_output(
                     qos_class, max_tokens, choices
                 ),
@@ -498,7 +498,7 @@ class Proxy:
             admission=admission,
             body=body,
             raw=raw,
-            prompt_bytes=prompt_bytes,
+            prompt=prompt,
             stream=stream is True,
             wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
             max_tokens=max_tokens,
@@ -868,7 +868,7 @@ class Proxy:
             return
         try:
             if progress.usage is not None:
-                self.estimator.learn(call.model, call.qos_class, call.prompt_bytes,
+                self.estimator.learn(call.model, call.qos_class, call.prompt,
                                      progress.usage, call.choices, call.max_tokens)  # fmt: skip
             self._record(call, progress, counts[1])
         except Exception:
@@ -1066,16 +1066,16 @@ def _asked_output(body: dict[str, Any], limit: int) -> tuple[int | None, int]:
     return max_tokens, choices
 
 
-def _read_body(raw: bytes) -> tuple[dict[str, Any], int]:
-    """The request body as a JSON object, and its prompt's UTF-8 bytes: both in one
-    go, so that a large body is worked on off the loop in one hop."""
+def _read_body(raw: bytes) -> tuple[dict[str, Any], PromptSize]:
+    """The request body as a JSON object, and its prompt's size: both in one go, so
+    that a large body is worked on off the loop in one hop."""
     try:
         body = parse_json(raw)
     except BadJson as exc:
         raise OpenAIError(400, str(exc), "body") from exc
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", "body")
-    return body, len(prompt_text(body).encode("utf-8", "surrogatepass"))
+    return body, prompt_size(body)
 
 
 def _peer_identities(request: web.Request) -> list[str]:
