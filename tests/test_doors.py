@@ -809,7 +809,6 @@ async def test_one_short_answer_does_not_make_a_long_prompt_look_oversized(
     assert await decisions(stack, "P1") == 3
 
 
-
 async def test_an_image_is_no_free_prompt(make_stack: StackFactory) -> None:
     """The probe: an 800 KB base64 image, 50 image URLs or 800 KB of audio each took 8
     tokens of a 17,500-token bucket, and an upstream's 50,000 prompt tokens for them
