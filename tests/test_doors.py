@@ -710,6 +710,60 @@ async def test_a_cut_answer_is_a_502_a_cut_stream_ends_with_an_error_event(
     assert 'qosd_releases_total{outcome="ERROR",result="OK"} 2.0' in page
 
 
+async def test_a_200_that_is_no_answer_is_no_success(make_stack: StackFactory) -> None:
+    """The probe: a stream that closed cleanly after half an event, with no ``[DONE]``,
+    ended as a whole 200 (the SDK returned a short answer silently, settled as OK),
+    and a 200 whose body was not JSON was relayed as ``application/json`` (the SDK
+    raised a bare JSONDecodeError). Now the first ends with an error event and the
+    second is a 502 ``upstream_invalid``; both settle as errors. And a usage chunk
+    the client did not ask for is dropped even when its usage cannot be read (a
+    chunk with no choices broke ``chunk.choices[0]``)."""
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        asked = await request.json()
+        if not asked.get("stream"):
+            return web.Response(body=b"<html>oops</html>", content_type="application/json")
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + json.dumps(content_chunk("a")).encode() + b"\n\n")
+        said = asked["messages"][0]["content"]
+        if said.startswith("usage"):
+            bad = {**usage_chunk(3, 1), "usage": "lots"}
+            await response.write(b"data: " + json.dumps(bad).encode() + b"\n\ndata: [DONE]\n\n")
+        elif not said.startswith("whole"):  # "whole": whole events, and no [DONE]
+            await response.write(b'data: {"id": "c", "choi')  # and a clean close
+        return response
+
+    async with upstream(broken) as url:
+        stack = await make_stack(upstream=url)
+        client = stack.client(max_retries=0)
+        with pytest.raises(openai.InternalServerError) as whole:
+            await client.chat.completions.create(**chat(3))
+        assert whole.value.status_code == 502 and "upstream_invalid" in str(whole.value.body)
+        stream = await client.chat.completions.create(**chat(3, stream=True))
+        got: list[str] = []
+        with pytest.raises(openai.APIError, match="middle of a line"):
+            async for chunk in stream:
+                got.append(chunk.choices[0].delta.content or "")
+        assert got == ["a"]  # and not half an event
+        no_done = chat(3, stream=True)
+        no_done["messages"][0]["content"] = "whole " + no_done["messages"][0]["content"]
+        stream = await client.chat.completions.create(**no_done)
+        with pytest.raises(openai.APIError, match="before its data: \\[DONE\\]"):
+            async for _ in stream:
+                pass
+        usage_asked = chat(3, stream=True)
+        usage_asked["messages"][0]["content"] = "usage " + usage_asked["messages"][0]["content"]
+        stream = await client.chat.completions.create(**usage_asked)
+        assert [chunk.choices[0].delta.content async for chunk in stream] == ["a"]
+        await client.close()
+        pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+        assert pool.active_leases == 0
+    page = await metrics_page(stack)
+    assert 'qosd_releases_total{outcome="ERROR",result="OK"} 3.0' in page
+    assert 'qosd_releases_total{outcome="OK",result="OK"} 1.0' in page
+
+
 async def test_a_hung_upstream_ends_its_request_and_lease_at_the_read_timeout(
     make_stack: StackFactory,
 ) -> None:

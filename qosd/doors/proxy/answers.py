@@ -27,6 +27,12 @@ class AnswerTooLarge(Exception):
         self.limit = limit
 
 
+class AnswerCut(Exception):
+    """A stream that ended early on a cleanly closed connection: before its ``data:
+    [DONE]``, or in the middle of a line. Every OpenAI-compatible server (vLLM,
+    SGLang, TensorRT-LLM, OpenAI itself) ends a whole stream with ``[DONE]``."""
+
+
 async def read_capped(answer: aiohttp.ClientResponse, limit: int) -> bytes:
     """An answer's whole body, or AnswerTooLarge past ``limit`` bytes."""
     body = await read_within(answer.content, answer.content_length, limit)
@@ -98,13 +104,19 @@ def event_data(line: bytes) -> bytes | None:
     return None if data.startswith(b"[DONE]") else data
 
 
+def is_done(line: bytes) -> bool:
+    """The stream's last event, ``data: [DONE]``."""
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
+
+
 def is_event(line: bytes) -> bool:
     """A data event with JSON in it (not the final ``[DONE]``)."""
     return event_data(line) is not None
 
 
 def is_usage_chunk(chunk: dict[str, Any]) -> bool:
-    return chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict)
+    """The stream's usage chunk: no choices, and a ``usage``, readable or not."""
+    return chunk.get("choices") == [] and chunk.get("usage") is not None
 
 
 def has_content(chunk: dict[str, Any]) -> bool:

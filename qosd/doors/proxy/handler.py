@@ -52,11 +52,13 @@ from qosd.doors.dialects import (
 )
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.answers import (
+    AnswerCut,
     AnswerTooLarge,
     Lines,
     broke_off,
     event_data,
     has_content,
+    is_done,
     is_event,
     is_usage_chunk,
     read_capped,
@@ -757,11 +759,17 @@ class Proxy:
                 answered = await asyncio.to_thread(json.loads, raw)
             else:
                 answered = json.loads(raw)
-            progress.usage = Usage.parse(answered.get("usage"), self._decisions.rules.max_tokens)
-            model = answered.get("model")
-            progress.response_model = model if isinstance(model, str) else None
-        except (ValueError, AttributeError, RecursionError):
-            progress.usage = None
+        except (ValueError, RecursionError) as exc:
+            answered = exc
+        if not isinstance(answered, dict):
+            # A 200 that is no answer (half a body, an event stream, HTML): the SDKs
+            # raised a bare JSONDecodeError on it, and it counted as a success.
+            progress.cut, progress.outcome = True, Outcome.ERROR
+            what = "not JSON" if isinstance(answered, Exception) else "not a JSON object"
+            raise OpenAIError(502, f"the upstream's answer is {what}", code="upstream_invalid")
+        progress.usage = Usage.parse(answered.get("usage"), self._decisions.rules.max_tokens)
+        model = answered.get("model")
+        progress.response_model = model if isinstance(model, str) else None
         progress.outcome = Outcome.OK
         return web.Response(status=200, body=raw, content_type="application/json",
                             headers=limits)  # fmt: skip
@@ -787,14 +795,20 @@ class Proxy:
         call.response = response
         lines = Lines(answer.content, self.settings.max_body_bytes)
         limit = self._decisions.rules.max_tokens
+        done = False  # its data: [DONE] came
         while True:
             try:  # reading from the upstream, and what its events say
                 line = await lines.next()
+                if line is None and not done:
+                    raise AnswerCut("the stream ended before its data: [DONE]")
                 if line is None:
                     break
+                if not line.endswith(b"\n") and not is_done(line):
+                    raise AnswerCut("the stream ended in the middle of a line")
+                done = done or is_done(line)
                 if is_event(line) and self._saw(line, progress, limit) and not call.wants_usage:
                     continue  # the usage chunk the proxy asked for, not the client
-            except (TimeoutError, aiohttp.ClientError, AnswerTooLarge) as exc:
+            except (TimeoutError, aiohttp.ClientError, AnswerTooLarge, AnswerCut) as exc:
                 error = broke_off(exc)
             except Exception:
                 log.exception("relaying a stream from %s failed", answer.url)
@@ -817,8 +831,9 @@ class Proxy:
 
     @staticmethod
     def _saw(line: bytes, progress: _Progress, limit: int) -> bool:
-        """Notes what one event of the stream shows: usage, or a token. True for a
-        usage chunk whose usage was read."""
+        """Notes what one event of the stream shows: usage, or a token. True for the
+        usage chunk (no choices, a ``usage``), whether or not its usage could be read:
+        a client that did not ask for it breaks on a chunk with no choices."""
         try:
             chunk = json.loads(event_data(line) or b"")
         except (ValueError, RecursionError):
@@ -828,8 +843,8 @@ class Proxy:
         if progress.response_model is None and isinstance(model := chunk.get("model"), str):
             progress.response_model = model
         if is_usage_chunk(chunk):
-            progress.usage = Usage.parse(chunk.get("usage"), limit)
-            return progress.usage is not None
+            progress.usage = Usage.parse(chunk.get("usage"), limit) or progress.usage
+            return True
         if has_content(chunk):
             now = time.monotonic()
             if progress.first_token_at is None:
