@@ -39,7 +39,7 @@ from qosd.model import (
 from qosd.policy import ClassPolicy, PoolPolicy, lease_token, resolve_pools
 from qosd.settlements import SettlementRetry
 from qosd.store.base import BucketStore
-from qosd.waiting import WaitingRoom
+from qosd.waiting import SHUTTING_DOWN_RETRY_MS, WaitingRoom
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class Admission:
                 policy.rank, lease if decision.admitted else None,
             )  # fmt: skip
         if self._draining and not decision.admitted and decision.reason is Reason.RATE_LIMITED:
-            decision = _with_reason(decision, Reason.SHUTTING_DOWN, retry_after_ms=0)
+            decision = _with_reason(decision, Reason.SHUTTING_DOWN, SHUTTING_DOWN_RETRY_MS)
         return AcquireOutcome(
             decision, request.pool, 0, _MESSAGES.get(decision.reason, ""), policy.rank,
             lease if decision.admitted else None,

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 class _Local:
     waiter: Waiter
     future: asyncio.Future[BucketDecision]
+    queued_at: float  # loop time
     timer: asyncio.TimerHandle | None = None
     held: bool = False  # the last pump held it for a gap in the top class's traffic
 
@@ -96,14 +97,14 @@ class WaitingRoom:
         """Waits until the store admits ``waiter`` (queued already) or its wait is up."""
         if self._draining:  # queued by a call already in flight when the drain began
             self._in_background(self._store.cancel(pool, [waiter]))
-            return _rejected(waiter, Reason.SHUTTING_DOWN)
+            return _rejected(waiter, Reason.SHUTTING_DOWN, SHUTTING_DOWN_RETRY_MS)
         loop = asyncio.get_running_loop()
         room = self._rooms.get(pool.name)
         if room is None:
             # The newest policy: the caller's was read before its store call, and a
             # reload may have come in between.
             room = self._rooms[pool.name] = _PoolRoom(self._pools.get(pool.name, pool))
-        local = _Local(waiter, loop.create_future())
+        local = _Local(waiter, loop.create_future(), loop.time())
         local.timer = loop.call_later(wait_s, self._expire, room, local)
         room.waiters[waiter.id] = local
         if room.task is None or room.task.done():
@@ -141,7 +142,8 @@ class WaitingRoom:
         for room in self._rooms.values():
             gone = list(room.waiters.values())
             for local in gone:
-                self._answer(room, local, _rejected(local.waiter, Reason.SHUTTING_DOWN))
+                refusal = _rejected(local.waiter, Reason.SHUTTING_DOWN, SHUTTING_DOWN_RETRY_MS)
+                self._answer(room, local, refusal)
             if gone:
                 self._in_background(
                     self._store.cancel(room.policy, [local.waiter for local in gone])
@@ -183,7 +185,7 @@ class WaitingRoom:
                 self._in_background(self._retry_cancel(room.policy, [local.waiter]))
             return
         reason = Reason.LONG_PREFILL if local.held else Reason.QUEUE_TIMEOUT
-        if self._answer(room, local, _rejected(local.waiter, reason)):
+        if self._answer(room, local, _rejected(local.waiter, reason, _waited_ms(local))):
             self._in_background(self._store.cancel(room.policy, [local.waiter]))
 
     async def _pump_loop(self, room: _PoolRoom) -> None:
@@ -228,9 +230,10 @@ class WaitingRoom:
                 # A timeout or a departed caller won the race: give the tokens back.
                 self._undo(room.policy, local.waiter)
         elif result.state is WaiterState.LATE:  # it can no longer meet its TTFT objective
-            self._answer(room, local, _rejected(local.waiter, Reason.DEADLINE))
+            self._answer(room, local, _rejected(local.waiter, Reason.DEADLINE, _waited_ms(local)))
         else:  # GONE: the store dropped it (taken for a dead daemon's, or expired)
-            self._answer(room, local, _rejected(local.waiter, Reason.QUEUE_TIMEOUT))
+            refusal = _rejected(local.waiter, Reason.QUEUE_TIMEOUT, _waited_ms(local))
+            self._answer(room, local, refusal)
             # Or a pump admitted it and its answer was lost with the store: its lease
             # would stand to its TTL. Undone; where there is none, nothing happens.
             self._undo(room.policy, local.waiter)
@@ -286,13 +289,25 @@ class WaitingRoom:
             log.warning("waiting-room cleanup failed: %s", task.exception())
 
 
-def _rejected(waiter: Waiter, reason: Reason) -> BucketDecision:
+#: A draining daemon's refusals: come back in a second, to another replica (the
+#: balancer takes this one out meanwhile).
+SHUTTING_DOWN_RETRY_MS = 1_000
+
+
+def _waited_ms(local: _Local) -> int:
+    """How long a waiter waited, as the retry-after of its refusal: the queue ahead of
+    it did not clear in that time, and a retry sooner would most likely wait it out
+    again (these refusals carried none, and the proxy's 429s no Retry-After)."""
+    return max(1, round((asyncio.get_running_loop().time() - local.queued_at) * 1000))
+
+
+def _rejected(waiter: Waiter, reason: Reason, retry_after_ms: int) -> BucketDecision:
     return BucketDecision(
         admitted=False,
         reason=reason,
         lease_id="",
         charged=waiter.cost,
         remaining=0.0,
-        retry_after_ms=0,
+        retry_after_ms=retry_after_ms,
         lease_ttl_ms=0,
     )

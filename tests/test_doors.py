@@ -764,6 +764,42 @@ async def test_a_200_that_is_no_answer_is_no_success(make_stack: StackFactory) -
     assert 'qosd_releases_total{outcome="OK",result="OK"} 1.0' in page
 
 
+@pytest.mark.parametrize(
+    ("sent", "passed"),
+    [
+        (
+            {"retry-after": "7", "retry-after-ms": "7000"},
+            {"retry-after": "7", "retry-after-ms": "7000"},
+        ),
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, {"retry-after": "0"}),  # past
+        ({"retry-after": "1e9", "retry-after-ms": "-5"}, {}),
+        ({"retry-after": "٧", "retry-after-ms": "99999999999"}, {}),  # Arabic-Indic 7; > a day
+    ],
+)
+async def test_the_upstreams_own_pause_reaches_the_client(
+    make_stack: StackFactory, sent: dict[str, str], passed: dict[str, str]
+) -> None:
+    """The probe: an upstream's 429 and 503 with ``retry-after: 7`` reached the client
+    without it, so the SDK came back after half a second into a server that had asked
+    for seven, and qosd admitted and charged each retry. The upstream's pause now goes
+    on, when it is well formed and within a day."""
+
+    async def overloaded(request: web.Request) -> web.Response:
+        error = {"error": {"message": "busy", "type": "overloaded", "code": None}}
+        return web.json_response(error, status=429, headers=sent)
+
+    async with upstream(overloaded) as url:
+        stack = await make_stack(upstream=url)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{stack.url()}/chat/completions", json=chat(3)) as answer,
+        ):
+            assert answer.status == 429
+            got = {name: answer.headers[name] for name in ("retry-after", "retry-after-ms")
+                   if name in answer.headers}  # fmt: skip
+        assert got == passed
+
+
 async def test_a_hung_upstream_ends_its_request_and_lease_at_the_read_timeout(
     make_stack: StackFactory,
 ) -> None:

@@ -148,6 +148,26 @@ async def test_refusals_are_429s_the_sdk_retries(make_stack: StackFactory) -> No
     await client.close()
 
 
+async def test_a_queue_timeout_says_when_to_come_back(make_stack: StackFactory) -> None:
+    """The probe: a request that waited out its max wait in the queue was refused with
+    no Retry-After (and gRPC's and JSON's refusals with ``retry_after_ms: 0``). It is
+    now told to come back after as long as it waited: the queue did not clear in it."""
+    stack = await make_stack(
+        {"pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
+         "classes": {"P2": {"max_wait_ms": 300}}},
+    )  # fmt: skip
+    client = stack.client(max_retries=0)
+    holder = await client.chat.completions.create(**chat(4, max_tokens=400, stream=True))
+    assert await anext(aiter(holder)) is not None
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(**chat(4), extra_headers={"x-qos-class": "P2"})
+    headers = refused.value.response.headers
+    assert headers["x-qos-reason"] == "queue_timeout" and headers["retry-after"] == "1"
+    assert 250 <= int(headers["retry-after-ms"]) <= 60_000
+    await holder.close()
+    await client.close()
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "status", "param"),
     [

@@ -136,6 +136,8 @@ async def test_waiter_times_out_at_its_max_wait(make_daemon: DaemonFactory) -> N
     # (its timers run late by that on a busy machine: tests.pace).
     lag_s = worst_loop_lag_s(running.daemon.metrics.exposition().decode(), page)
     assert 0.28 <= behind.waited_s <= 0.35 + lag_s
+    # Told to come back after as long as it waited in the queue.
+    assert 0.28 <= behind.retry_after_s <= behind.waited_s
     # Only the head is left: the timed-out entry is removed as it is answered.
     assert await queued(running, "P2", 1) == 1
     head.cancel()

@@ -6,7 +6,10 @@ answer with an OpenAI error, never a hang or a 500 (docs/reliability.md)."""
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import math
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -147,3 +150,35 @@ def read_load(upstream: Upstream, answer: aiohttp.ClientResponse) -> None:
                 waiting = float(number)
                 if math.isfinite(waiting):
                     upstream.waiting = waiting
+
+
+#: The longest pause an upstream may ask for that is passed on (a day).
+MAX_UPSTREAM_RETRY_AFTER_S = 86_400
+
+
+def retry_after_of(headers: Mapping[str, str]) -> dict[str, str]:
+    """An upstream's ``Retry-After`` (seconds, or an HTTP date: as seconds from now)
+    and OpenAI's ``retry-after-ms``, each passed on only when well formed and within
+    a day: bytes from an upstream are checked as a client's are."""
+    found: dict[str, str] = {}
+    seconds = headers.get("retry-after", "").strip()
+    if _whole_number(seconds, 6):
+        if int(seconds) <= MAX_UPSTREAM_RETRY_AFTER_S:
+            found["Retry-After"] = str(int(seconds))
+    elif seconds:
+        with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+            when = email.utils.parsedate_to_datetime(seconds)
+            if when.tzinfo is not None:
+                left = math.ceil(when.timestamp() - time.time())
+                if left <= MAX_UPSTREAM_RETRY_AFTER_S:
+                    found["Retry-After"] = str(max(0, left))
+    millis = headers.get("retry-after-ms", "").strip()
+    if _whole_number(millis, 9) and int(millis) <= MAX_UPSTREAM_RETRY_AFTER_S * 1000:
+        found["retry-after-ms"] = str(int(millis))
+    return found
+
+
+def _whole_number(text: str, digits: int) -> bool:
+    """ASCII digits only (``isdigit`` takes ``²`` and Arabic-Indic digits), at most
+    ``digits`` of them."""
+    return text.isascii() and text.isdigit() and len(text) <= digits

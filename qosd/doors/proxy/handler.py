@@ -63,6 +63,7 @@ from qosd.doors.proxy.answers import (
     is_usage_chunk,
     read_capped,
     read_load,
+    retry_after_of,
     what_broke,
 )
 from qosd.doors.proxy.estimate import Estimator, PromptSize, Usage, prompt_size
@@ -1018,6 +1019,9 @@ async def _passed_on(
     # a 500 (it may pass): say so, as OpenAIError does for the proxy's own.
     hopeless = {"x-should-retry": "false"}
     if status in PASSED_ON_STATUSES:
+        # The upstream's own pause goes on: without it the SDKs came back after half a
+        # second into a server that had asked for seven.
+        limits = {**limits, **retry_after_of(answer.headers)}
         if _is_openai_error(body):
             headers = {**limits, **(hopeless if status in NEVER_RETRIED else {})}
             return web.Response(status=status, body=body, content_type="application/json",
