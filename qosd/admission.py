@@ -400,7 +400,9 @@ class Admission:
             return settlement
         usage = UsageReport(request.input_tokens, request.output_tokens, request.outcome)
         pool = self._pools[policy.pool]
-        settlement = await self._store.release(pool, policy, request.lease_id, usage)
+        settlement = await self._store.release(
+            pool, policy, request.lease_id, usage, request.free_request_id
+        )
         if settlement.adjustment < 0 or (pool.gated and not settlement.already_released):
             self._waiting.nudge(policy.pool)  # tokens or room came back: a waiter may fit
         return settlement

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from qosd.model import Outcome as SettledAs
+from qosd.model import UsageReport
 from qosd_client import (
     DuplicateRequestId,
     InvalidRequest,
@@ -208,6 +210,32 @@ async def test_acquire_with_a_repeated_request_id_is_refused_and_charged_once(
     assert status.active_leases == 1
     other = await qos.acquire("P1", 800, request_id="req-43", max_wait_ms=0)
     assert not other.admitted
+
+
+async def test_a_release_that_frees_its_request_id_lets_the_retry_in(
+    make_daemon: DaemonFactory,
+) -> None:
+    """A release that names the request id (the proxy's, of a request that failed on
+    its way) frees it if it still names the lease: the retry under the id is admitted.
+    A plain release keeps the id until the lease's TTL, and a repeated release frees
+    nothing (the id names the retry's lease by then)."""
+    running = await make_daemon()
+    qos, admission = running.client, running.daemon.admission
+    pool = admission.pool("default")
+    p1 = next(cls for cls in pool.classes if cls.name == "P1")
+    kept = await qos.acquire("P1", 10, request_id="req-kept", max_wait_ms=0)
+    await qos.release(kept.lease_id, input_tokens=10, output_tokens=0)
+    with pytest.raises(DuplicateRequestId):
+        await qos.acquire("P1", 10, request_id="req-kept", max_wait_ms=0)
+    failed = await qos.acquire("P1", 10, request_id="req-failed", max_wait_ms=0)
+    failed_usage = UsageReport(None, None, SettledAs.ERROR)  # the estimate stands
+    await admission.store.release(pool, p1, failed.lease_id, failed_usage, "req-failed")
+    retry = await qos.acquire("P1", 10, request_id="req-failed", max_wait_ms=0)
+    assert retry.admitted
+    # The first lease's release again, naming the id the retry now holds: kept.
+    await admission.store.release(pool, p1, failed.lease_id, failed_usage, "req-failed")
+    with pytest.raises(DuplicateRequestId):
+        await qos.acquire("P1", 10, request_id="req-failed", max_wait_ms=0)
 
 
 async def test_waiting_for_refill_admits_within_max_wait(make_daemon: DaemonFactory) -> None:

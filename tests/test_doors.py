@@ -1648,6 +1648,38 @@ async def test_the_sdks_retry_of_a_refused_request_is_no_reuse(
     assert (await eventually(stack.status, lambda p: p.active_leases == 0)).active_leases == 0
 
 
+async def test_the_retry_of_a_request_that_failed_on_its_way_is_no_reuse(
+    make_stack: StackFactory,
+) -> None:
+    """The third probe: with an ``x-request-id`` of its own, a request whose upstream
+    went silent got a 504, which the SDK retried as invited, and the retry was refused
+    as a reuse of the id (409), hiding the 504; so after a cut (502) or a proxy fault
+    (500). A request that failed on its way, or whose client left, is now settled and
+    its id freed: the retry is admitted anew. An answered request keeps its id."""
+    calls: list[int] = []
+
+    async def silent_once(request: web.Request) -> web.Response:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            await asyncio.Event().wait()  # silent past the read timeout
+        return web.json_response(completion())
+
+    async with upstream(silent_once) as url:
+        stack = await make_stack(upstream=url, upstream_read_timeout_s=0.5)
+        client = stack.client(max_retries=2)
+        named = {"x-request-id": "gw-7-000002"}
+        done = await client.chat.completions.create(**chat(3), extra_headers=named)
+        assert done.choices and calls == [0, 1]
+        with pytest.raises(openai.ConflictError):  # answered: the id stays taken
+            await client.chat.completions.create(**chat(3), extra_headers=named)
+        await client.close()
+        pool = await eventually(stack.status, lambda p: p.active_leases == 0)
+        assert pool.active_leases == 0
+    page = await metrics_page(stack)
+    assert 'qosd_releases_total{outcome="ERROR",result="OK"} 1.0' in page  # at the estimate
+    assert 'qosd_releases_total{outcome="OK",result="OK"} 1.0' in page
+
+
 async def test_a_server_that_refuses_connections_is_passed_over(
     make_stack: StackFactory,
 ) -> None:

@@ -84,9 +84,12 @@ class BucketStore(Protocol):
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
+        free_request_id: str = "",
     ) -> Settlement:
         """Settles a lease, idempotently (a repeat gets the first answer); raises
-        LeaseNotFound or LeaseExpired."""
+        LeaseNotFound or LeaseExpired. ``free_request_id``: the request id the lease
+        was admitted under, freed now rather than at the lease's TTL (the request
+        failed on its way, and its retry under the same id is a new try)."""
         ...
 
     async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:

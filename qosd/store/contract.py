@@ -231,9 +231,10 @@ class ReleaseArgs(NamedTuple):
     input_tokens: int | str  # '' keeps the estimate
     output_tokens: int | str  # '' keeps the estimate
     outcome: int
-    # 1: undo an admission whose caller left, refunding the whole charge; with
-    # has_request, its request-id key (after the lease hash) is freed for a retry
+    # 1: undo an admission whose caller left, refunding the whole charge
     exact: int
+    # 1: the request-id key follows the lease hash, and is freed for a retry (an
+    # undo's, or a release of a request that failed on its way)
     has_request: int
     # A class that shares by tokens: "<per prompt token>|<per output token>" its
     # tenant's counter is charged (its key follows the lease hash); '': none.

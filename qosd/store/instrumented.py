@@ -119,8 +119,10 @@ class InstrumentedStore(BucketStore):
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
+        free_request_id: str = "",
     ) -> Settlement:
-        return await self._measured("release", self._store.release(pool, cls, lease_id, usage))
+        settling = self._store.release(pool, cls, lease_id, usage, free_request_id)
+        return await self._measured("release", settling)
 
     async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:
         return await self._measured("release", self._store.undo(pool, cls, lease))

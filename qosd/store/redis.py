@@ -537,8 +537,11 @@ class RedisStore:
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
+        free_request_id: str = "",
     ) -> Settlement:
-        return await self._settle(pool, cls, lease_id, usage, False, None)
+        prefix = self._args_for(pool).prefix
+        request_key = f"{prefix}req:{free_request_id}" if free_request_id else None
+        return await self._settle(pool, cls, lease_id, usage, False, request_key)
 
     async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:
         prefix = self._args_for(pool).prefix
@@ -556,7 +559,7 @@ class RedisStore:
         request_key: str | None,
     ) -> Settlement:
         """A release; ``exact``: the undo of an admission whose caller left (the whole
-        charge back, not bounded by the burst), freeing ``request_key`` if it still
+        charge back, not bounded by the burst). ``request_key`` is freed if it still
         names the lease."""
         args_for = self._args_for(pool)
         keys = [self._lease_hash(args_for.prefix, lease_id)]

@@ -879,7 +879,14 @@ class Proxy:
                 # anew rather than refused as a reuse (409).
                 await self._release(lease_id, 0, 0, Outcome.CANCELLED, undo=outcome.lease)
             else:
-                await self._release(lease_id, *counts, progress.outcome)
+                # One that failed on its way (the upstream broke off or went silent) or
+                # whose client left: settled, its request id freed, as the SDKs and
+                # Envoy retry such a request under the same id. A request that was
+                # answered keeps its id for the lease's TTL.
+                lease = outcome.lease if outcome is not None else None
+                failed = lease is not None and progress.outcome is not Outcome.OK
+                retried = lease.request_id if lease is not None and failed else ""
+                await self._release(lease_id, *counts, progress.outcome, free_request_id=retried)
         if progress.used_nothing:
             return
         try:
@@ -920,12 +927,13 @@ class Proxy:
         outcome: Outcome,
         *,
         undo: LeaseSpec | None = None,
+        free_request_id: str = "",
     ) -> None:
         decisions = self._decisions
         try:
             release = decisions.rules.release(lease_id, input_tokens, output_tokens, outcome)
-            if undo is not None:
-                release = dataclasses.replace(release, undo=undo)
+            if undo is not None or free_request_id:
+                release = dataclasses.replace(release, undo=undo, free_request_id=free_request_id)
             await decisions.release(release)
         except StoreUnavailable as exc:
             log.warning("lease %s not settled yet (retried until it lands): %s", lease_id, exc)

@@ -9,8 +9,9 @@
 -- field, actual input and output tokens ('' keeps the estimate), outcome, exact (1:
 -- undo an admission whose caller left, refunding the whole charge; 0: a release),
 -- has_request. Keys per release: its lease hash, then its request-id key where
--- has_request (an undo frees it, if it still names this lease, so that the caller's
--- retry is a new request), then its tenant's counter where its class shares by
+-- has_request (freed, if it still names this lease, so that the caller's retry is a
+-- new request: an undo's, or a release of a request that failed on its way), then
+-- its tenant's counter where its class shares by
 -- tokens (fair_charges set). The cost rule is formula.cost (formulas.lua).
 --
 -- An active lease field is "expiry_us|charged|weight|input|output" (pool/lease_writes.lua);
@@ -86,7 +87,8 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       local delta = actual - tonumber(charged)
       if r[ARG_RELEASE_EXACT] ~= '1' then
         delta = math.max(-burst, math.min(burst, delta))
-      elseif request_key then
+      end
+      if request_key then
         local named = redis.call('GET', request_key)  -- "<pool>:<field>|..." if ours
         if named and string.find(named, ':' .. field .. '|', 1, true) then
           redis.call('DEL', request_key)
