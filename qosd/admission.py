@@ -401,7 +401,7 @@ class Admission:
         usage = UsageReport(request.input_tokens, request.output_tokens, request.outcome)
         pool = self._pools[policy.pool]
         settlement = await self._store.release(
-            pool, policy, request.lease_id, usage, request.free_request_id
+            pool, policy, request.lease_id, usage, request.frees_request_of
         )
         if settlement.adjustment < 0 or (pool.gated and not settlement.already_released):
             self._waiting.nudge(policy.pool)  # tokens or room came back: a waiter may fit

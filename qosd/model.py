@@ -103,10 +103,10 @@ class ReleaseRequest:
     # An admission nobody holds, to be undone (``Admission.undo_later``): one the
     # store may have made though its answer never came, or one its caller left.
     undo: LeaseSpec | None = None
-    # The request id the lease was admitted under, freed by this release: its request
-    # failed on its way (the upstream broke off or went silent) or its caller left,
-    # and the retry under the same id (the SDKs', Envoy's) is a new try of it.
-    free_request_id: str = ""
+    # The admission whose request id this release frees: its request failed on its
+    # way (the upstream broke off or went silent) or its caller left, and the retry
+    # under the same id (the SDKs', Envoy's) is a new try of it.
+    frees_request_of: LeaseSpec | None = None
 
 
 @dataclass(slots=True)  # not frozen: a hot-path type (see AdmissionRequest)

@@ -217,7 +217,9 @@ async def test_one_request_id_names_one_lease_through_the_proxy(make_stack: Stac
     """The probe: with ``max_in_flight: 3``, 10 concurrent streams sharing one
     ``x-request-id`` all ran on one lease, and a request reusing a released id was
     admitted at once into a full pool. Now one runs, the other nine get 409 naming
-    the header; once it is released the id admits nothing (409 again)."""
+    the header. When its client leaves, the id is freed for the retry (a new request,
+    within the pool's limits); once a request under it is answered, the id admits
+    nothing (409 again)."""
     stack = await make_stack({"pools": {"default": {"max_in_flight": 3, "top_reserve": 0}}})
     url = f"{stack.url()}/chat/completions"
     headers = {"x-request-id": "same-id"}
@@ -236,13 +238,37 @@ async def test_one_request_id_names_one_lease_through_the_proxy(make_stack: Stac
         assert {code for code, _ in answers} == {409}
         assert all(body["error"]["param"] == "x-request-id" for _, body in answers)
         assert stack.vllm.gpu.engine.pending == 1
-        first.close()
+        first.close()  # its client leaves
+        await eventually(stack.status, lambda p: p.active_leases == 0)
+        async with session.post(url, json=chat(4, max_tokens=4), headers=headers) as retried:
+            assert retried.status == 200  # the retry, answered
+            await retried.read()
         await eventually(stack.status, lambda p: p.active_leases == 0)
         again, body = await another()
         assert again == 409 and body["error"]["code"] == "duplicate_request_id"
         async with session.post(url, json=chat(4, max_tokens=4), headers={"x-request-id": "new"}
                                 ) as fresh:  # fmt: skip
             assert fresh.status == 200
+
+
+async def test_one_tenants_request_ids_are_not_anothers(make_stack: StackFactory) -> None:
+    """The third probe: behind keys, key ``bulk`` answered under ``x-request-id:
+    victim-0001`` left key ``mid`` (another tenant) refused with 409 under the same id
+    for the lease's TTL: one tenant could hold another's predictable ids, and learn
+    from the 409 which were in use. Ids are a tenant's own now; within a tenant, one id
+    still names one request."""
+    stack = await make_stack(api_keys=keyed(bulk=("P2", "batch"), mid=("P1", "acme")))
+    url = f"{stack.url()}/chat/completions"
+    async with aiohttp.ClientSession() as session:
+
+        async def status(key: str) -> int:
+            headers = {"authorization": f"Bearer {key}", "x-request-id": "victim-0001"}
+            async with session.post(url, json=chat(3, max_tokens=2), headers=headers) as answer:
+                return answer.status
+
+        assert await status("bulk") == 200
+        assert await status("mid") == 200
+        assert await status("mid") == 409  # its own id, answered: taken for the TTL
 
 
 async def test_one_request_id_names_one_lease_over_grpc_and_json(

@@ -84,11 +84,11 @@ class BucketStore(Protocol):
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
-        free_request_id: str = "",
+        frees_request_of: LeaseSpec | None = None,
     ) -> Settlement:
         """Settles a lease, idempotently (a repeat gets the first answer); raises
-        LeaseNotFound or LeaseExpired. ``free_request_id``: the request id the lease
-        was admitted under, freed now rather than at the lease's TTL (the request
+        LeaseNotFound or LeaseExpired. ``frees_request_of``: the lease's admission,
+        whose request id is freed now rather than at the lease's TTL (the request
         failed on its way, and its retry under the same id is a new try)."""
         ...
 

@@ -119,9 +119,9 @@ class InstrumentedStore(BucketStore):
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
-        free_request_id: str = "",
+        frees_request_of: LeaseSpec | None = None,
     ) -> Settlement:
-        settling = self._store.release(pool, cls, lease_id, usage, free_request_id)
+        settling = self._store.release(pool, cls, lease_id, usage, frees_request_of)
         return await self._measured("release", settling)
 
     async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:

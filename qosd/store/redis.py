@@ -101,6 +101,14 @@ def script_source(name: str) -> str:
     return "\n".join(constants) + "\n" + source
 
 
+def _request_key(prefix: str, lease: LeaseSpec) -> str:
+    """Where a request id is recorded: in its pool (the prefix's hash tag) and its
+    tenant's scope, by the tenant's digest (fixed length, so no tenant and id pair
+    reads as another). Scoped by pool alone, one tenant could take another's ids (the
+    test suite's own ``gw-7-000001``) and learn from the 409 which were in use."""
+    return f"{prefix}req:{tenant_digest(lease.tenant)}:{lease.request_id}"
+
+
 def _packed(args: tuple[Any, ...]) -> tuple[str]:
     """A packed layout's record as a call's arguments: one."""
     return (contract.pack(args),)
@@ -373,7 +381,7 @@ class RedisStore:
         keys = [self._lease_hash(prefix, lease.lease_id)]
         has_request = 0
         if lease.request_id:
-            keys.append(f"{prefix}req:{lease.request_id}")  # as undo() names it
+            keys.append(_request_key(prefix, lease))
             has_request = 1
         has_tenant = 0
         if cls.tenant_rate > 0:
@@ -537,15 +545,16 @@ class RedisStore:
         cls: ClassPolicy,
         lease_id: str,
         usage: UsageReport,
-        free_request_id: str = "",
+        frees_request_of: LeaseSpec | None = None,
     ) -> Settlement:
-        prefix = self._args_for(pool).prefix
-        request_key = f"{prefix}req:{free_request_id}" if free_request_id else None
+        request_key = None
+        if frees_request_of is not None and frees_request_of.request_id:
+            request_key = _request_key(self._args_for(pool).prefix, frees_request_of)
         return await self._settle(pool, cls, lease_id, usage, False, request_key)
 
     async def undo(self, pool: PoolPolicy, cls: ClassPolicy, lease: LeaseSpec) -> Settlement:
         prefix = self._args_for(pool).prefix
-        request_key = f"{prefix}req:{lease.request_id}" if lease.request_id else None
+        request_key = _request_key(prefix, lease) if lease.request_id else None
         usage = UsageReport(0, 0, Outcome.CANCELLED)
         return await self._settle(pool, cls, lease.lease_id, usage, True, request_key)
 

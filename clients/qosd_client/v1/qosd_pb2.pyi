@@ -208,11 +208,12 @@ class AcquireRequest(_message.Message):
     SLO_TTFT_MS_FIELD_NUMBER: _builtins.int
     SLO_TPOT_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Caller-chosen idempotency key, unique per pool, at most 128 characters. Repeating
-    an Acquire with the same `request_id` within the lease TTL of its first admission
-    returns that admission (same lease, no second charge, `replayed` = true), even
-    if the lease was released meanwhile. Rejections are not remembered. Empty: no
-    idempotency.
+    """Caller-chosen name of one request, unique per pool and tenant, at most 128
+    characters. Another Acquire under the same `request_id` while its request is
+    queued, or within the lease TTL of its admission, even if the lease was released
+    meanwhile, is refused with ALREADY_EXISTS and charged nothing (a proxy's Release
+    of a request that failed on its way frees the id). Rejections are not remembered.
+    Empty: no id.
     """
     tenant: _builtins.str
     """Tenant (customer, API key, team) the request is billed to; at most 128

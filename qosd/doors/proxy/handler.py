@@ -884,9 +884,8 @@ class Proxy:
                 # Envoy retry such a request under the same id. A request that was
                 # answered keeps its id for the lease's TTL.
                 lease = outcome.lease if outcome is not None else None
-                failed = lease is not None and progress.outcome is not Outcome.OK
-                retried = lease.request_id if lease is not None and failed else ""
-                await self._release(lease_id, *counts, progress.outcome, free_request_id=retried)
+                retried = lease if progress.outcome is not Outcome.OK else None
+                await self._release(lease_id, *counts, progress.outcome, frees_request_of=retried)
         if progress.used_nothing:
             return
         try:
@@ -927,13 +926,13 @@ class Proxy:
         outcome: Outcome,
         *,
         undo: LeaseSpec | None = None,
-        free_request_id: str = "",
+        frees_request_of: LeaseSpec | None = None,
     ) -> None:
         decisions = self._decisions
         try:
             release = decisions.rules.release(lease_id, input_tokens, output_tokens, outcome)
-            if undo is not None or free_request_id:
-                release = dataclasses.replace(release, undo=undo, free_request_id=free_request_id)
+            if undo is not None or frees_request_of is not None:
+                release = dataclasses.replace(release, undo=undo, frees_request_of=frees_request_of)
             await decisions.release(release)
         except StoreUnavailable as exc:
             log.warning("lease %s not settled yet (retried until it lands): %s", lease_id, exc)
