@@ -165,7 +165,9 @@ async def test_a_pump_that_fails_once_loses_no_waiter() -> None:
     pool = pool_policy()
     p1 = class_of(pool, "P1")
     assert (await store.acquire(pool, p1, lease("P1", 1_500), 0)).admitted  # drained
-    waiters = [Waiter("P1", 10, lease("P1", 10)) for _ in range(3)]
+    # A third of a second of P1's refill each: queued however slowly the calls come
+    # (10 tokens each, 3 ms of refill, were admitted outright on a busy machine).
+    waiters = [Waiter("P1", 1_000, lease("P1", 1_000)) for _ in range(3)]
     for waiter in waiters:
         assert (await store.acquire(pool, p1, waiter.lease, 5_000)).queued
     room = WaitingRoom(store, 0.005, no_store, store_patience_s=5.0)
