@@ -49,6 +49,7 @@ from qosd.model import Outcome, Sample
 from qosd.reload import plan_reload
 from qosd.v1 import envoy_rls_pb2 as rls
 from qosd_client import DuplicateRequestId, QosdClient, QosdError, Status
+from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_harness import RedisServer
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
 from tests.proxy_stack import MODEL, Stack, StackFactory, chat, make_stack
@@ -251,6 +252,43 @@ async def test_one_request_id_names_one_lease_through_the_proxy(make_stack: Stac
             assert fresh.status == 200
 
 
+async def test_a_naming_header_given_twice_is_refused_naming_it(
+    make_stack: StackFactory, make_daemon: DaemonFactory
+) -> None:
+    """The third probe: two ``Authorization`` headers (key ``bulk`` then ``mid``), two
+    ``x-qos-class`` headers, were each read as the first, silently: which copy counts
+    was the door's choice, and a gateway appending its own after the client's could
+    name another key or class. Each header that names the request, its key, class,
+    tenant or objectives is now refused when given twice (400 naming it), at the proxy
+    and in gRPC metadata."""
+    stack = await make_stack(api_keys=keyed(bulk=("P2", "batch"), mid=("P1", "acme")))
+    url = f"{stack.url()}/chat/completions"
+    async with aiohttp.ClientSession() as session:
+
+        async def refused(headers: list[tuple[str, str]]) -> tuple[int, str]:
+            async with session.post(url, json=chat(3, max_tokens=2), headers=headers) as answer:
+                return answer.status, (await answer.json())["error"]["param"]
+
+        keys = [("authorization", "Bearer bulk"), ("authorization", "Bearer mid")]
+        assert await refused(keys) == (400, "authorization")
+        named = [("authorization", "Bearer mid"), ("x-qos-class", "P2"), ("x-qos-class", "P1")]
+        assert await refused(named) == (400, "x-qos-class")
+        hints = [("authorization", "Bearer mid"), ("x-dynamo-request-priority", "1"),
+                 ("x-dynamo-request-priority", "9")]  # fmt: skip
+        assert await refused(hints) == (400, "x-dynamo-request-priority")
+    assert await decisions(stack, "P1") == 0 and await decisions(stack, "P2") == 0
+    running = await make_daemon()
+    metadata = (("x-llm-d-inference-objective", "critical"),
+                ("x-llm-d-inference-objective", "sheddable"))  # fmt: skip
+    async with grpc.aio.insecure_channel(running.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await qosd_pb2_grpc.QoSStub(channel).Acquire(
+                qosd_pb2.AcquireRequest(model="llama-3-8b", input_tokens=5), metadata=metadata
+            )
+    assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "x-llm-d-inference-objective: given 2 times" in (failed.value.details() or "")
+
+
 async def test_one_tenants_request_ids_are_not_anothers(make_stack: StackFactory) -> None:
     """The third probe: behind keys, key ``bulk`` answered under ``x-request-id:
     victim-0001`` left key ``mid`` (another tenant) refused with 409 under the same id
@@ -447,7 +485,8 @@ async def test_json_api_bounds_query_parameters(make_daemon: DaemonFactory) -> N
     assert running.daemon.http is not None
     base = f"http://{running.daemon.http.address}/v1/status"
     async with aiohttp.ClientSession() as session:
-        for query in ("history=" + "9" * 20, "history=-1", "history=1e3", "tenant=a%00b"):
+        for query in ("history=" + "9" * 20, "history=-1", "history=1e3", "tenant=a%00b",
+                      "pool=default&pool=other", "history=1&history=2"):  # fmt: skip
             async with session.get(f"{base}?{query}") as answer:
                 assert answer.status == 400, query
                 assert (await answer.json())["code"] == "INVALID_ARGUMENT"

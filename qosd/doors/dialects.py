@@ -20,7 +20,7 @@ llm-d's ``x-llm-d-request-dropped-reason`` beside ``x-qos-reason``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from qosd.config import Config, PriorityRange
@@ -66,6 +66,17 @@ SDK_RETRY_WINDOW_MS = 120_000
 HOPELESS = frozenset({Reason.COST_EXCEEDS_BURST})
 
 Lookup = Callable[[str], str | None]
+
+
+def given_once(names: Iterable[str], count: Callable[[str], int]) -> None:
+    """InvalidArgument naming the first of ``names`` that a request gives more than
+    once (``count``: how many times it does). Which copy a door read was its own
+    choice, made silently; one a gateway appended after the client's could name
+    another class or key."""
+    for name in names:
+        times = count(name)
+        if times > 1:
+            raise InvalidArgument(name, f"{name}: given {times} times; send it once")
 
 
 class PeerHeaders:

@@ -26,6 +26,7 @@ from qosd.control.leader import Controller
 from qosd.control.windows import verdict
 from qosd.doors.auth import Authorizer, Group
 from qosd.doors.decisions import Decisions
+from qosd.doors.dialects import REQUEST_HEADERS, given_once
 from qosd.doors.envoy_rls import ENVOY_SERVICE, MIRROR_SERVICE, EnvoyRateLimitService
 from qosd.doors.request import InvalidArgument, RequestRules
 from qosd.metrics import Metrics
@@ -336,8 +337,10 @@ def _peer_identity(
 ) -> tuple[str, str]:
     """A class or tenant the request left empty, from the peers' headers in its
     metadata (llm-d's, Dynamo's: ``qosd.doors.dialects``); the request's own win."""
-    metadata = {key: value for key, value in context.invocation_metadata() or ()
-                if isinstance(value, str)}  # fmt: skip
+    pairs = [(key, value) for key, value in context.invocation_metadata() or ()
+             if isinstance(value, str)]  # fmt: skip
+    given_once(REQUEST_HEADERS, lambda name: sum(key == name for key, _ in pairs))
+    metadata = dict(pairs)
     peers = decisions.peer_headers
     if not qos_class:
         found = peers.qos_class(metadata.get)

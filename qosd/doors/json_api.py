@@ -49,8 +49,9 @@ from qosd.doors.bodies import (
     parse_json,
     read_body,
 )
-from qosd.doors.dialects import REQUEST_HEADERS
+from qosd.doors.dialects import REQUEST_HEADERS, given_once
 from qosd.doors.grpc_api import METHOD_GROUPS, RawHandler
+from qosd.doors.request import InvalidArgument
 from qosd.status import MAX_HISTORY
 from qosd_client.v1 import qosd_pb2
 
@@ -266,6 +267,10 @@ class JsonApi:
         except UnicodeDecodeError:
             return _error(400, "INVALID_ARGUMENT", "the query string is not UTF-8")
         query = request.query
+        try:
+            given_once(("pool", "history"), lambda name: len(query.getall(name, ())))
+        except InvalidArgument as exc:
+            return _error(400, "INVALID_ARGUMENT", str(exc))
         text = query.get("history", "0")
         if not (text.isascii() and text.isdigit() and len(text) <= len(str(MAX_HISTORY))):
             return _error(

@@ -47,6 +47,8 @@ from qosd.doors.decisions import Decisions
 from qosd.doors.dialects import (
     DYNAMO_PRIORITY_FIELD,
     DYNAMO_PRIORITY_HEADER,
+    REQUEST_HEADERS,
+    given_once,
     rate_limit_headers,
     without_ranking_hints,
 )
@@ -91,6 +93,10 @@ TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
 #: An objective header's value: milliseconds, in ASCII decimal digits.
 DECIMAL_MS = re.compile(r"[0-9]+(?:\.[0-9]+)?", re.ASCII)
 TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
+#: The headers that name the request, its class, tenant and objectives: each given
+#: once (``given_once``).
+NAMING_HEADERS = (CLASS_HEADER, TENANT_HEADER, REQUEST_ID_HEADER, *TTFT_HEADERS,
+                  *TPOT_HEADERS, *REQUEST_HEADERS)  # fmt: skip
 #: Request headers passed upstream as they came (the rest are the proxy's business;
 #: ``authorization`` never: it is the caller's credential for qosd).
 FORWARDED_HEADERS = ("traceparent", "tracestate", REQUEST_ID_HEADER,
@@ -549,6 +555,13 @@ class Proxy:
                               code="invalid_api_key")  # fmt: skip
         return found
 
+    @staticmethod
+    def _given_once(request: web.Request, names: tuple[str, ...]) -> None:
+        try:
+            given_once(names, lambda name: len(request.headers.getall(name, ())))
+        except InvalidArgument as exc:
+            raise OpenAIError(400, str(exc), exc.field) from exc
+
     def _identity(
         self, request: web.Request, from_body: tuple[str, str] | None = None
     ) -> tuple[str, str]:
@@ -560,7 +573,9 @@ class Proxy:
         that names a tenant fixes it (docs/security.md)."""
         headers = request.headers
         # The key first: a caller without one learns nothing of the other headers.
+        self._given_once(request, ("authorization",))
         found = self._api_key(request) if self.settings.api_keys else None
+        self._given_once(request, NAMING_HEADERS)
         asked, named_by = self._asked_class(request, from_body)
         tenant = headers.get(TENANT_HEADER, "")
         if not tenant:
