@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -48,7 +49,7 @@ from qosd.metrics import Metrics
 from qosd.model import Outcome, Sample
 from qosd.reload import plan_reload
 from qosd.v1 import envoy_rls_pb2 as rls
-from qosd_client import DuplicateRequestId, QosdClient, QosdError, Status
+from qosd_client import DuplicateRequestId, LatencySample, QosdClient, QosdError, Status
 from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_harness import RedisServer
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
@@ -1519,6 +1520,25 @@ async def test_malformed_http_fills_no_log(
     assert all(r.levelno == logging.WARNING and r.exc_info is None for r in logged)
     assert "Error handling request" in logged[0].getMessage()
     assert (await running.client.status()).pool("default").active_leases == 0
+
+
+async def test_a_samples_correlation_fields_are_bounded(make_daemon: DaemonFactory) -> None:
+    """The third probe: a sample's ``lease_id`` and ``traceparent``, kept for
+    correlation only, were taken at 100,000 characters each. Each is bounded now, and
+    a sample past a bound is rejected naming the field; the others are stored."""
+    qos = (await make_daemon()).client
+    base = LatencySample("llama-3-8b", "P1", ttft_ms=100.0)
+    result = await qos.report([
+        dataclasses.replace(base, lease_id="default:P1:" + "a" * 100_000),
+        dataclasses.replace(base, traceparent="00-" + "0" * 100_000),
+        dataclasses.replace(base, lease_id="default:P1:abc",
+                            traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"),
+    ])  # fmt: skip
+    assert result.accepted == 1
+    assert [(index, reason.split(" ")[0]) for index, reason in result.rejected] == [
+        (0, "lease_id"),
+        (1, "traceparent"),
+    ]
 
 
 async def test_a_report_as_large_as_allowed_is_stored_and_read_back(

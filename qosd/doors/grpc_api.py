@@ -183,6 +183,8 @@ class QoSService(qosd_pb2_grpc.QoSServicer):
                         status=_sample_status(item.status),
                         slo_ttft_ms=item.slo_ttft_ms if item.HasField("slo_ttft_ms") else None,
                         slo_tpot_ms=item.slo_tpot_ms if item.HasField("slo_tpot_ms") else None,
+                        lease_id=item.lease_id,
+                        traceparent=item.traceparent,
                     )
                 )
             except InvalidArgument as exc:

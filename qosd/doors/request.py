@@ -35,6 +35,9 @@ from qosd.policy import ClassPolicy, PoolPolicy, resolve_pools
 
 #: The longest request id, tenant, server name or class name, in characters.
 MAX_ID_LENGTH = 128
+#: The longest traceparent a sample may carry: W3C's version 00 is 55 characters,
+#: and later versions may only append fields.
+MAX_TRACEPARENT_LENGTH = 256
 #: The longest model name (Hugging Face ids run to about 100).
 MAX_MODEL_LENGTH = 256
 #: Anything longer is a unit mistake: one day, in milliseconds.
@@ -274,12 +277,24 @@ class RequestRules:
         status: Outcome,
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
+        lease_id: str = "",
+        traceparent: str = "",
     ) -> Sample:
-        """One latency sample, or InvalidArgument naming the field."""
+        """One latency sample, or InvalidArgument naming the field. ``lease_id`` and
+        ``traceparent`` are not stored, only bounded (100,000 characters of each were
+        taken)."""
         pool = self.pool_of(model)
         policy = self.class_policy(pool, qos_class)
         if tenant:
             self.name(tenant, "tenant")
+        if lease_id:
+            self.name(lease_id, "lease_id", 3 * MAX_ID_LENGTH)
+        if len(traceparent) > MAX_TRACEPARENT_LENGTH:
+            raise InvalidArgument(
+                "traceparent",
+                f"traceparent is {len(traceparent)} characters; at most "
+                f"{MAX_TRACEPARENT_LENGTH} (W3C's is 55)",
+            )
         self.tokens(input_tokens, "input_tokens", 0)
         self.tokens(output_tokens, "output_tokens", 0)
         for name, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms), ("e2e_ms", e2e_ms)):
