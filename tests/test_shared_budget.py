@@ -20,6 +20,7 @@ import redis
 import redis.cluster
 
 from qosd_harness import RedisCluster, RedisServer, daemon_processes
+from tests.conftest import TEST_REDIS_TIMEOUT_MS
 from tests.load import ClassLoadResult, class_load, wait_for_workers
 
 RATE = 10_000.0  # tokens/s for the hammered class (share 0.5 of 20,000)
@@ -93,15 +94,20 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
         f"errors {sum(r.errors for r in results)}"
     )
     assert sum(r.errors for r in results) == 0
-    # Demand must really exceed the rate, or the lower bound proves nothing.
-    assert answered / elapsed > 2 * RATE / COST
+    reasons = {name: sum(r.reasons.get(name, 0) for r in results) for name in ("RATE_LIMITED",
+               "BACKEND_UNAVAILABLE")}  # fmt: skip
+    assert reasons["BACKEND_UNAVAILABLE"] == 0  # every answer was the bucket's
+    # Demand must really exceed the rate, or the lower bound proves nothing: more
+    # requests were refused for the rate than admitted (a count, not a speed).
+    assert reasons["RATE_LIMITED"] > sum(r.admitted for r in results)
     assert admitted <= bound + 1e-6 * bound
     assert admitted >= 0.95 * bound
 
 
 @pytest.mark.slow
 def test_shared_budget_standalone(redis_standalone: RedisServer) -> None:
-    settings = {"url": redis_standalone.url, "key_prefix": f"t{uuid.uuid4().hex[:12]}"}
+    settings = {"url": redis_standalone.url, "key_prefix": f"t{uuid.uuid4().hex[:12]}",
+                "timeout_ms": TEST_REDIS_TIMEOUT_MS}  # fmt: skip
     run_shared_budget(settings, cluster=False)
 
 
@@ -111,5 +117,6 @@ def test_shared_budget_cluster(redis_cluster3: RedisCluster) -> None:
         "url": redis_cluster3.url,
         "mode": "cluster",
         "key_prefix": f"t{uuid.uuid4().hex[:12]}",
+        "timeout_ms": TEST_REDIS_TIMEOUT_MS,  # 100 ms timed out on a loaded machine
     }
     run_shared_budget(settings, cluster=True)
