@@ -5,7 +5,7 @@ listener (the JSON API, its probes) and of the proxy's OpenAI listener.
 The JSON API's bodies are generated from the protobuf descriptors the daemon parses
 them with (qosd_client.v1.qosd_pb2), in protobuf's JSON mapping, and described by the
 .proto's own comments; its error statuses come from qosd.doors.json_api.HTTP_STATUS,
-the proxy's header names from qosd.doors.proxy.handler. So the document cannot drift
+the proxy's header names from qosd.doors.proxy.handler and .forwarded. So the document cannot drift
 from the code that serves it: ``--check`` writes nothing and exits 1 when the
 committed file differs from what this generates (``make lint`` and
 tests/test_openapi.py run it).
@@ -31,7 +31,7 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from grpc_tools import protoc  # type: ignore[import-untyped]  # noqa: E402
 
 from qosd.doors import dialects, json_api  # noqa: E402
-from qosd.doors.proxy import handler  # noqa: E402
+from qosd.doors.proxy import forwarded, handler  # noqa: E402
 from qosd.doors.request import MAX_ID_LENGTH, MAX_LATENCY_MS  # noqa: E402
 from qosd.model import Reason  # noqa: E402
 from qosd.status import MAX_HISTORY  # noqa: E402
@@ -544,7 +544,7 @@ def proxy_headers() -> dict[str, Schema]:
             "description": "The tenant the request is billed to (unless its API key names one).",
             "schema": {"type": "string", "maxLength": MAX_ID_LENGTH},
         },
-        handler.REQUEST_ID_HEADER: {
+        forwarded.REQUEST_ID_HEADER: {
             "description": "Idempotency key (Acquire's `request_id`); passed upstream.",
             "schema": {"type": "string", "maxLength": MAX_ID_LENGTH},
         },
@@ -577,10 +577,14 @@ def proxy_headers() -> dict[str, Schema]:
         "`peer_headers.dynamo_priority`.",
         "schema": {"type": "integer"},
     }
-    for name in handler.FORWARDED_HEADERS:
+    for name in forwarded.FORWARDED_HEADERS:
         found.setdefault(
             name,
-            {"description": "Passed upstream as it came.", "schema": {"type": "string"}},
+            {
+                "description": "Passed upstream when well formed (W3C Trace Context for "
+                "traceparent and tracestate), else dropped.",
+                "schema": {"type": "string"},
+            },
         )
     return found
 

@@ -42,6 +42,7 @@ from qosd.doors.proxy.estimate import (
     Usage,
     prompt_size,
 )
+from qosd.doors.proxy.forwarded import FORWARDED_HEADERS
 from qosd.doors.proxy.handler import CLIENT_CLOSED
 from qosd.doors.proxy.telemetry import GenAiTelemetry
 from qosd.logs import MalformedHttpQuieted, quiet_malformed_http
@@ -1527,6 +1528,44 @@ async def test_malformed_http_fills_no_log(
     assert all(r.levelno == logging.WARNING and r.exc_info is None for r in logged)
     assert "Error handling request" in logged[0].getMessage()
     assert (await running.client.status()).pool("default").active_leases == 0
+
+
+async def test_trace_context_goes_upstream_only_when_well_formed(
+    make_stack: StackFactory,
+) -> None:
+    """The third probe: ``traceparent``, ``tracestate`` and
+    ``endpoint-load-metrics-format`` went upstream as they came, malformed or not, and
+    bytes that were not UTF-8 arrived as an empty value. Each goes on now only when
+    well formed; trace context that does not parse is dropped whole, as W3C Trace
+    Context asks, and the request is served."""
+    seen: list[dict[str, str]] = []
+
+    async def recording(request: web.Request) -> web.Response:
+        seen.append({k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))})
+        return web.json_response(completion())
+
+    parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    sent = [
+        {"traceparent": parent, "tracestate": "vendor=x1", "endpoint-load-metrics-format": "TEXT"},
+        {"traceparent": "00-zz-zz-01", "tracestate": "vendor=x1"},
+        {"traceparent": "00-" + "0" * 32 + "-" + "b" * 16 + "-01"},  # an all-zero trace id
+        {"traceparent": parent + "-more", "endpoint-load-metrics-format": "TEXT; rm -rf"},
+        {"traceparent": parent, "tracestate": "x" * 513},
+    ]
+    async with upstream(recording) as url:
+        stack = await make_stack(upstream=url)
+        async with aiohttp.ClientSession() as session:
+            for headers in sent:
+                async with session.post(f"{stack.url()}/chat/completions", json=chat(3),
+                                        headers=headers) as answer:  # fmt: skip
+                    assert answer.status == 200
+    assert seen == [
+        {"traceparent": parent, "tracestate": "vendor=x1", "endpoint-load-metrics-format": "TEXT"},
+        {},
+        {},
+        {},  # version 00 has four fields exactly
+        {"traceparent": parent},
+    ]
 
 
 async def test_a_samples_correlation_fields_are_bounded(make_daemon: DaemonFactory) -> None:

@@ -69,6 +69,7 @@ from qosd.doors.proxy.answers import (
     what_broke,
 )
 from qosd.doors.proxy.estimate import Estimator, PromptSize, Usage, prompt_size
+from qosd.doors.proxy.forwarded import REQUEST_ID_HEADER, forwarded
 from qosd.doors.proxy.openai_errors import NEVER_RETRIED, OpenAIError, refusal
 from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
 from qosd.doors.proxy.upstreams import Upstream, Upstreams
@@ -87,7 +88,6 @@ log = logging.getLogger(__name__)
 
 CLASS_HEADER = "x-qos-class"
 TENANT_HEADER = "x-qos-tenant"
-REQUEST_ID_HEADER = "x-request-id"
 #: Per-request objectives: qosd's own headers, then llm-d's.
 TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
 #: An objective header's value: milliseconds, in ASCII decimal digits.
@@ -97,10 +97,6 @@ TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
 #: once (``given_once``).
 NAMING_HEADERS = (CLASS_HEADER, TENANT_HEADER, REQUEST_ID_HEADER, *TTFT_HEADERS,
                   *TPOT_HEADERS, *REQUEST_HEADERS)  # fmt: skip
-#: Request headers passed upstream as they came (the rest are the proxy's business;
-#: ``authorization`` never: it is the caller's credential for qosd).
-FORWARDED_HEADERS = ("traceparent", "tracestate", REQUEST_ID_HEADER,
-                     "endpoint-load-metrics-format")  # fmt: skip
 #: How a client that left before its answer is counted: nginx's code.
 CLIENT_CLOSED = 499
 #: The most answers one request may ask for (``n``, ``best_of``): OpenAI's cap on n.
@@ -670,7 +666,7 @@ class Proxy:
         """The upstream's answer, carrying ``limits`` (the rate-limit headers)."""
         payload = await self._payload(call, priority)
         headers = self._upstream_headers()
-        headers.update((k, v) for k in FORWARDED_HEADERS if (v := request.headers.get(k)))
+        headers.update(forwarded(request.headers))
         try:
             answer, upstream = await self._connect(call, upstream, path, payload, headers)
         except TimeoutError as exc:  # it may have started: its estimate stands
