@@ -410,8 +410,8 @@ class ReleaseResponse(_message.Message):
     tokens_charged: _builtins.float
     """Final cost of the request, after settlement."""
     adjustment: _builtins.float
-    """Settlement applied to the bucket: positive is an extra charge, at most the
-    class's burst; negative a refund, at most the charge.
+    """Settlement applied to the bucket: positive is an extra charge, negative a
+    refund. Bounded in magnitude by the class's burst.
     """
     remaining_tokens: _builtins.float
     """Tokens left in the class's bucket after settlement."""

@@ -1,9 +1,6 @@
 -- Settle leases of one pool, for a batch of releases, in order, atomically: move
--- each lease's class tokens by (charged - actual): an extra charge bounded by one
--- burst unless the release undoes an admission, a refund by the charge itself (a
--- request charged past its burst, up to max_cost, gets back what it did not use; at
--- one burst, 20,000 tokens estimated and 5 used left the class 15,000 in debt).
--- Pool state,
+-- each lease's class tokens by (charged - actual), bounded by one burst unless the
+-- release undoes an admission. Pool state,
 -- policy and settle() come from the pool prelude (a refund above the class's burst
 -- overflows into the shared tokens, as refill does).
 --
@@ -89,7 +86,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       local actual = formula.cost(input, output, weight, gate.output_weight)
       local delta = actual - tonumber(charged)
       if r[ARG_RELEASE_EXACT] ~= '1' then
-        delta = math.min(burst, delta)  -- a refund: at most the charge (actual >= 0)
+        delta = math.max(-burst, math.min(burst, delta))
       end
       if request_key then
         local named = redis.call('GET', request_key)  -- "<pool>:<field>|..." if ours
