@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from qosd.config import Config
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.estimate import (
+    MIN_MEDIA_PART_TOKENS,
     PRIOR_MEDIA_PART_TOKENS,
     Estimator,
     PromptSize,
@@ -1015,6 +1016,12 @@ def test_media_part_costs_are_learned_per_model_and_bounded() -> None:
     assert estimator.prompt_tokens("vl", PromptSize(40)) < 30  # text unchanged by parts
     estimator.learn("vl", "P1", with_image, Usage(10**6, 1, credible=True))
     assert estimator.prompt_tokens("vl", with_image) <= 640  # beyond any part: not learned
+    for _ in range(500):  # tiny images: a part is never learned below MIN_MEDIA_PART_TOKENS
+        estimator.learn("vl", "P1", with_image, Usage(12, 1))
+    assert estimator.prompt_tokens("vl", with_image) >= MIN_MEDIA_PART_TOKENS
+    # A part whose type is not a string is a part, not a crash (it was a 500).
+    odd = {"messages": [{"role": "user", "content": [{"type": ["x"]}, {"text": "hi"}]}]}
+    assert prompt_size(odd) == PromptSize(len(b"hi"), 1)
 
 
 # -- the proxy's own faults (issue: a static review of the proxy) ----------------------

@@ -64,6 +64,10 @@ MAX_OVERHEAD_TOKENS = 4096.0
 PRIOR_MEDIA_PART_TOKENS = 1_600.0
 #: The most tokens a media part is taken to cost (Qwen2-VL's default cap on an image).
 MAX_MEDIA_PART_TOKENS = 16_384.0
+#: The fewest: the cost is learned from every tenant's responses, and tiny images (or
+#: text that tokenizes densely beside them) would otherwise teach it that a part is
+#: nearly free, for everyone's large images after.
+MIN_MEDIA_PART_TOKENS = 256.0
 #: Weight of the newest response in the per-model media part cost (about the last 20).
 MEDIA_LEARNING_RATE = 0.05
 #: Content part types that are text: the rest (image_url, input_audio, video_url,
@@ -115,7 +119,8 @@ def prompt_size(body: dict[str, Any]) -> PromptSize:
                 for part in content:
                     if not isinstance(part, dict):
                         continue
-                    if part.get("type", "text") in TEXT_PART_TYPES:
+                    kind = part.get("type", "text")
+                    if isinstance(kind, str) and kind in TEXT_PART_TYPES:
                         parts.append(str(part.get("text") or part.get("refusal") or ""))
                     else:
                         media += 1
@@ -225,7 +230,7 @@ class Estimator:
             self.fits.setdefault(model, _Fit()).add(float(text_bytes), usage.prompt_tokens)
         elif parts and 0 < usage.prompt_tokens <= most + parts * MAX_MEDIA_PART_TOKENS:
             left = usage.prompt_tokens - self._text_tokens(model, text_bytes)
-            per_part = min(MAX_MEDIA_PART_TOKENS, max(0.0, left / parts))
+            per_part = min(MAX_MEDIA_PART_TOKENS, max(MIN_MEDIA_PART_TOKENS, left / parts))
             old_part = self._media_part(model)
             self.media_part_tokens[model] = old_part + MEDIA_LEARNING_RATE * (per_part - old_part)
         if max_tokens is not None and usage.completion_tokens > max_tokens * choices:
