@@ -783,7 +783,9 @@ async def test_a_200_that_is_no_answer_is_no_success(make_stack: StackFactory) -
     ended as a whole 200 (the SDK returned a short answer silently, settled as OK),
     and a 200 whose body was not JSON was relayed as ``application/json`` (the SDK
     raised a bare JSONDecodeError). Now the first ends with an error event and the
-    second is a 502 ``upstream_invalid``; both settle as errors. And a usage chunk
+    second is a 502 ``upstream_invalid``; both settle as errors. A stream closed with
+    no ``[DONE]`` after every choice's ``finish_reason`` is whole, as TGI before 2.2
+    and llama.cpp's server before September 2024 end one. And a usage chunk
     the client did not ask for is dropped even when its usage cannot be read (a
     chunk with no choices broke ``chunk.choices[0]``)."""
 
@@ -798,6 +800,10 @@ async def test_a_200_that_is_no_answer_is_no_success(make_stack: StackFactory) -
         if said.startswith("usage"):
             bad = {**usage_chunk(3, 1), "usage": "lots"}
             await response.write(b"data: " + json.dumps(bad).encode() + b"\n\ndata: [DONE]\n\n")
+        elif said.startswith("finished"):  # as TGI before 2.2 ends a stream: no [DONE]
+            last = content_chunk("b")
+            last["choices"][0]["finish_reason"] = "stop"
+            await response.write(b"data: " + json.dumps(last).encode() + b"\n\n")
         elif not said.startswith("whole"):  # "whole": whole events, and no [DONE]
             await response.write(b'data: {"id": "c", "choi')  # and a clean close
         return response
@@ -820,6 +826,10 @@ async def test_a_200_that_is_no_answer_is_no_success(make_stack: StackFactory) -
         with pytest.raises(openai.APIError, match="before its data: \\[DONE\\]"):
             async for _ in stream:
                 pass
+        finished = chat(3, stream=True)
+        finished["messages"][0]["content"] = "finished " + finished["messages"][0]["content"]
+        stream = await client.chat.completions.create(**finished)
+        assert [chunk.choices[0].delta.content async for chunk in stream] == ["a", "b"]
         usage_asked = chat(3, stream=True)
         usage_asked["messages"][0]["content"] = "usage " + usage_asked["messages"][0]["content"]
         stream = await client.chat.completions.create(**usage_asked)
@@ -829,7 +839,7 @@ async def test_a_200_that_is_no_answer_is_no_success(make_stack: StackFactory) -
         assert pool.active_leases == 0
     page = await metrics_page(stack)
     assert 'qosd_releases_total{outcome="ERROR",result="OK"} 3.0' in page
-    assert 'qosd_releases_total{outcome="OK",result="OK"} 1.0' in page
+    assert 'qosd_releases_total{outcome="OK",result="OK"} 2.0' in page
 
 
 @pytest.mark.parametrize(

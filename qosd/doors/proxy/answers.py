@@ -31,9 +31,11 @@ class AnswerTooLarge(Exception):
 
 
 class AnswerCut(Exception):
-    """A stream that ended early on a cleanly closed connection: before its ``data:
-    [DONE]``, or in the middle of a line. Every OpenAI-compatible server (vLLM,
-    SGLang, TensorRT-LLM, OpenAI itself) ends a whole stream with ``[DONE]``."""
+    """A stream that ended early on a cleanly closed connection: in the middle of a
+    line, or before its ``data: [DONE]`` with a choice unfinished. OpenAI, vLLM,
+    SGLang and TensorRT-LLM end a whole stream with ``[DONE]``; TGI before 2.2 and
+    llama.cpp's server before September 2024 close it after each choice's
+    ``finish_reason`` instead, which is whole too."""
 
 
 async def read_capped(answer: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -101,10 +103,9 @@ def event_data(line: bytes) -> bytes | None:
     ``data:`` is optional, as server-sent events define it: an upstream that wrote
     ``data:{...}`` had its usage left unread, and its usage chunk sent to a client
     that had not asked for one."""
-    if not line.startswith(b"data:"):
+    if not line.startswith(b"data:") or is_done(line):
         return None
-    data = line[6:] if line.startswith(b"data: ") else line[5:]
-    return None if data.startswith(b"[DONE]") else data
+    return line[6:] if line.startswith(b"data: ") else line[5:]
 
 
 def is_done(line: bytes) -> bool:
@@ -120,6 +121,23 @@ def is_event(line: bytes) -> bool:
 def is_usage_chunk(chunk: dict[str, Any]) -> bool:
     """The stream's usage chunk: no choices, and a ``usage``, readable or not."""
     return chunk.get("choices") == [] and chunk.get("usage") is not None
+
+
+def note_finishes(chunk: dict[str, Any], unfinished: set[int]) -> bool:
+    """Keeps ``unfinished``, the indices of the stream's choices without their
+    ``finish_reason`` yet, up to date with ``chunk``; True if a choice finished in it."""
+    finished = False
+    choices = chunk.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        index = choice.get("index", 0) if isinstance(choice, dict) else None
+        if not isinstance(index, int):
+            continue
+        if choice.get("finish_reason"):
+            unfinished.discard(index)
+            finished = True
+        else:
+            unfinished.add(index)
+    return finished
 
 
 def has_content(chunk: dict[str, Any]) -> bool:

@@ -63,6 +63,7 @@ from qosd.doors.proxy.answers import (
     is_done,
     is_event,
     is_usage_chunk,
+    note_finishes,
     read_capped,
     read_load,
     retry_after_of,
@@ -190,6 +191,14 @@ class _Progress:
     used_nothing: bool = False  # the upstream refused or was unreachable
     cut: bool = False  # the answer broke off: usage unknown, the estimate stands
     response_model: str | None = None  # the model the answer names
+    # A stream's choices that have no finish_reason yet, and whether any finished.
+    unfinished: set[int] = field(default_factory=set)
+    finished_any: bool = False
+
+    @property
+    def every_choice_finished(self) -> bool:
+        """Whole without its [DONE]: as servers that write none end a stream."""
+        return self.finished_any and not self.unfinished
 
 
 class Proxy:
@@ -811,9 +820,9 @@ class Proxy:
         while True:
             try:  # reading from the upstream, and what its events say
                 line = await lines.next()
-                if line is None and not done:
-                    raise AnswerCut("the stream ended before its data: [DONE]")
                 if line is None:
+                    if not (done or progress.every_choice_finished):
+                        raise AnswerCut("the stream ended before its data: [DONE]")
                     break
                 if not line.endswith(b"\n") and not is_done(line):
                     raise AnswerCut("the stream ended in the middle of a line")
@@ -854,6 +863,8 @@ class Proxy:
             return False
         if progress.response_model is None and isinstance(model := chunk.get("model"), str):
             progress.response_model = model
+        if note_finishes(chunk, progress.unfinished):
+            progress.finished_any = True
         if is_usage_chunk(chunk):
             progress.usage = Usage.parse(chunk.get("usage"), limit) or progress.usage
             return True
