@@ -93,7 +93,14 @@ class FirstTokensWaiting:
     of observations: a read that shows first tokens and no finishes (or fewer) keeps
     them for the finishes of later reads, which take a share in proportion to how
     many finished (the requests that finish are not known by name, so each takes
-    the waiting distribution). Bounded by the requests in flight."""
+    the waiting distribution). First tokens of requests that never finish (aborted,
+    failed, cancelled, where the engine counts no end for them) would stay for good:
+    past ``limit`` observations, more than an engine runs at once, the oldest and the
+    newest alike are scaled down to it, so they never grow without bound."""
+
+    #: More first tokens than an engine has requests running (vLLM's max_num_seqs
+    #: defaults to 256 to 1,024).
+    LIMIT = 4_096.0
 
     def __init__(self) -> None:
         self._counts: dict[tuple[float, float], float] = {}
@@ -106,6 +113,10 @@ class FirstTokensWaiting:
         for bucket in buckets:
             key = (bucket.lower, bucket.upper)
             self._counts[key] = self._counts.get(key, 0.0) + bucket.count
+        total = self.count
+        if total > self.LIMIT:
+            scale = self.LIMIT / total
+            self._counts = {key: count * scale for key, count in self._counts.items()}
 
     def take(self, finished: float) -> list[Bucket]:
         """The share of the waiting first tokens that ``finished`` requests take."""

@@ -114,7 +114,13 @@ def samples_between(
     mean_e2e_ms = _delta(after.duration_us, before.duration_us, reset) / 1000 / max(succeeded, 1)
     scale = min(1.0, max_samples / (succeeded + failed + cancelled))
     ok_count = round(succeeded * scale)
-    ttft_buckets = new_first_tokens if first_tokens is None else first_tokens.take(succeeded)
+    # Failed and cancelled requests take their share too (many had a first response):
+    # the samples' TTFTs are the successes', spread over what all of them took.
+    ttft_buckets = (
+        new_first_tokens
+        if first_tokens is None
+        else first_tokens.take(succeeded + failed + cancelled)
+    )
     ttfts: list[float | None] = [*spread(ttft_buckets, ok_count)]
     samples = [
         # A TTFT at its bucket's bound can exceed the interval's mean e2e; a request's
