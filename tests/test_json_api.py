@@ -122,6 +122,10 @@ async def test_the_same_auth_as_grpc(make_daemon: DaemonFactory, tmp_path: Path)
     assert code == 401 and error["code"] == "UNAUTHENTICATED"
     code, error = await post(base, "/v1/acquire", body, "authorization: Bearer wrong")
     assert code == 403 and error["code"] == "PERMISSION_DENIED"
+    # Two credentials, one of them right: no door picks one (the first was read).
+    code, error = await post(base, "/v1/acquire", body, "authorization: Bearer s3cret",
+                             "authorization: Bearer wrong")  # fmt: skip
+    assert code == 403 and error["code"] == "PERMISSION_DENIED"
     code, answer = await post(base, "/v1/acquire", body, "authorization: Bearer s3cret")
     assert code == 200 and answer["decision"] == "DECISION_ADMITTED"
     status = (await asyncio.to_thread(

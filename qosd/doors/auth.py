@@ -91,11 +91,17 @@ def peer_identities(context: grpc.aio.ServicerContext) -> list[str]:
 
 
 def bearer_token(context: grpc.aio.ServicerContext) -> bytes | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            return bearer_of(text)
-    return None
+    """The caller's bearer token; None without one, and empty (a wrong credential)
+    for one that is not a bearer token or for two ``authorization`` entries, of which
+    no door picks one."""
+    given = [value for key, value in context.invocation_metadata() or ()
+             if key == "authorization"]  # fmt: skip
+    if not given:
+        return None
+    if len(given) > 1:
+        return b""
+    value = given[0]
+    return bearer_of(value.decode(errors="replace") if isinstance(value, bytes) else value)
 
 
 def bearer_of(header: str) -> bytes:

@@ -182,8 +182,13 @@ class HttpCallContext:
     records the status."""
 
     def __init__(self, request: web.Request) -> None:
+        # Every copy: a header given twice is the servicers' to refuse (given_once,
+        # bearer_token), not this context's to pick one of.
         self._metadata = tuple(
-            (name, value) for name in METADATA_HEADERS if (value := request.headers.get(name))
+            (name, value)
+            for name in METADATA_HEADERS
+            for value in request.headers.getall(name, ())
+            if value
         )
         self._request = request
         self._code = grpc.StatusCode.OK
