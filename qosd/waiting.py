@@ -231,6 +231,9 @@ class WaitingRoom:
                 self._undo(room.policy, local.waiter)
         elif result.state is WaiterState.LATE:  # it can no longer meet its TTFT objective
             self._answer(room, local, _rejected(local.waiter, Reason.DEADLINE, _waited_ms(local)))
+            # The pump took it out of its queue; the cancel frees its request id, for
+            # the retry its refusal invites.
+            self._in_background(self._store.cancel(room.policy, [local.waiter]))
         else:  # GONE: the store dropped it (taken for a dead daemon's, or expired)
             refusal = _rejected(local.waiter, Reason.QUEUE_TIMEOUT, _waited_ms(local))
             self._answer(room, local, refusal)

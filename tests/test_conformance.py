@@ -26,7 +26,8 @@ from qosd_client import (
     Reason,
     Rejected,
 )
-from tests.conftest import DaemonFactory
+from tests.conftest import DaemonFactory, merge
+from tests.waiting import eventually
 
 #: BASE_CONFIG's bursts (P0 3,000, P1 1,500, P2 500) refilled at a hundredth of its
 #: rates: 300 tokens take P0 5 s, not 50 ms, however slowly a busy machine makes the
@@ -248,6 +249,36 @@ async def test_a_release_that_frees_its_request_id_lets_the_retry_in(
     await admission.store.release(pool, p1, failed.lease_id, usage, admitted)
     with pytest.raises(DuplicateRequestId):
         await qos.acquire("P1", 10, tenant="acme", request_id="req-failed", max_wait_ms=0)
+
+
+async def test_a_queued_request_that_ends_unserved_frees_its_id(make_daemon: DaemonFactory) -> None:
+    """A review: a queued request whose caller left, or that was refused from the
+    queue (timeout, deadline, drain), kept its request id until its max wait ran
+    out, so the retry its refusal invites (retry-after, the SDK's own) was refused as
+    a reuse. Taking it out of its queue now frees the id, if it still names it."""
+    patient = merge(SLOW_REFILL, {"classes": {"P2": {"max_wait_ms": 60_000}}})
+    running = await make_daemon(patient)  # P2: 10 tokens/s, burst 500
+    qos = running.client
+    assert (await qos.acquire("P2", 500, max_wait_ms=0)).admitted  # drained for a minute
+
+    async def waiting() -> int:
+        return int((await qos.status("default")).pool("default").cls("P2").waiting)
+
+    leaving = asyncio.create_task(qos.acquire("P2", 100, request_id="q-1", max_wait_ms=30_000))
+    assert await eventually(waiting, lambda count: count == 1) == 1
+    leaving.cancel()  # its caller leaves
+    assert await eventually(waiting, lambda count: count == 0) == 0
+    retry = await qos.acquire("P2", 100, request_id="q-1", max_wait_ms=0)
+    assert not retry.admitted and retry.reason is Reason.RATE_LIMITED  # decided, not a reuse
+    head = asyncio.create_task(qos.acquire("P2", 100, max_wait_ms=30_000))
+    assert await eventually(waiting, lambda count: count == 1) == 1
+    # Half a second of refill, behind the head (first come, first served): it times out.
+    timed_out = await qos.acquire("P2", 5, request_id="q-2", max_wait_ms=1_000)
+    assert timed_out.reason is Reason.QUEUE_TIMEOUT
+    assert await eventually(waiting, lambda count: count == 1) == 1
+    again = await qos.acquire("P2", 5, request_id="q-2", max_wait_ms=0)
+    assert not again.admitted and again.reason is Reason.RATE_LIMITED
+    head.cancel()
 
 
 async def test_waiting_for_refill_admits_within_max_wait(make_daemon: DaemonFactory) -> None:

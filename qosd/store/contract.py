@@ -221,6 +221,9 @@ class CancelArgs(NamedTuple):
     # A class that shares by tokens: the charge to give its tenant's counter back if
     # the waiter was still waiting (its counter's key in KEYS); '0': none.
     fair_refund: str
+    # 1: the waiter's request-id key is in KEYS (before its tenant's counter), freed
+    # if it still names the waiter, so that the retry its refusal invites is admitted
+    has_request: int = 0
 
 
 class ReleaseArgs(NamedTuple):

@@ -533,8 +533,11 @@ class RedisStore:
             fair_key, refund = self._fair_counter(
                 args_for.prefix, classes[waiter.qos_class], waiter.lease
             )
-            args = contract.CancelArgs(waiter.id, waiter.qos_class, fair_refund=refund)
-            calls.append(self._cancels.submit(pool.name, (fair_key,) if fair_key else (), args))
+            keys = [_request_key(args_for.prefix, waiter.lease)] if waiter.lease.request_id else []
+            keys += [fair_key] if fair_key else []
+            args = contract.CancelArgs(waiter.id, waiter.qos_class, fair_refund=refund,
+                                       has_request=1 if waiter.lease.request_id else 0)  # fmt: skip
+            calls.append(self._cancels.submit(pool.name, tuple(keys), args))
         await asyncio.gather(*calls)
 
     # -- release --------------------------------------------------------------------

@@ -3,8 +3,10 @@
 -- tenant gets back what queueing it charged. Pool state and helpers from the pool
 -- prelude.
 -- Script arguments: CANCEL per waiter (qosd/store/contract.py: its lease field, the
--- waiter id, its class, and the charge to refund). Keys: its tenant's counter, for a
--- waiter with a refund.
+-- waiter id, its class, the charge to refund, has_request). Keys per waiter: its
+-- request-id key where has_request (freed if it still names the waiter: the retry
+-- its refusal invites is a new request, not a reuse), then its tenant's counter, for
+-- a waiter with a refund.
 -- Returns CANCELLED per waiter: 1 if it was still waiting, 0 if it was not there.
 local reply = {}
 local a = ARGS_BEFORE
@@ -12,6 +14,13 @@ local k = NEXT_KEY
 for r = 1, tonumber(ARGV[ARG_CALLS]) do
   local i = class_index[ARGV[a + ARG_CANCEL_QOS_CLASS]]
   local fair = ARGV[a + ARG_CANCEL_FAIR_REFUND] ~= '0'
+  if ARGV[a + ARG_CANCEL_HAS_REQUEST] == '1' then
+    local named = redis.call('GET', KEYS[k])  -- "<pool>:<class>:<field>|..." if its own
+    if named and string.find(named, ':' .. ARGV[a + ARG_CANCEL_FIELD] .. '|', 1, true) then
+      redis.call('DEL', KEYS[k])
+    end
+    k = k + 1
+  end
   local finish = nil
   if fair then
     finish = tonumber(redis.call('ZSCORE', classes[i].queue, ARGV[a + ARG_CANCEL_FIELD]))
