@@ -51,7 +51,7 @@ from qosd.metrics import Metrics
 from qosd.model import Outcome, Sample
 from qosd.reload import plan_reload
 from qosd.v1 import envoy_rls_pb2 as rls
-from qosd_client import DuplicateRequestId, LatencySample, QosdClient, QosdError, Status
+from qosd_client import DuplicateRequestId, LatencySample, QosdClient, QosdError, Reason, Status
 from qosd_client.v1 import qosd_pb2, qosd_pb2_grpc
 from qosd_harness import RedisServer
 from tests.conftest import BASE_CONFIG, DaemonFactory, merge
@@ -590,8 +590,8 @@ async def test_a_json_caller_that_leaves_while_queued_leaves_no_waiter_and_no_le
     """The probe: a JSON caller that disconnected while its Acquire waited in the queue
     was still admitted when its turn came, on a lease nobody released (held to the
     TTL). Now its handler is cancelled as a gRPC call is: it leaves the queue, nothing
-    is admitted for it, and its request id answers as a cancelled gRPC waiter's does
-    (recorded for its wait: docs/api.md, Idempotency)."""
+    is admitted for it, and its request id is freed as a cancelled gRPC waiter's is
+    (docs/api.md, Idempotency): the retry is decided anew."""
     running = await make_daemon(
         {**HTTP, "pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
          "classes": {"P1": {"max_wait_ms": 30_000}}}
@@ -617,13 +617,14 @@ async def test_a_json_caller_that_leaves_while_queued_leaves_no_waiter_and_no_le
         with pytest.raises(asyncio.CancelledError):
             await over_grpc
         assert p1_waiting(await eventually(qos.status, lambda s: p1_waiting(s) == 0)) == 0
-        with pytest.raises(DuplicateRequestId):
-            await qos.acquire("P1", 10, request_id="grpc")
-        async with session.post(
-            url, json={"qos_class": "P1", "input_tokens": 10, "request_id": "json"}
-        ) as again:
-            assert again.status == 409
-            assert (await again.json())["code"] == "ALREADY_EXISTS"
+        # Both ids were freed as their callers left the queue: each retry is decided
+        # anew (refused here, the one slot held), not refused as a reuse.
+        retried = await qos.acquire("P1", 10, request_id="grpc", max_wait_ms=0)
+        assert not retried.admitted and retried.reason is not Reason.NONE
+        retry = {"qos_class": "P1", "input_tokens": 10, "request_id": "json", "max_wait_ms": 0}
+        async with session.post(url, json=retry) as again:
+            assert again.status == 200
+            assert (await again.json())["decision"] == "DECISION_REJECTED"
         await qos.release(held.lease_id)
         # Nothing was admitted for the callers who left: the one slot is free at once.
         async with session.post(
