@@ -90,3 +90,19 @@ def chat(words: int = 8, **body: Any) -> dict[str, Any]:
         "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
         **body,
     }
+
+
+#: A pool that runs one request at a time, none of it reserved for the top class.
+ONE_SLOT: dict[str, Any] = {"pools": {"default": {"max_in_flight": 1, "top_reserve": 0}}}
+
+
+async def refused_beside_a_stream(
+    client: openai.AsyncOpenAI,
+) -> tuple[openai.RateLimitError, openai.AsyncStream[Any]]:
+    """A stream holding a ONE_SLOT pool's slot, and the refusal of a P2 request made
+    beside it; the caller closes the stream."""
+    holder = await client.chat.completions.create(**chat(4, max_tokens=400, stream=True))
+    assert await anext(aiter(holder)) is not None
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(**chat(4), extra_headers={"x-qos-class": "P2"})
+    return refused.value, holder

@@ -22,8 +22,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from qosd.doors.dialects import SDK_RETRY_WINDOW_MS, duration
 from qosd.doors.proxy.handler import key_digest
 from qosd.doors.proxy.telemetry import GenAiTelemetry
-from tests.conftest import DaemonFactory
-from tests.proxy_stack import MODEL, Stack, StackFactory, chat, make_stack
+from tests.conftest import DaemonFactory, merge
+from tests.proxy_stack import (
+    MODEL,
+    ONE_SLOT,
+    Stack,
+    StackFactory,
+    chat,
+    make_stack,
+    refused_beside_a_stream,
+)
 from tests.waiting import until
 
 __all__ = ["make_stack"]  # the fixture, used by name
@@ -213,16 +221,12 @@ async def test_the_sdk_retries_a_refusal_that_says_so_and_not_one_that_does_not(
     tenant ceiling that refills in minutes) says ``false``, and the SDK stops at the
     first. Both carry llm-d's dropped reason beside qosd's."""
     stack = await make_stack(
-        {"pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
-         "classes": {"P2": {"max_wait_ms": 0},
-                     "P1": {"tenant_max_share": 0.0001, "max_wait_ms": 0}}},
+        merge(ONE_SLOT, {"classes": {"P2": {"max_wait_ms": 0},
+                                     "P1": {"tenant_max_share": 0.0001, "max_wait_ms": 0}}})
     )  # fmt: skip
     client = stack.client(max_retries=2)
-    holder = await client.chat.completions.create(**chat(4, max_tokens=400, stream=True))
-    assert await anext(aiter(holder)) is not None
-    with pytest.raises(openai.RateLimitError) as retried:
-        await client.chat.completions.create(**chat(4), extra_headers={"x-qos-class": "P2"})
-    headers = retried.value.response.headers
+    retried, holder = await refused_beside_a_stream(client)
+    headers = retried.response.headers
     assert headers["x-should-retry"] == "true"
     assert headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
     assert proxied(stack, "qosd_proxy_requests_total", model=MODEL, code="429",

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,26 @@ async def raw_request(address: str, head: bytes, body: bytes = b"") -> tuple[int
     writer.close()
     status_line, _, rest = answer.partition(b"\r\n")
     return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A proxy's answer to one chat request, read whole."""
+
+    status: int
+    headers: dict[str, str]  # by lower-case name
+    body: Any  # the JSON it carried
+
+
+async def answer_to(stack: Stack, body: dict[str, Any] | None = None) -> Answered:
+    """The proxy's answer to ``body`` (by default ``chat(3)``), over a raw HTTP client
+    that neither retries nor raises."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{stack.url()}/chat/completions", json=body or chat(3)) as answer,
+    ):
+        headers = {name.lower(): value for name, value in answer.headers.items()}
+        return Answered(answer.status, headers, await answer.json())
 
 
 async def metrics_page(stack: Stack) -> str:
@@ -760,12 +781,9 @@ async def test_a_cut_answer_is_a_502_a_cut_stream_ends_with_an_error_event(
 
     async with upstream(cutting) as url:
         stack = await make_stack(upstream=url)
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{stack.url()}/chat/completions", json=chat(3)) as answer,
-        ):
-            assert answer.status == 502
-            error = (await answer.json())["error"]
+        answered = await answer_to(stack)
+        assert answered.status == 502
+        error = answered.body["error"]
         assert error["code"] == "upstream_cut" and error["type"] == "upstream_error"
         client = stack.client(max_retries=0)
         stream = await client.chat.completions.create(**chat(3, stream=True))
@@ -869,14 +887,11 @@ async def test_the_upstreams_own_pause_reaches_the_client(
 
     async with upstream(overloaded) as url:
         stack = await make_stack(upstream=url)
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{stack.url()}/chat/completions", json=chat(3)) as answer,
-        ):
-            assert answer.status == 429
-            got = {name: answer.headers[name] for name in ("retry-after", "retry-after-ms")
-                   if name in answer.headers}  # fmt: skip
-        assert got == passed
+        answered = await answer_to(stack)
+    assert answered.status == 429
+    got = {name: answered.headers[name] for name in ("retry-after", "retry-after-ms")
+           if name in answered.headers}  # fmt: skip
+    assert got == passed
 
 
 async def test_a_hung_upstream_ends_its_request_and_lease_at_the_read_timeout(
@@ -892,12 +907,8 @@ async def test_a_hung_upstream_ends_its_request_and_lease_at_the_read_timeout(
 
     async with upstream(hanging) as url:
         stack = await make_stack(upstream=url, upstream_read_timeout_s=0.5)
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{stack.url()}/chat/completions", json=chat(3)) as answer,
-        ):
-            assert answer.status == 504
-            assert (await answer.json())["error"]["code"] == "upstream_timeout"
+        answered = await answer_to(stack)
+        assert answered.status == 504 and answered.body["error"]["code"] == "upstream_timeout"
         pool = await eventually(stack.status, lambda p: p.active_leases == 0)
         assert pool.active_leases == 0
         release.set()
@@ -1938,12 +1949,8 @@ async def test_a_failure_right_after_admission_still_ends_the_lease(
 
     monkeypatch.setattr(handler, "rate_limit_headers", failing)
     stack = await make_stack()
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{stack.url()}/chat/completions", json=chat(3)) as answer,
-    ):
-        assert answer.status == 500
-        assert (await answer.json())["error"]["type"] == "server_error"
+    answered = await answer_to(stack)
+    assert answered.status == 500 and answered.body["error"]["type"] == "server_error"
     assert await decisions(stack, "P1") == 1
     pool = await eventually(stack.status, lambda p: p.active_leases == 0)
     assert pool.active_leases == 0

@@ -18,7 +18,16 @@ import openai
 import pytest
 
 from qosd_harness import RedisServer, closed_port
-from tests.proxy_stack import MODEL, Stack, StackFactory, chat, make_stack
+from tests.conftest import merge
+from tests.proxy_stack import (
+    MODEL,
+    ONE_SLOT,
+    Stack,
+    StackFactory,
+    chat,
+    make_stack,
+    refused_beside_a_stream,
+)
 from tests.waiting import eventually, until
 
 __all__ = ["make_stack"]  # the fixture, used by name
@@ -129,19 +138,13 @@ async def test_refusals_are_429s_the_sdk_retries(make_stack: StackFactory) -> No
     """One request runs at a time and P2 may not wait: a second request is refused
     with 429, Retry-After and x-qos-reason, and the SDK retries it as it would
     OpenAI's (twice, then raises)."""
-    stack = await make_stack(
-        {"pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
-         "classes": {"P2": {"max_wait_ms": 0}}},
-    )  # fmt: skip
+    stack = await make_stack(merge(ONE_SLOT, {"classes": {"P2": {"max_wait_ms": 0}}}))
     client = stack.client(max_retries=2)
-    holder = await client.chat.completions.create(**chat(4, max_tokens=400, stream=True))
-    assert await anext(aiter(holder)) is not None
-    with pytest.raises(openai.RateLimitError) as refused:
-        await client.chat.completions.create(**chat(4), extra_headers={"x-qos-class": "P2"})
-    headers = refused.value.response.headers
+    refused, holder = await refused_beside_a_stream(client)
+    headers = refused.response.headers
     assert headers["x-qos-reason"] == "rate_limited" and int(headers["retry-after"]) >= 1
-    assert refused.value.body is not None
-    assert refused.value.code == "rate_limited"
+    assert refused.body is not None
+    assert refused.code == "rate_limited"
     page = (await stack.proxies[0].daemon.metrics_page()).decode()
     assert 'qosd_proxy_requests_total{class="P2",code="429",model="llama-3-8b"} 3.0' in page
     await holder.close()
@@ -152,16 +155,10 @@ async def test_a_queue_timeout_says_when_to_come_back(make_stack: StackFactory) 
     """The probe: a request that waited out its max wait in the queue was refused with
     no Retry-After (and gRPC's and JSON's refusals with ``retry_after_ms: 0``). It is
     now told to come back after as long as it waited: the queue did not clear in it."""
-    stack = await make_stack(
-        {"pools": {"default": {"max_in_flight": 1, "top_reserve": 0}},
-         "classes": {"P2": {"max_wait_ms": 300}}},
-    )  # fmt: skip
+    stack = await make_stack(merge(ONE_SLOT, {"classes": {"P2": {"max_wait_ms": 300}}}))
     client = stack.client(max_retries=0)
-    holder = await client.chat.completions.create(**chat(4, max_tokens=400, stream=True))
-    assert await anext(aiter(holder)) is not None
-    with pytest.raises(openai.RateLimitError) as refused:
-        await client.chat.completions.create(**chat(4), extra_headers={"x-qos-class": "P2"})
-    headers = refused.value.response.headers
+    refused, holder = await refused_beside_a_stream(client)
+    headers = refused.response.headers
     assert headers["x-qos-reason"] == "queue_timeout" and headers["retry-after"] == "1"
     assert 250 <= int(headers["retry-after-ms"]) <= 60_000
     await holder.close()
