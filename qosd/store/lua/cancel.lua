@@ -15,10 +15,7 @@ for r = 1, tonumber(ARGV[ARG_CALLS]) do
   local i = class_index[ARGV[a + ARG_CANCEL_QOS_CLASS]]
   local fair = ARGV[a + ARG_CANCEL_FAIR_REFUND] ~= '0'
   if ARGV[a + ARG_CANCEL_HAS_REQUEST] == '1' then
-    local named = redis.call('GET', KEYS[k])  -- "<pool>:<class>:<field>|..." if its own
-    if named and string.find(named, ':' .. ARGV[a + ARG_CANCEL_FIELD] .. '|', 1, true) then
-      redis.call('DEL', KEYS[k])
-    end
+    free_request_id(KEYS[k], ARGV[a + ARG_CANCEL_FIELD])
     k = k + 1
   end
   local finish = nil

@@ -89,10 +89,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
         delta = math.max(-burst, math.min(burst, delta))
       end
       if request_key then
-        local named = redis.call('GET', request_key)  -- "<pool>:<field>|..." if ours
-        if named and string.find(named, ':' .. field .. '|', 1, true) then
-          redis.call('DEL', request_key)
-        end
+        free_request_id(request_key, field)
       end
       settle(i, delta)
       local final = num(tonumber(charged) + delta)

@@ -28,3 +28,13 @@ local function save_leases()
     redis.call('PEXPIRE', key, lease_keep[key])
   end
 end
+
+-- Frees a request id (its key, as acquire wrote it: "<pool>:<field>|...") if it still
+-- names the lease or waiter `field`, so that the retry of a request that ended
+-- unserved, or failed on its way, is a new request rather than a reuse.
+local function free_request_id(request_key, field)
+  local named = redis.call('GET', request_key)
+  if named and string.find(named, ':' .. field .. '|', 1, true) then
+    redis.call('DEL', request_key)
+  end
+end
