@@ -449,6 +449,14 @@ class ControlConfig(_Strict):
     # together, and waiting for misses is waiting too long. Between grow_headroom
     # and cut_pressure the rate holds. Above 1: compliance alone.
     cut_pressure: Annotated[float, Field(gt=0, le=10)] = 0.95
+    # In a GPU-gated pool, the decode model the loop learns (qosd/control/decode.py)
+    # keeps every stream in flight within this fraction of its class's TPOT
+    # objective: prompts below the top class are admitted at the prefill share that
+    # leaves that much, and no new stream while the step alone would pass it. The
+    # prediction is a mean over a stream's life, and prompts come in bursts that the
+    # streams admitted before them did not see: the margin is for both (at 1.0, on
+    # bursty traffic, the top class lost 6 points of its requests on time to TPOT).
+    tpot_target: Annotated[float, Field(gt=0, le=1)] = 0.8
     # Bounds of the admitted rate, as fractions of the configured capacity.
     min_capacity: Annotated[float, Field(gt=0, le=100)] = 0.2
     max_capacity: Annotated[float, Field(gt=0, le=100)] = 2.0

@@ -270,6 +270,14 @@ class PrefillLearned:
     tolerance_ms: float | None  # the stall the top class absorbs; None: not known
     usual_tokens: float  # the pool's usual prompt length: the threshold's floor
     fallback_tokens: float = 0.0  # the threshold without model or tolerance; 0: none
+    # The decode step by batch size (qosd.control.decode): (base, per sequence) ms;
+    # None: none learned, and the stores keep the configured prefill share.
+    decode: tuple[float, float] | None = None
+    # The pool's servers chunk prefill: the pass that prefills a prompt also decodes.
+    chunked: bool = False
+    # Each of the pool's classes' TPOT target, ms, in the pool's class order (0: none):
+    # what the stores keep every stream in flight within, by the decode model.
+    tpot_targets_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qosd.config import Config
+from qosd.control.decode import BatchHistory, DecodeModel, decode_points, learn_decode
 from qosd.control.law import (
     HOLD,
     UNDO,
@@ -51,6 +52,9 @@ class _PoolMemory:
     admitted: float | None = None
     at_ms: int = 0
     long_prefill: float | None = None  # the threshold the store last derived
+    # The pool's leases in flight, turn by turn: the batch each report decoded in.
+    batch: BatchHistory = dataclasses.field(default_factory=BatchHistory)
+    decode: DecodeModel | None = None  # the decode model last learned
     # The last control record read while the pool's state existed, in every daemon:
     # what the leader writes back when the store comes back empty. Every daemon keeps
     # it because the loss takes the controller lease too, and whichever daemon takes
@@ -270,6 +274,7 @@ class Controller:
             )
             utilization = rate / status.capacity
         memory.admitted, memory.at_ms = status.admitted_tokens, status.now_ms
+        memory.batch.record(status.now_ms, status.active_leases)
         windows = await self.windows(pool)
         await self._tune_long_prefill(pool, windows, memory)
         if record.pinned:
@@ -347,8 +352,30 @@ class Controller:
         if configured.servers_schedule_by_priority:
             learned = dataclasses.replace(learned, tolerance_ms=None)
             fallback = 0.0
+        # The steps as reported, not less the prefill that shared them: the corrected
+        # step is closer to the truth (benchmarks/predictor_error.py), but with it the
+        # stores admitted enough more between bursts that P0 lost 20 points of one
+        # bursty development seed (ADR 13). What the reports do not subtract is margin.
+        decode = learn_decode(
+            decode_points((s for window in windows.values() for s in window), memory.batch)
+        )
+        if decode is not None and memory.decode is None:
+            log.info("pool %s: a decode step takes %.1f ms + %.3f ms a sequence",
+                     pool.name, decode.base_ms, decode.per_sequence_ms)  # fmt: skip
+        memory.decode = decode
+        targets = tuple(
+            (self._config.classes[cls.name].slo.tpot_ms or 0.0) * self._control.tpot_target
+            for cls in pool.classes
+        )
         threshold = await self._store.set_prefill(
-            pool, dataclasses.replace(learned, fallback_tokens=fallback)
+            pool,
+            dataclasses.replace(
+                learned,
+                fallback_tokens=fallback,
+                decode=None if decode is None else (decode.base_ms, decode.per_sequence_ms),
+                chunked=configured.chunked_prefill,
+                tpot_targets_ms=targets,
+            ),
         )
         known = memory.long_prefill
         memory.long_prefill = threshold

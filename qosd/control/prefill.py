@@ -69,6 +69,14 @@ class PrefillModel:
         return self.base_ms, self.per_token_ms, self.per_token2_ms
 
 
+def prefill_ms(model: tuple[float, float, float], tokens: int) -> float:
+    """The prefill time the model ``(c, a, b)`` predicts for a prompt, ms: the Python
+    reading of ``formula.prefill_ms`` (lua/formulas.lua), for what the loop learns
+    from it (qosd.control.decode)."""
+    c, a, b = model
+    return c + tokens * (a + b * tokens)
+
+
 def _quantile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

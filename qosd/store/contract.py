@@ -87,6 +87,7 @@ TUNABLES: tuple[tuple[str, int, str], ...] = (
     ("ROOM_RETRY_MS", 50, "a GPU-gated refusal's retry-after: room comes with no refill"),
     ("LONG_PREFILL_RETRY_MS", 1000, "a long prompt's retry-after: gaps are unpredictable"),
     ("TOP_PEAK_RESERVE_PCT", 50, "the most of the bound the top class's peak demand keeps free, %"),
+    ("MIN_PREFILL_SHARE_PCT", 5, "the least prefill share a decode model leaves lower classes, %"),
 )
 
 #: ARGV position, in every pool script, of the number of calls in the batch
@@ -293,6 +294,10 @@ class PrefillArgs(NamedTuple):
     tolerance_ms: str  # the stall the top class absorbs; '': not known
     fallback_tokens: str  # the threshold without a model or tolerance; 0: none
     model: str  # "c|a|b" (formulas.lua); '': none
+    # "base|per_sequence|chunked|target_1|...|target_n": the decode step by batch, ms,
+    # 1 where the pass that prefills also decodes (chunked prefill), else 0, and each
+    # class's TPOT target, ms, in the pool's class order (0: none); '': none
+    decode: str
 
 
 class ReportArgs(NamedTuple):
@@ -543,6 +548,12 @@ STATE_HASH: tuple[HashField, ...] = (
         "it was set; it decays by its half-life from then",
     ),
     HashField("Bp", "as Bt, the top class's prompts alone (servers that schedule by priority)"),
+    HashField(
+        "D",
+        "its decode model `base|per_sequence|chunked|target...`: a step of B sequences "
+        "takes base + per_sequence B ms; chunked 1 where a prefill pass also decodes; "
+        "each class's TPOT target, ms, in class order (0: none)",
+    ),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),
     HashField("n:<class>", "leases in flight: admitted, neither released nor expired"),

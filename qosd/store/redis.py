@@ -748,6 +748,12 @@ class RedisStore:
             tolerance_ms="" if learned.tolerance_ms is None else repr(float(learned.tolerance_ms)),
             fallback_tokens=repr(float(learned.fallback_tokens)),
             model="" if model is None else "|".join(repr(float(x)) for x in model),
+            decode=""
+            if learned.decode is None
+            else "|".join(
+                repr(float(x))
+                for x in (*learned.decode, int(learned.chunked), *learned.tpot_targets_ms)
+            ),
         )
         return float(await self._run(self._scripts["prefill"], (state_key,), args))
 

@@ -33,3 +33,28 @@ function formula.prefill_tokens_for(m, ms)
   end
   return (-a + math.sqrt(a * a - 4 * b * c)) / (2 * b)
 end
+
+-- The decode model: one decode step of a batch of n sequences takes base + per_sequence n
+-- ms; d is {base, per_sequence}. The SLO loop learns it from reports
+-- (qosd/control/decode.py); only the scripts apply it.
+function formula.decode_step_ms(d, n)
+  return d[1] + d[2] * n
+end
+
+-- The share of the servers' time prompts may add to the streams' decode while the
+-- tightest stream in flight, decoding at steps of step_ms, must keep its time per
+-- output token within tpot_ms: over a stream's life, its passes take a step each
+-- plus what prefill adds to them, so its TPOT is about step / (1 - share).
+function formula.prefill_share_for(step_ms, tpot_ms)
+  return 1 - step_ms / tpot_ms
+end
+
+-- What a prompt's prefill of prefill_us adds to every stream's decode, us: all of it
+-- where a prefill pass stops the streams (unchunked), the prefill less the step it
+-- replaces where the pass that prefills also decodes (chunked).
+function formula.prefill_stretch_us(prefill_us, step_ms, chunked)
+  if chunked then
+    return math.max(0, prefill_us - step_ms * 1000)
+  end
+  return prefill_us
+end

@@ -1,5 +1,6 @@
--- What the SLO loop learned of a pool's prefill (qosd/control/prefill.py), written into
--- the pool's state: the prefill model M (c|a|b; '' none) and the long-prefill
+-- What the SLO loop learned of a pool's prefill (qosd/control/prefill.py) and decode
+-- (qosd/control/decode.py), written into the pool's state: the decode model D
+-- (base|per_sequence|class targets; '' none), the prefill model M (c|a|b; '' none) and the long-prefill
 -- threshold P, the prompt length above which a prompt waits for a gap in the top
 -- class's traffic. P is the length whose predicted prefill (formulas.lua) equals
 -- the stall the top class can absorb, never below the pool's usual prompts; without a
@@ -13,6 +14,11 @@ if encoded ~= '' then
   redis.call('HSET', KEYS[1], 'M', encoded)
 else
   redis.call('HDEL', KEYS[1], 'M')
+end
+if ARGV[ARG_PREFILL_DECODE] ~= '' then
+  redis.call('HSET', KEYS[1], 'D', ARGV[ARG_PREFILL_DECODE])
+else
+  redis.call('HDEL', KEYS[1], 'D')
 end
 local threshold = tonumber(ARGV[ARG_PREFILL_FALLBACK_TOKENS])
 local tolerance = ARGV[ARG_PREFILL_TOLERANCE_MS]

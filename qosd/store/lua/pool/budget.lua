@@ -16,9 +16,13 @@ end
 
 -- GPU-gated pools: room in flight, the class's share, and how to pay.
 
--- The predicted prefill of a prompt of `input` tokens, us, by the pool's prefill model
--- (formulas.lua); nil while there is none.
-local function prefill_us(input)
+-- What the pool's learned models predict (formulas.lua states each model): one
+-- table, not a local per function (a script's main chunk has at most 200 locals).
+local predict = {}
+
+-- The predicted prefill of a prompt of `input` tokens, us, by the pool's prefill model;
+-- nil while there is none.
+function predict.prefill_us(input)
   local m = state.prefill_model
   if not m then
     return nil
@@ -26,13 +30,81 @@ local function prefill_us(input)
   return formula.prefill_ms(m, tonumber(input)) * 1000
 end
 
+-- The leases in flight: the batch the servers decode, as far as qosd knows it.
+function predict.in_flight()
+  local count = 0
+  for j = 1, class_count do
+    count = count + state.in_n[j]
+  end
+  return count
+end
+
+-- The tightest TPOT target (ms) of the streams in flight and of a new one of class i,
+-- by the decode model's targets; nil: none has one (or there is no model).
+function predict.tightest_tpot_ms(i)
+  local d = state.decode_model
+  if not d then
+    return nil
+  end
+  local tightest = d.targets[i]
+  for j = 1, class_count do
+    local target = d.targets[j]
+    if target and state.in_n[j] > 0 and (not tightest or target < tightest) then
+      tightest = target
+    end
+  end
+  return tightest
+end
+
+-- The share of the servers' time a prompt of class i may keep them prefilling: the
+-- pace of the share clock. With a decode model, what keeps every stream in flight,
+-- and class i's new one, within its TPOT target at the batch they then make
+-- (formulas.lua: prefill_share_for), never below MIN_PREFILL_SHARE_PCT, and the whole
+-- time where none has a target; without a model, the configured share.
+function predict.prefill_share(i)
+  local d = state.decode_model
+  if not d then
+    return prefill_share
+  end
+  local target = predict.tightest_tpot_ms(i)
+  if not target then
+    return 1
+  end
+  local step = formula.decode_step_ms(d, predict.in_flight() + 1)
+  return math.min(1, math.max(MIN_PREFILL_SHARE_PCT / 100,
+    formula.prefill_share_for(step, target)))
+end
+
+-- What a prompt of class i, of work_us of prefill, counts on the share clock: the
+-- time it adds to the streams' decode (formulas.lua: prefill_stretch_us; without a
+-- decode model, all of it), at the share class i may keep.
+function predict.share_clock_us(i, work_us)
+  local d = state.decode_model
+  local stretch = work_us
+  if d then
+    stretch = formula.prefill_stretch_us(work_us,
+      formula.decode_step_ms(d, predict.in_flight() + 1), d.chunked)
+  end
+  return stretch / predict.prefill_share(i)
+end
+
+-- May one more stream of class i decode? Not if the step of the batch it makes would
+-- itself take a stream in flight past its TPOT target (decode model only).
+function predict.step_within_targets(i)
+  local target = predict.tightest_tpot_ms(i)
+  if not target then
+    return true
+  end
+  return formula.decode_step_ms(state.decode_model, predict.in_flight() + 1) <= target
+end
+
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before
--- it, on the share clock and the real one; a top-class prompt (class i == 1) also on
--- the top class's own clock.
+-- it, on the share clock (predict.share_clock_us) and the real one; a
+-- top-class prompt (class i == 1) also on the top class's own clock.
 local function prefill_started(i, input)
-  local work_us = prefill_us(input)
+  local work_us = predict.prefill_us(input)
   if work_us then
-    state.prefill_until = math.max(now, state.prefill_until) + work_us / prefill_share
+    state.prefill_until = math.max(now, state.prefill_until) + predict.share_clock_us(i, work_us)
     state.prefill_real_until = math.max(now, state.prefill_real_until) + work_us
     if i == 1 then
       state.prefill_top_until = math.max(now, state.prefill_top_until) + work_us
@@ -43,10 +115,12 @@ end
 
 -- When the prefill that class i's next prompt starts behind ends (us of Redis time):
 -- the top class's, by the real clock (its own prompts alone where the servers
--- schedule by priority); the others', by the share's.
+-- schedule by priority); the others', by the share's, and never before the real
+-- one's (a decode model's share clock counts a chunked prefill less the step its
+-- pass decodes, so it can run behind the prefill really queued).
 local function prefill_ahead_until(i)
   if i ~= 1 then
-    return state.prefill_until
+    return math.max(state.prefill_until, state.prefill_real_until)
   end
   if gate.servers_by_priority then
     return state.prefill_top_until
@@ -74,6 +148,9 @@ local function has_room(i, tokens)
     or (gate.max_kv_cache_usage > 0 and state.server_kv
       and state.server_kv >= gate.max_kv_cache_usage)) then
     return false
+  end
+  if i ~= 1 and not predict.step_within_targets(i) then
+    return false  -- one more stream would slow every stream past its TPOT target
   end
   if i == 1 then
     if bound_count > 0 and count + 1 > bound_count then

@@ -27,7 +27,7 @@ end
 -- serving the short ones and letting the longest go late (Moore and Hodgson's rule
 -- for the most jobs on time). Without an objective or a model: the due time.
 function by_deadline.order_us(due, enqueued, input)
-  local own = prefill_us(input)
+  local own = predict.prefill_us(input)
   if due <= enqueued or not own then
     return due
   end
@@ -47,7 +47,7 @@ end
 -- slack, the objective less its own prefill (admitted later, even onto an idle GPU,
 -- it is late), up to what the caller allows; otherwise the class's max wait.
 function by_deadline.granted_wait_ms(wait_ms, ttft_ms, cap_ms, input)
-  local own = prefill_us(input)
+  local own = predict.prefill_us(input)
   if wait_ms <= 0 or ttft_ms <= 0 or not own then
     return wait_ms
   end
@@ -64,7 +64,7 @@ function by_deadline.lateness_us(i, due, input)
   if not pool_gated then
     return nil
   end
-  local own = prefill_us(input)
+  local own = predict.prefill_us(input)
   if not own then
     return nil
   end
@@ -101,7 +101,7 @@ function by_deadline.miss_ms(i, ttft_ms, input, ready)
   local wait_us = late
   if not ready then
     local gate_us = by_deadline.backlog_wait_us(i)
-    if gate_us + prefill_us(input) > ttft_ms * 1000 then
+    if gate_us + predict.prefill_us(input) > ttft_ms * 1000 then
       wait_us = math.max(wait_us, gate_us)
     end
   end

@@ -36,7 +36,6 @@ local function end_other(name, count, tokens)
       'c:' .. name, num(math.max(0, (tonumber(c) or 0) - tokens)))
   end
 end
-local HEADER = 18  -- fields read before the per-class ones
 local values_fresh = false  -- no state was found: it is made now
 -- Each class's state fields ('t:', 'w:', 'n:', 'c:' and its name), named once a call.
 local class_fields = {}
@@ -47,7 +46,8 @@ local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp'}
+    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D'}
+  local header = #fields  -- fields read before the per-class ones
   for i = 1, class_count do
     local name = classes[i].name
     local names = {'t:' .. name, 'w:' .. name, 'n:' .. name, 'c:' .. name}
@@ -79,6 +79,23 @@ do
     local c, a, b = string.match(values[10], '^([^|]*)|([^|]*)|([^|]*)$')
     state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}
   end
+  -- The decode model (formulas.lua: decode_step_ms), whether a prefill pass also
+  -- decodes (chunked prefill), and each class's TPOT target.
+  if values[19] then
+    local parts = {}
+    for part in string.gmatch(values[19], '[^|]+') do
+      parts[#parts + 1] = tonumber(part)
+    end
+    if #parts == 3 + class_count then
+      local targets = {}
+      for i = 1, class_count do
+        if parts[3 + i] > 0 then
+          targets[i] = parts[3 + i]
+        end
+      end
+      state.decode_model = {parts[1], parts[2], chunked = parts[3] == 1, targets = targets}
+    end
+  end
   stored.prefill_until = tonumber(values[11])
   stored.prefill_real_until = tonumber(values[15])
   state.prefill_until = stored.prefill_until or 0
@@ -107,7 +124,7 @@ do
     state.updated = stored.updated
     state.shared = stored.shared
     for i = 1, class_count do
-      local at = HEADER + 4 * (i - 1)
+      local at = header + 4 * (i - 1)
       stored.tokens[i] = tonumber(values[at + 1])
       stored.waiting[i] = tonumber(values[at + 2])
       stored.in_n[i] = tonumber(values[at + 3])
