@@ -57,7 +57,7 @@ ENGINES = {
     "chunked": GpuModel(),
     "unchunked": GpuModel(prefill_chunk_tokens=None),
 }
-LOADS = (0.5, 0.9, 1.5)
+LOADS = (0.5, 0.9)
 BACKLOG_S = 0.3  # the default backlog bound: P0's 500 ms objective less its 200 ms wait
 SEEDS = (11, 12, 13)
 

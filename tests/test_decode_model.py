@@ -121,18 +121,25 @@ def test_the_history_forgets_past_its_horizon_and_keeps_order() -> None:
 # -- the stores apply it -----------------------------------------------------------------
 
 
+#: Each "ms" of the store tests below is SCALE ms: prefill in seconds, steps and
+#: targets alike (the shares are ratios), so that a busy machine's milliseconds
+#: between two calls never decide a test.
+SCALE = 100
+
+
 def gated(prefill_share: float = 0.5) -> dict[str, Any]:
-    """A pool of ten slots, a 100 ms prefill backlog bound at ``prefill_share``, the
-    SLO loop off (the tests state the models themselves), P0's TPOT objective 50 ms."""
+    """A pool of ten slots, a prefill backlog bound of 100 (scaled) ms at
+    ``prefill_share``, the SLO loop off (the tests state the models themselves)."""
     pool = {
         "max_in_flight": 10,
         "top_reserve": 0,
-        "max_prefill_backlog_ms": 100,
+        "max_prefill_backlog_ms": 100 * SCALE,
         "max_prefill_share": prefill_share,
     }
+    big = {"max_cost_tokens": 50_000}  # prompts of seconds of prefill
     return {
         "pools": {"default": pool},
-        "classes": {"P0": {"slo": {"ttft_ms": 5_000, "tpot_ms": 50}}},
+        "classes": {"P0": {"slo": {"ttft_ms": 60_000}, **big}, "P1": big, "P2": big},
         "control": {"enabled": False},
     }
 
@@ -140,31 +147,32 @@ def gated(prefill_share: float = 0.5) -> dict[str, Any]:
 async def learned(
     running: RunningDaemon, decode: tuple[float, float] | None, *, chunked: bool = False
 ) -> None:
-    """States the prefill model (1 ms a token) and ``decode`` (base, per sequence ms)
-    of an unchunked server (or a ``chunked`` one), as the SLO loop would."""
+    """States the prefill model (1 ms a token) and ``decode`` (base, per sequence, in
+    scaled ms) of an unchunked server (or a ``chunked`` one), with P0's TPOT target of
+    40 scaled ms, as the SLO loop would."""
     admission = running.daemon.admission
     pool = admission.pool("default")
-    targets = tuple(P0_TARGET_MS if cls.name == "P0" else 0.0 for cls in pool.classes)
+    targets = tuple(P0_TARGET_MS * SCALE if cls.name == "P0" else 0.0 for cls in pool.classes)
     await admission.store.set_prefill(
         pool,
         PrefillLearned(
             model=ONE_MS_PER_TOKEN,
             tolerance_ms=None,
             usual_tokens=0,
-            decode=decode,
+            decode=None if decode is None else (decode[0] * SCALE, decode[1] * SCALE),
             chunked=chunked,
             tpot_targets_ms=targets,
         ),
     )
 
 
-async def admitted_prompts(running: RunningDaemon, count: int, tokens: int) -> int:
-    """How many of ``count`` P2 prompts of ``tokens`` (as many ms of prefill) go in at
-    once, one after another."""
+async def admitted_prompts(running: RunningDaemon, count: int, ms: int) -> int:
+    """How many of ``count`` P2 prompts of ``ms`` (scaled) ms of prefill go in at once,
+    one after another."""
     qos = running.client
     admitted = 0
     for _ in range(count):
-        result = await qos.acquire("P2", tokens, max_wait_ms=0)
+        result = await qos.acquire("P2", ms * SCALE, max_wait_ms=0)
         if result.admitted:
             admitted += 1
         else:
@@ -176,12 +184,12 @@ async def admitted_prompts(running: RunningDaemon, count: int, tokens: int) -> i
 async def test_without_streams_that_have_targets_lower_classes_prefill_at_full_share(
     make_daemon: DaemonFactory, decode: tuple[float, float] | None, admitted: int
 ) -> None:
-    """No P0 stream in flight: P2's 40 ms prompts fill the 100 ms backlog on the real
-    clock (three go in: 0, 40, 80 ms ahead). Without a decode model the configured
-    share of 0.5 counts each at 80 ms: two go in."""
+    """No P0 stream in flight: P2's 50 ms prompts fill the 100 ms backlog on the real
+    clock (three go in: 0, 50, 100 ms ahead; not at 150). Without a decode model the
+    configured share of 0.5 counts each at 100 ms: two go in (0, 100; not at 200)."""
     running = await make_daemon(gated())
     await learned(running, decode=decode)
-    assert await admitted_prompts(running, 5, 40) == admitted
+    assert await admitted_prompts(running, 5, 50) == admitted
 
 
 @pytest.mark.parametrize(("chunked", "admitted"), [(False, 1), (True, 2)])
@@ -211,20 +219,22 @@ async def test_below_the_top_class_the_real_prefill_backlog_bounds_admission_too
     assert await admitted_prompts(running, 5, 100) == 2
 
 
-@pytest.mark.parametrize(("decode", "admitted"), [((20.0, 1.0), 3), ((30.0, 1.0), 1)])
+@pytest.mark.parametrize(
+    ("decode", "prompt_ms", "admitted"), [((20.0, 1.0), 20, 3), ((30.0, 1.0), 30, 1)]
+)
 async def test_a_p0_stream_in_flight_narrows_the_share_to_its_tpot(
-    make_daemon: DaemonFactory, decode: tuple[float, float], admitted: int
+    make_daemon: DaemonFactory, decode: tuple[float, float], prompt_ms: int, admitted: int
 ) -> None:
     """One P0 stream in flight, a step of 20 + 1·B ms: a P2 prompt makes a batch of 2,
     a 22 ms step, so prefill may take 1 - 22/40 = 45 % of the servers' time, and a
     20 ms prompt counts 44 ms on the share clock (the next, at a batch of 3, 47 ms).
-    A prompt goes in while the clock leads by at most the 100 ms bound: at 2, 46 and
-    93 ms, and not at 142 (at the configured 0.5, four would). With a step of
-    30 + 1·B (1 - 32/40 = 20 %), a 20 ms prompt counts 100 ms: one goes in."""
+    A prompt goes in while the clock leads by at most the 100 ms bound: at 0, 44 and
+    91 ms, and not at 140 (at the configured 0.5, four would). With a step of
+    30 + 1·B (1 - 32/40 = 20 %), a 30 ms prompt counts 150 ms: one goes in."""
     running = await make_daemon(gated())
     await learned(running, decode=decode)
     assert (await running.client.acquire("P0", 1, max_wait_ms=0)).admitted
-    assert await admitted_prompts(running, 5, 20) == admitted
+    assert await admitted_prompts(running, 5, prompt_ms) == admitted
 
 
 async def test_no_new_stream_while_its_step_would_pass_a_target_in_flight(
@@ -246,6 +256,16 @@ async def test_no_new_stream_while_its_step_would_pass_a_target_in_flight(
     await qos.release(top.lease_id)
     # One P0 stream still in flight (the second): still held.
     assert not (await qos.acquire("P2", 1, max_wait_ms=0)).admitted
+
+
+async def test_the_share_never_falls_below_its_floor(make_daemon: DaemonFactory) -> None:
+    """A step of 39 ms beside a P0 stream: the share that keeps 40 ms would be 2.5 %,
+    and a 4 ms prompt would count 160 ms; the floor of 5 % counts it 80 ms, so lower
+    classes still progress: two go in (at 0 and 80 ms; not at 160), not one."""
+    running = await make_daemon(gated())
+    await learned(running, decode=(39.0, 0.0))
+    assert (await running.client.acquire("P0", 1, max_wait_ms=0)).admitted
+    assert await admitted_prompts(running, 4, 4) == 2
 
 
 async def test_a_model_withdrawn_gives_the_configured_rules_back(
