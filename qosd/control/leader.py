@@ -356,8 +356,15 @@ class Controller:
         # step is closer to the truth (benchmarks/predictor_error.py), but with it the
         # stores admitted enough more between bursts that P0 lost 20 points of one
         # bursty development seed (ADR 13). What the reports do not subtract is margin.
-        decode = learn_decode(
-            decode_points((s for window in windows.values() for s in window), memory.batch)
+        # Chunked servers only: on an unchunked one the predicted share was tighter
+        # than the configured one, and goodput fell from 0.680 to 0.486 on an Azure
+        # development seed (ADR 13); its pools keep max_prefill_share.
+        decode = (
+            learn_decode(
+                decode_points((s for window in windows.values() for s in window), memory.batch)
+            )
+            if configured.chunked_prefill
+            else None
         )
         if decode is not None and memory.decode is None:
             log.info("pool %s: a decode step takes %.1f ms + %.3f ms a sequence",
