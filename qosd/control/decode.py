@@ -137,18 +137,16 @@ def decode_points(
     return points
 
 
-def learn_decode(
-    points: Iterable[tuple[float, float]], quantile: float = QUANTILE
-) -> DecodeModel | None:
+def learn_decode(points: Iterable[tuple[float, float]]) -> DecodeModel | None:
     """The decode model of (batch, step) points (see the module's docstring): each
-    band's ``quantile``, fitted by least squares; None with too little evidence."""
+    band's :data:`QUANTILE`, fitted by least squares; None with too little evidence."""
     bands: dict[int, list[tuple[float, float]]] = {}
     for batch, tpot in points:
         bands.setdefault(int(batch // BAND_SEQUENCES), []).append((batch, tpot))
     if sum(len(band) for band in bands.values()) < MIN_SAMPLES:
         return None
     fastest = [
-        (sum(b for b, _ in band) / len(band), _quantile([t for _, t in band], quantile))
+        (sum(b for b, _ in band) / len(band), _quantile([t for _, t in band], QUANTILE))
         for band in bands.values()
         if len(band) >= MIN_BAND_SAMPLES
     ]
