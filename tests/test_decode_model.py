@@ -258,6 +258,30 @@ async def test_no_new_stream_while_its_step_would_pass_a_target_in_flight(
     assert not (await qos.acquire("P2", 1, max_wait_ms=0)).admitted
 
 
+@pytest.mark.parametrize(("half_life_s", "admitted"), [(60.0, False), (0.0, True)])
+async def test_the_top_class_s_recent_peak_counts_in_the_batch(
+    make_daemon: DaemonFactory, half_life_s: float, admitted: bool
+) -> None:
+    """A step of 38 + 1·B ms. P0 had two streams and holds one: a P2 stream decodes
+    for seconds, and P0's next burst joins its batch, so it is predicted at a batch of
+    three (its own, P0's, and P0's peak less what P0 holds): 41 ms, past the 40 ms
+    target, refused. With P0's peak off (a half-life of 0), the batch is two, 40 ms:
+    admitted."""
+    config = gated(prefill_share=1.0)
+    config["pools"]["default"]["top_reserve_half_life_s"] = half_life_s
+    running = await make_daemon(config)
+    await learned(running, decode=(38.0, 1.0))
+    qos = running.client
+    first = await qos.acquire("P0", 1, max_wait_ms=0)
+    second = await qos.acquire("P0", 1, max_wait_ms=0)
+    assert first.admitted and second.admitted
+    await qos.release(second.lease_id)
+    result = await qos.acquire("P2", 1, max_wait_ms=0)
+    assert result.admitted is admitted
+    if not admitted:
+        assert result.reason is Reason.RATE_LIMITED
+
+
 async def test_the_share_never_falls_below_its_floor(make_daemon: DaemonFactory) -> None:
     """A step of 39 ms beside a P0 stream: the share that keeps 40 ms would be 2.5 %,
     and a 4 ms prompt would count 160 ms; the floor of 5 % counts it 80 ms, so lower

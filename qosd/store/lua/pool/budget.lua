@@ -39,6 +39,19 @@ function predict.in_flight()
   return count
 end
 
+-- The batch a new stream of class i makes, as far as its decode will see it: the
+-- leases in flight, the stream itself and, below the top class, the top class's
+-- recent peak less what it holds now (in whole requests). A stream of a lower class
+-- decodes for seconds; the top class's next burst joins its batch, and the top
+-- class's streams are the ones the prediction must keep on time.
+function predict.batch_for(i)
+  local batch = predict.in_flight() + 1
+  if i ~= 1 then
+    batch = batch + math.max(0, math.floor(state.top_peak_n + 0.5) - state.in_n[1])
+  end
+  return batch
+end
+
 -- The tightest TPOT target (ms) of the streams in flight and of a new one of class i,
 -- by the decode model's targets; nil: none has one (or there is no model).
 function predict.tightest_tpot_ms(i)
@@ -70,7 +83,7 @@ function predict.prefill_share(i)
   if not target then
     return 1
   end
-  local step = formula.decode_step_ms(d, predict.in_flight() + 1)
+  local step = formula.decode_step_ms(d, predict.batch_for(i))
   return math.min(1, math.max(MIN_PREFILL_SHARE_PCT / 100,
     formula.prefill_share_for(step, target)))
 end
@@ -83,7 +96,7 @@ function predict.share_clock_us(i, work_us)
   local stretch = work_us
   if d then
     stretch = formula.prefill_stretch_us(work_us,
-      formula.decode_step_ms(d, predict.in_flight() + 1), d.chunked)
+      formula.decode_step_ms(d, predict.batch_for(i)), d.chunked)
   end
   return stretch / predict.prefill_share(i)
 end
@@ -95,7 +108,7 @@ function predict.step_within_targets(i)
   if not target then
     return true
   end
-  return formula.decode_step_ms(state.decode_model, predict.in_flight() + 1) <= target
+  return formula.decode_step_ms(state.decode_model, predict.batch_for(i)) <= target
 end
 
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before
