@@ -14,12 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from qosd.config import Config
-from qosd.control.decode import BatchHistory, DecodeModel, decode_points, learn_decode
+from qosd.control.decode import (
+    BatchHistory,
+    DecodeModel,
+    decode_points,
+    learn_decode,
+)
 from qosd.control.law import (
     HOLD,
     UNDO,
@@ -31,7 +37,7 @@ from qosd.control.law import (
     near_ceiling,
     step,
 )
-from qosd.control.prefill import learn
+from qosd.control.prefill import learn, prefill_ms
 from qosd.model import ControlRecord, StoredSample, StoreUnavailable
 from qosd.policy import PoolPolicy
 from qosd.store.base import BucketStore
@@ -352,20 +358,23 @@ class Controller:
         if configured.servers_schedule_by_priority:
             learned = dataclasses.replace(learned, tolerance_ms=None)
             fallback = 0.0
-        # The steps as reported, not less the prefill that shared them: the corrected
-        # step is closer to the truth (benchmarks/predictor_error.py), but with it the
-        # stores admitted enough more between bursts that P0 lost 20 points of one
-        # bursty development seed (ADR 13). What the reports do not subtract is margin.
         # Chunked servers only: on an unchunked one the predicted share was tighter
         # than the configured one, and goodput fell from 0.680 to 0.486 on an Azure
-        # development seed (ADR 13); its pools keep max_prefill_share.
-        decode = (
-            learn_decode(
-                decode_points((s for window in windows.values() for s in window), memory.batch)
+        # development seed (ADR 13); its pools keep max_prefill_share. The steps are
+        # the reports' TPOTs less the prefill that shared them: the closer estimate
+        # (benchmarks/predictor_error.py), and, with the top class's peak in the
+        # predicted batch (budget.lua), no longer the P0 cost it was (ADR 13).
+        decode = None
+        if configured.chunked_prefill and learned.model is not None:
+            prefill = functools.partial(prefill_ms, learned.model)
+            decode = learn_decode(
+                decode_points(
+                    (s for window in windows.values() for s in window),
+                    memory.batch,
+                    prefill,
+                    chunked=True,
+                )
             )
-            if configured.chunked_prefill
-            else None
-        )
         if decode is not None and memory.decode is None:
             log.info("pool %s: a decode step takes %.1f ms + %.3f ms a sequence",
                      pool.name, decode.base_ms, decode.per_sequence_ms)  # fmt: skip
