@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from qosd.config import Config, SloConfig
-from qosd.control.prefill import PrefillModel, learn, learn_prefill, stall_tolerance_ms
+from qosd.control.prefill import (
+    USUAL_QUANTILE,
+    PrefillModel,
+    learn,
+    learn_prefill,
+    stall_tolerance_ms,
+)
 from qosd.model import Outcome, PrefillLearned, StoredSample
 from qosd.policy import PoolPolicy, resolve_pools
 from qosd.store.embedded import EmbeddedStore
@@ -50,8 +56,8 @@ async def _with_threshold(make_daemon: DaemonFactory, extra: dict[str, Any]) -> 
 @pytest.mark.parametrize("gated", [False, True], ids=["buckets", "gated"])
 async def test_a_long_prompt_waits_for_a_gap_in_p0(make_daemon: DaemonFactory, gated: bool) -> None:
     extra = dict(LONG_OK)
-    if gated:
-        extra = {**extra, "pools": {"default": {"max_in_flight": 8}}}
+    if gated:  # P0's recent peak off: its gap is the moment it holds nothing
+        extra = {**extra, "pools": {"default": {"max_in_flight": 8, "top_reserve_half_life_s": 0}}}
     qos = (await _with_threshold(make_daemon, extra)).client
     p0 = await qos.acquire("P0", 100, max_wait_ms=0)
     assert p0.admitted
@@ -69,6 +75,23 @@ async def test_a_long_prompt_waits_for_a_gap_in_p0(make_daemon: DaemonFactory, g
     await qos.release(p0.lease_id)  # the gap
     admitted = await long
     assert admitted.admitted and admitted.waited_s > 0
+
+
+async def test_a_gap_between_bursts_is_no_gap(make_daemon: DaemonFactory) -> None:
+    """In a gated pool, P0's recent peak (half-life 60 s) judges the gap: once P0 has
+    come, a long prompt is held after its requests end, since the next burst would
+    arrive while it still prefills; a short one is not."""
+    extra = {**LONG_OK, "pools": {"default": {"max_in_flight": 8}}}
+    qos = (await _with_threshold(make_daemon, extra)).client
+    burst = [await qos.acquire("P0", 100, max_wait_ms=0) for _ in range(3)]
+    assert all(lease.admitted for lease in burst)
+    for lease in burst:
+        await qos.release(lease.lease_id)
+    pool = (await qos.status("default")).pool("default")
+    assert pool.cls("P0").in_flight == 0 and pool.cls("P0").waiting == 0
+    refused = await qos.acquire("P1", 20_000, max_wait_ms=0)
+    assert not refused.admitted and refused.reason is Reason.LONG_PREFILL
+    assert (await qos.acquire("P1", 100, max_wait_ms=0)).admitted
 
 
 async def test_no_gap_means_a_clear_refusal(make_daemon: DaemonFactory) -> None:
@@ -117,13 +140,17 @@ async def test_chunked_pools_learn_a_threshold_too(make_daemon: DaemonFactory) -
     while not (threshold := (await qos.status("default")).pool("default").long_prefill_tokens):
         assert time.monotonic() < deadline, "the loop never learned a threshold"
         await asyncio.sleep(0.05)
-    assert 6_000 < threshold < 16_000
+    assert 5_000 < threshold < 16_000  # the usual prompts (95 %) up to 8K, or P0's slack
 
 
-async def test_servers_that_serve_p0_first_get_no_threshold(make_daemon: DaemonFactory) -> None:
-    """Where the servers schedule by priority, a long prompt delays no P0 request: the
-    loop learns the prefill model from the reports that teach the test above its
-    threshold (a P0 deadline refusal shows it), but holds no prompt for a gap."""
+async def test_servers_that_serve_p0_first_learn_a_threshold_too(
+    make_daemon: DaemonFactory,
+) -> None:
+    """Where the servers schedule by priority, P0 goes before the prompts that wait,
+    but not before the chunks of one that has started: a long prompt's chunks
+    lengthen every pass while P0's streams decode. (On a bursty development seed, with
+    no threshold on such servers, the 32K prompts cost P0 a fifth of its requests on
+    time; ADR 13.) So the loop learns a threshold there as well."""
     config = {
         "pools": {"default": {"chunked_prefill": True, "servers_schedule_by_priority": True,
                               "max_in_flight": 100}},
@@ -133,15 +160,10 @@ async def test_servers_that_serve_p0_first_get_no_threshold(make_daemon: DaemonF
     qos = (await make_daemon(config)).client
     await _report_gpu_like(qos, 200)
     deadline = time.monotonic() + 5.0
-    while True:  # until the model predicts a 20K prompt's prefill outlasts P0's 500 ms
-        probe = await qos.acquire("P0", 20_000, max_wait_ms=0)
-        if probe.reason is Reason.DEADLINE:
-            break
-        if probe.admitted:  # else its bucket is empty, from the probes before
-            await qos.release(probe.lease_id)
-        assert time.monotonic() < deadline, "the loop never learned the prefill model"
+    while not (threshold := (await qos.status("default")).pool("default").long_prefill_tokens):
+        assert time.monotonic() < deadline, "the loop never learned a threshold"
         await asyncio.sleep(0.05)
-    assert (await qos.status("default")).pool("default").long_prefill_tokens == 0
+    assert 5_000 < threshold < 16_000  # the usual prompts (95 %) up to 8K, or P0's slack
 
 
 async def test_the_loop_learns_the_threshold_from_reports(make_daemon: DaemonFactory) -> None:
@@ -157,7 +179,7 @@ async def test_the_loop_learns_the_threshold_from_reports(make_daemon: DaemonFac
         await asyncio.sleep(0.05)
     # P0's samples could each have waited about 300 ms more (TTFT 200 ms against 500):
     # the simulated GPU prefills about 10K tokens in that time.
-    assert 6_000 < threshold < 16_000
+    assert 5_000 < threshold < 16_000  # the usual prompts (95 %) up to 8K, or P0's slack
 
 
 async def _until_waiting(qos: QosdClient, qos_class: str, count: int) -> None:
@@ -259,7 +281,7 @@ async def test_the_threshold_never_holds_the_pools_usual_prompts() -> None:
     store, pool = EmbeddedStore(tombstone_ms=60_000), _default_pool()
     threshold = await store.set_prefill(pool, learn({"P0": p0, "P1": others}, "P0", slo))
     prompts = sorted(s.input_tokens for s in [*p0, *others])
-    assert threshold == pytest.approx(prompts[int(0.99 * len(prompts))])
+    assert threshold == pytest.approx(prompts[int(USUAL_QUANTILE * len(prompts))])
     assert (await store.status(pool)).long_prefill_tokens == pytest.approx(threshold)
 
 

@@ -346,18 +346,16 @@ class Controller:
     ) -> None:
         """Learns the pool's prefill and the stall its top class absorbs
         (qosd.control.prefill), and tells the store, which derives from them which
-        prompts wait for a gap in the top class's traffic (prefill.lua). Where the
-        servers serve the top class first, no prompt stalls it: no threshold, the model
-        alone. Logged when the threshold moves by a tenth or more."""
+        prompts wait for a gap in the top class's traffic (prefill.lua): on servers that
+        serve the top class first too, since a long prompt's chunks, once started,
+        lengthen every pass its streams decode in. Logged when the threshold moves by
+        a tenth or more."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
         learned = await asyncio.to_thread(
             learn, windows, top, self._config.classes[top].slo, chunked=configured.chunked_prefill
         )
         fallback = configured.long_prefill_tokens or 0.0
-        if configured.servers_schedule_by_priority:
-            learned = dataclasses.replace(learned, tolerance_ms=None)
-            fallback = 0.0
         # Chunked servers only: on an unchunked one the predicted share was tighter
         # than the configured one, and goodput fell from 0.680 to 0.486 on an Azure
         # development seed (ADR 13); its pools keep max_prefill_share. The steps are

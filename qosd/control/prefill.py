@@ -53,7 +53,7 @@ MIN_SAMPLES = 20  # evidence needed for either estimate
 MIN_PROMPT_TOKENS = 256  # shorter prompts' TTFT is mostly fixed overhead
 QUANTILE = 0.05  # the fastest: queueing and others' prefills only add
 TOLERANCE_QUANTILE = 0.1  # a stall nine in ten of the top class's requests absorb
-USUAL_QUANTILE = 0.99  # prompts up to this quantile of the pool's are never held
+USUAL_QUANTILE = 0.95  # prompts up to this quantile of the pool's are never held
 
 
 @dataclass(frozen=True, slots=True)
