@@ -98,53 +98,6 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class _Prompts:
-    """The prompts of some reported requests, by when each reached the servers: what
-    prefill shared a stream's decode."""
-
-    def __init__(self, samples: Iterable[StoredSample]) -> None:
-        self._starts = sorted(
-            (s.at_ms - (s.e2e_ms or 0.0), s.input_tokens) for s in samples if s.e2e_ms is not None
-        )
-        self._times = [at for at, _ in self._starts]
-
-    def stretch(
-        self, sample: StoredSample, prefill_ms: Callable[[int], float], chunked: bool
-    ) -> float | None:
-        """The share ``ρ`` of ``sample``'s decode (first token to report) the prompts
-        that started meanwhile added, by the prefill model: all of each prefill, or,
-        ``chunked``, the prefill less the step its pass decodes, as the stores count it
-        (formulas.lua, ``prefill_stretch_us``). None: it did not decode."""
-        if _no_decode(sample):
-            return None
-        assert sample.tpot_ms is not None
-        first_token_ms = _first_token_at(sample)
-        span = sample.at_ms - first_token_ms
-        if span <= 0:
-            return None
-        begin = bisect.bisect_left(self._times, first_token_ms)
-        end = bisect.bisect_left(self._times, sample.at_ms)
-        added = (prefill_ms(n) for _, n in self._starts[begin:end])
-        if chunked:
-            added = (max(0.0, ms - sample.tpot_ms) for ms in added)
-        return sum(added) / span
-
-
-def _no_decode(sample: StoredSample) -> bool:
-    """Whether a report says nothing of decode: an error, no TPOT, or one token."""
-    return (
-        sample.status == Outcome.ERROR
-        or sample.tpot_ms is None
-        or sample.output_tokens < 2
-        or sample.e2e_ms is None
-    )
-
-
-def _first_token_at(sample: StoredSample) -> float:
-    """When a reported request's first token came (ms of Redis time)."""
-    return sample.at_ms - (sample.e2e_ms or 0.0) + (sample.ttft_ms or 0.0)
-
-
 def decode_points(
     samples: Iterable[StoredSample],
     history: BatchHistory,
@@ -154,23 +107,33 @@ def decode_points(
 ) -> list[tuple[float, float]]:
     """(mean batch over its decode, its step) of each reported request that decoded
     (two output tokens or more, not an error) within the history. The step is its
-    TPOT less the stretch of the prefill that shared its decode: ``TPOT × (1 - ρ)``
-    (:meth:`_Prompts.stretch`). Without a prefill model, the TPOT itself. A decode
-    that prefill took most of (ρ above :data:`MAX_STRETCH`) says little of the step,
-    and is left out."""
+    TPOT less the stretch of the prefill that shared its decode: ``TPOT × (1 - ρ)``,
+    where ``ρ`` is the share of its decode the prompts of the requests that started
+    meanwhile (their reports say when) added, by the prefill model (all of each
+    prefill, or, ``chunked``, the prefill less the step its pass decodes, as the
+    stores count it: formulas.lua, ``prefill_stretch_us``). Without a prefill model,
+    the TPOT itself. A decode that prefill took most of (ρ above
+    :data:`MAX_STRETCH`) says little of the step, and is left out."""
     kept = [s for s in samples if s.e2e_ms is not None]
-    prompts = _Prompts(kept)
+    starts = sorted((s.at_ms - (s.e2e_ms or 0.0), s.input_tokens) for s in kept)
+    times = [at for at, _ in starts]
     points = []
     for s in kept:
-        if _no_decode(s):
+        if s.status == Outcome.ERROR or s.tpot_ms is None or s.output_tokens < 2:
             continue
-        assert s.tpot_ms is not None
-        batch = history.mean_over(_first_token_at(s), s.at_ms)
+        first_token_ms = s.at_ms - (s.e2e_ms or 0.0) + (s.ttft_ms or 0.0)
+        batch = history.mean_over(first_token_ms, s.at_ms)
         if batch is None or batch < 1:
             continue
         share = 0.0
-        if prefill_ms is not None:
-            share = prompts.stretch(s, prefill_ms, chunked) or 0.0
+        span = s.at_ms - first_token_ms
+        if prefill_ms is not None and span > 0:
+            begin = bisect.bisect_left(times, first_token_ms)
+            end = bisect.bisect_left(times, s.at_ms)
+            added = (prefill_ms(n) for _, n in starts[begin:end])
+            if chunked:
+                added = (max(0.0, ms - s.tpot_ms) for ms in added)
+            share = sum(added) / span
         if share <= MAX_STRETCH:
             points.append((batch, s.tpot_ms * (1 - share)))
     return points
