@@ -20,12 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qosd.config import Config
-from qosd.control.decode import (
-    BatchHistory,
-    DecodeModel,
-    decode_points,
-    learn_decode,
-)
+from qosd.control.decode import BatchHistory, DecodeModel, decode_points, learn_decode
 from qosd.control.law import (
     HOLD,
     UNDO,

@@ -22,9 +22,9 @@ end
 
 -- A prompt longer than the learned threshold stalls the servers for longer than the
 -- top class's requests can absorb: one of another class i waits while the top class
--- has anything in flight or waiting, or came, at its recent peak, a whole request or
--- more (a held waiter). The peak is what a gap is judged by: a gap between bursts is
--- no gap, since the next burst arrives while the long prompt still prefills.
+-- has anything in flight or waiting, or while its recent peak (save.lua: decayed by
+-- the pool's half-life) is half a request or more (a held waiter). A gap between
+-- bursts is no gap: the next burst arrives while the long prompt still prefills.
 local function held_for_gap(i, input)
   return i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
     and (state.in_n[1] > 0 or state.waiting[1] > 0 or state.top_peak_n >= 0.5)
