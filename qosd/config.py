@@ -185,7 +185,8 @@ class PoolConfig(_Strict):
     # --long-prefill-token-threshold), so a top-class prompt starts behind the top
     # class's own prefill, not behind every prompt admitted before it. qosd then
     # predicts the top class's start, its deadline refusals and its backlog bound from
-    # the top class's prefill alone, and no long prompt waits for a gap in its traffic.
+    # the top class's prefill alone. Long prompts still wait for a gap in its traffic:
+    # a started prompt's chunks lengthen every pass its streams decode in.
     servers_schedule_by_priority: bool = False
     # A GPU-gated pool whose servers report their own load (ReportRequest.loads, from
     # `qosd triton-scrape` or a server-side reporter): classes below the top one are
