@@ -39,6 +39,13 @@ function predict.in_flight()
   return count
 end
 
+-- The top class's recent peak demand (save.lua: decayed by the pool's half-life), in
+-- whole requests: what the top reserve, the predicted batch and the gap rule
+-- (waiters.lua) count of it.
+function predict.top_peak_requests()
+  return math.floor(state.top_peak_n + 0.5)
+end
+
 -- The batch a new stream of class i makes, as far as its decode will see it: the
 -- leases in flight, the stream itself and, below the top class, the top class's
 -- recent peak less what it holds now (in whole requests). A stream of a lower class
@@ -47,7 +54,7 @@ end
 function predict.batch_for(i)
   local batch = predict.in_flight() + 1
   if i ~= 1 then
-    batch = batch + math.max(0, math.floor(state.top_peak_n + 0.5) - state.in_n[1])
+    batch = batch + math.max(0, predict.top_peak_requests() - state.in_n[1])
   end
   return batch
 end
@@ -175,7 +182,7 @@ local function has_room(i, tokens)
   -- the bound, or what it held at its recent peak (in whole requests: a faded peak
   -- holds back no slot) less what it holds now, up to half the bound.
   local free_n = math.max(gate.top_reserve * bound_count,
-    math.min(math.floor(state.top_peak_n + 0.5), bound_count * gate.top_peak_most)
+    math.min(predict.top_peak_requests(), bound_count * gate.top_peak_most)
       - state.in_n[1])
   if bound_count > 0 and count + 1 > bound_count - free_n then
     return false

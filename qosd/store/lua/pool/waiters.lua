@@ -22,12 +22,12 @@ end
 
 -- A prompt longer than the learned threshold stalls the servers for longer than the
 -- top class's requests can absorb: one of another class i waits while the top class
--- has anything in flight or waiting, or while its recent peak (save.lua: decayed by
--- the pool's half-life) is half a request or more (a held waiter). A gap between
+-- has anything in flight or waiting, or while its recent peak is a whole request or
+-- more (budget.lua: predict.top_peak_requests) (a held waiter). A gap between
 -- bursts is no gap: the next burst arrives while the long prompt still prefills.
 local function held_for_gap(i, input)
   return i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
-    and (state.in_n[1] > 0 or state.waiting[1] > 0 or state.top_peak_n >= 0.5)
+    and (state.in_n[1] > 0 or state.waiting[1] > 0 or predict.top_peak_requests() > 0)
 end
 
 local daemon_seen = {}
