@@ -178,10 +178,11 @@ async def test_a_waiter_is_dropped_once_prefill_admitted_ahead_makes_it_late(
     """A P1 waiter due in 3 s behind 2.5 s of prefill could still be on time; then a
     P0 prompt of 1 s of prefill takes the next slot ahead of it, and it cannot: it is
     answered REASON_DEADLINE at once, not admitted late at the end of its wait."""
-    running = await make_daemon(gated(max_in_flight=1))
+    running = await make_daemon(gated(max_in_flight=2))
     qos = running.client
     await with_prefill_model(running)
-    holder = await qos.acquire("P2", 2_500, max_wait_ms=0)  # 2.5 s of prefill ahead
+    assert (await qos.acquire("P2", 2_500, max_wait_ms=0)).admitted  # 2.5 s of prefill ahead
+    holder = await qos.acquire("P2", 10, max_wait_ms=0)  # and the last slot
     assert holder.admitted
     p1 = asyncio.create_task(qos.acquire("P1", 10, slo_ttft_ms=3_000))
     await waiting(qos, "P1", 1)
@@ -238,3 +239,42 @@ async def test_the_answer_carries_the_class_s_priority_for_the_servers(
     assert ranks == {"P0": 0, "P1": 1, "P2": 2}
     refused = await qos.acquire("P2", 6_000, max_wait_ms=0)  # above its max cost
     assert not refused.admitted and refused.server_priority == 2
+
+
+async def test_an_empty_pool_owes_no_prefill(make_daemon: DaemonFactory) -> None:
+    """A 1,000-token prompt puts 1 s of prefill ahead of the next request. Its lease
+    ended early (cancelled, say): the servers hold nothing qosd admitted, so a P0
+    request due in 300 ms is admitted, not refused for prefill no server has left."""
+    running = await make_daemon(gated(max_in_flight=10, backlog_ms=100))
+    qos = running.client
+    await with_prefill_model(running)
+    ahead = await qos.acquire("P1", 1_000, max_wait_ms=0)
+    assert ahead.admitted
+    hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE  # 1 s ahead of it
+    await qos.release(ahead.lease_id)
+    on_time = await qos.acquire("P0", 10, slo_ttft_ms=300, max_wait_ms=0)
+    assert on_time.admitted
+
+
+async def test_an_empty_pool_forgives_the_share_s_debt(make_daemon: DaemonFactory) -> None:
+    """At a prefill share of one half, a 1,000-token prompt of a class below P0 holds
+    the next one back for 2 s (its prefill counts twice on the share clock): a debt
+    the streams in flight would repay by decoding slower. Once they have all ended,
+    a prompt let into the empty pool does not keep the one after it out for the rest
+    of that debt."""
+    config = gated(max_in_flight=10, backlog_ms=100)
+    config["pools"]["default"]["max_prefill_share"] = 0.5
+    running = await make_daemon(config)
+    qos = running.client
+    await with_prefill_model(running)
+    first = await qos.acquire("P1", 1_000, max_wait_ms=0)
+    assert first.admitted
+    held_back = await qos.acquire("P2", 10, max_wait_ms=0)
+    assert not held_back.admitted  # 2 s of share clock ahead of it
+    await qos.release(first.lease_id)
+    alone = await qos.acquire("P2", 10, max_wait_ms=0)
+    assert alone.admitted  # an empty pool admits anyone
+    beside = await qos.acquire("P2", 10, max_wait_ms=0)
+    assert beside.admitted, beside  # 20 ms of share clock ahead, not 2 s
+

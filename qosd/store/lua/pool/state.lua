@@ -148,6 +148,20 @@ do
       state.in_c[i] = 0
     end
   end
+  -- No lease in flight: the servers hold no prompt qosd admitted, so the prefill
+  -- clocks' lead (budget.lua: prefill_started) is spent. The share clock's lead is a
+  -- debt the streams in flight repay by decoding slower; with none left, nobody
+  -- owes it. Kept, it grew by every prompt let into the empty pool, and lower
+  -- classes went in one at a time as the pool drained (Mooncake: 5 to 19 s ahead).
+  local leases = 0
+  for i = 1, class_count do
+    leases = leases + state.in_n[i]
+  end
+  if leases == 0 then
+    state.prefill_until = math.min(state.prefill_until, now)
+    state.prefill_real_until = math.min(state.prefill_real_until, now)
+    state.prefill_top_until = math.min(state.prefill_top_until, now)
+  end
   if now > state.updated then
     local elapsed = now - state.updated
     local shared = state.shared
