@@ -163,6 +163,21 @@ class PoolConfig(_Strict):
     # traffic; e.g. the prompt whose prefill alone takes the top class's TTFT
     # objective on these servers. None: no rule before one is learned.
     long_prefill_tokens: Annotated[float, Field(gt=0, le=1e12)] | None = None
+    # The servers' prefill, as measured on an idle one: a prompt of n tokens takes
+    # c + a·n + b·n² ms, given as [c, a, b] (one lone request at each of a few prompt
+    # lengths, e.g. vLLM's `bench latency --output-len 1`, fitted). The SLO loop
+    # uses it until it has learned its own from reports: until then nothing predicts
+    # prefill, so no backlog bound, deadline refusal or prefill share holds, and on
+    # traffic of long prompts that took the first minute of a run (docs/adr/0013).
+    # None: nothing predicted before the loop has learned it.
+    prefill_model_ms: (
+        tuple[
+            Annotated[float, Field(ge=0, le=1e6)],
+            Annotated[float, Field(gt=0, le=1e3)],
+            Annotated[float, Field(ge=0, le=1e3)],
+        ]
+        | None
+    ) = None
     # A GPU-gated pool: admit while the prompts already admitted would be prefilled
     # within this long (on a chunked server a backlog of prompts fills every pass, and
     # every stream's time per output token grows with it), by the prefill time the

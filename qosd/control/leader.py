@@ -343,13 +343,17 @@ class Controller:
         (qosd.control.prefill), and tells the store, which derives from them which
         prompts wait for a gap in the top class's traffic (prefill.lua): on servers that
         serve the top class first too, since a long prompt's chunks, once started,
-        lengthen every pass its streams decode in. Logged when the threshold moves by
+        lengthen every pass its streams decode in. Until reports teach it the prefill,
+        the pool's configured ``prefill_model_ms``. Logged when the threshold moves by
         a tenth or more."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
         learned = await asyncio.to_thread(
             learn, windows, top, self._config.classes[top].slo, chunked=configured.chunked_prefill
         )
+        if learned.model is None and configured.prefill_model_ms is not None:
+            # The operator's measurement, until reports teach the loop its own.
+            learned = dataclasses.replace(learned, model=configured.prefill_model_ms)
         fallback = configured.long_prefill_tokens or 0.0
         # Chunked servers only: on an unchunked one the predicted share was tighter
         # than the configured one, and goodput fell from 0.680 to 0.486 on an Azure

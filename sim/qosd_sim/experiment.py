@@ -27,6 +27,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tritonclient.grpc.aio as triton
 import uvloop
 
@@ -161,6 +162,26 @@ def load_test_requests(rate_rps: float, seed: int = 0) -> list[tuple[float, int,
         arrivals.append((at, LOAD_TEST_PROMPT_TOKENS, LOAD_TEST_OUTPUT_TOKENS))
         at += rng.expovariate(rate_rps)
     return arrivals
+
+
+#: The prompt lengths of the operator's prefill probe: one lone request at each.
+PREFILL_PROBE_TOKENS = (1024, 8192, 32768)
+
+
+@functools.cache
+def prefill_probe(gpu: GpuModel) -> tuple[float, float, float]:
+    """The server's prefill as an operator measures it before qosd has any report
+    (``pools.<pool>.prefill_model_ms``): the TTFT of one lone request at each of
+    ``PREFILL_PROBE_TOKENS`` on the idle server, as ``c + a·n + b·n²`` ms through the
+    three points. Nothing of the replayed workload goes into it."""
+    lengths = np.array(PREFILL_PROBE_TOKENS, dtype=float)
+    ttfts = []
+    for tokens in PREFILL_PROBE_TOKENS:
+        (lone,) = run_virtual(gpu, [(0.0, tokens, 1)])
+        assert lone.first_token_at is not None
+        ttfts.append((lone.first_token_at - lone.submitted_at) * 1000)
+    c, a, b = np.linalg.solve(np.vander(lengths, 3, increasing=True), np.array(ttfts))
+    return max(0.0, float(c)), float(a), max(0.0, float(b))
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,8 +414,9 @@ def daemon_config(
     - Every policy that admits gates the pool by the server's own limits:
       ``max_in_flight`` its batch slots (vLLM's ``max_num_seqs``),
       ``max_in_flight_tokens`` its KV cache, and ``chunked_prefill`` and
-      ``servers_schedule_by_priority`` as the server runs. What else it needs (how
-      long a prompt's prefill takes) it learns from reports.
+      ``servers_schedule_by_priority`` as the server runs, and ``prefill_model_ms``
+      its prefill, probed on the idle server (``prefill_probe``). What else it needs
+      it learns from reports, which also replace the probe once there are enough.
     - ``static`` keeps the seed's design otherwise: token buckets and the gate, no SLO
       loop."""
     tree = (base or Config()).model_dump(mode="json")
@@ -417,6 +439,7 @@ def daemon_config(
             max_in_flight_tokens=float(gpu.kv_capacity_tokens),
             chunked_prefill=gpu.chunked,
             servers_schedule_by_priority=gpu.priority_scheduling,
+            prefill_model_ms=list(prefill_probe(gpu)),
         )
     tree["control"]["enabled"] = policy is Policy.QOSD
     # A run lasts about two minutes: decide on 20 samples rather than 50.
