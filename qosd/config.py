@@ -166,10 +166,10 @@ class PoolConfig(_Strict):
     # The servers' prefill, as measured on an idle one: a prompt of n tokens takes
     # c + a·n + b·n² ms, given as [c, a, b] (one lone request at each of a few prompt
     # lengths, e.g. vLLM's `bench latency --output-len 1`, fitted). The SLO loop
-    # uses it until it has learned its own from reports: until then nothing predicts
-    # prefill, so no backlog bound, deadline refusal or prefill share holds, and on
-    # traffic of long prompts that took the first minute of a run (docs/adr/0013).
-    # None: nothing predicted before the loop has learned it.
+    # uses it whenever it has not learned its own from reports (before it has 20,
+    # or once they age out): without a model nothing predicts prefill, so no backlog
+    # bound, deadline refusal or prefill share holds, and on traffic of long prompts
+    # that was the first minute of a run (docs/adr/0013). None: no model until then.
     prefill_model_ms: (
         tuple[
             Annotated[float, Field(ge=0, le=1e6)],

@@ -32,6 +32,7 @@ from qosd.store.embedded import EmbeddedStore
 from qosd_client import LatencySample, QosdClient, Reason
 from qosd_sim.gpu import GpuModel
 from tests.conftest import BASE_CONFIG, DaemonFactory, RunningDaemon
+from tests.waiting import eventually
 
 THRESHOLD = 10_000
 # Long prompts must be admissible at all: debt from a full bucket up to 40,000. The
@@ -302,3 +303,42 @@ async def test_a_configured_threshold_holds_until_one_is_learned(
     while (await qos.status("default")).pool("default").long_prefill_tokens == 5_000:
         assert time.monotonic() < deadline + 5.0, "the learned threshold never replaced it"
         await asyncio.sleep(0.05)
+
+
+async def test_a_configured_prefill_model_holds_until_one_is_learned(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The pool's ``prefill_model_ms`` (1 ms a token: far slower than the server the
+    reports come from) stands in until the loop has learned the prefill from reports:
+    a 1,000-token prompt puts 1 s of predicted prefill in the backlog, then, once the
+    samples are in, what the simulated GPU takes (about 60 ms)."""
+    big = {"max_cost_tokens": 5_000}
+    config = {
+        "pools": {
+            "default": {
+                "max_in_flight": 10,
+                "top_reserve": 0,
+                "max_prefill_backlog_ms": 10_000,
+                "max_prefill_share": 1.0,
+                "prefill_model_ms": [0.0, 1.0, 0.0],
+            }
+        },
+        "control": {"interval_s": 0.05, "leader_lease_s": 0.5},
+        "classes": {"P0": {**big, "slo": {"ttft_ms": 500, "tpot_ms": 50}}, "P1": big, "P2": big},
+    }
+    running = await make_daemon(config)
+    qos, admission = running.client, running.daemon.admission
+
+    async def backlog_of_a_prompt_ms() -> float:
+        lease = await qos.acquire("P1", 1_000, max_wait_ms=0)
+        if not lease.admitted:  # before any model, only within P1's share of the rate
+            return 0.0
+        backlog = (await admission.store.status(admission.pool("default"))).prefill_backlog_ms
+        await qos.release(lease.lease_id)  # the pool empties: the next starts from 0
+        return backlog
+
+    configured = await eventually(backlog_of_a_prompt_ms, lambda ms: ms >= 900, interval_s=0.05)
+    assert 900 <= configured <= 1_000
+    await _report_gpu_like(qos, 200)
+    learned = await eventually(backlog_of_a_prompt_ms, lambda ms: 0 < ms < 300, interval_s=0.05)
+    assert 0 < learned < 300
