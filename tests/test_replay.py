@@ -23,6 +23,7 @@ from qosd_sim.experiment import (
     Policy,
     configured_capacity,
     daemon_config,
+    prefill_probe,
     slo_capacity,
 )
 from qosd_sim.gateway import RequestRecord
@@ -580,7 +581,12 @@ def test_daemon_config_holds_only_what_an_operator_knows() -> None:
         "max_in_flight_tokens": 400_000.0,
         "chunked_prefill": True,
         "servers_schedule_by_priority": False,
+        "prefill_model_ms": list(prefill_probe(gpu)),
     }
+    # The prefill model, from lone requests on the idle server: it predicts a length
+    # the probe did not send as the server prefills it.
+    c, a, b = pool["prefill_model_ms"]
+    assert c + 4_096 * (a + b * 4_096) == pytest.approx(gpu.prefill_work_s(4_096) * 1000, rel=0.01)
     # Debt for one request of up to the server's largest context (its KV cache here),
     # nothing learned from a workload; and no long-prefill threshold: qosd learns it.
     largest = gpu.kv_capacity_tokens + 4 * 256
