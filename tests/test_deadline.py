@@ -277,27 +277,3 @@ async def test_an_empty_pool_forgives_the_share_s_debt(make_daemon: DaemonFactor
     assert alone.admitted  # an empty pool admits anyone
     beside = await qos.acquire("P2", 10, max_wait_ms=0)
     assert beside.admitted, beside  # 20 ms of share clock ahead, not 2 s
-
-
-async def test_a_configured_prefill_model_predicts_before_any_report(
-    make_daemon: DaemonFactory,
-) -> None:
-    """With the pool's ``prefill_model_ms`` (1 ms a token here), the SLO loop's first
-    turn gives the store a prefill model before any request has ended: a 1,000-token
-    prompt then puts about 1 s of prefill in the predicted backlog. No report is sent."""
-    config = gated(max_in_flight=10, backlog_ms=100)
-    config["pools"]["default"]["prefill_model_ms"] = list(ONE_MS_PER_TOKEN)
-    config["control"] = {"enabled": True, "interval_s": 0.05, "leader_lease_s": 0.5}
-    running = await make_daemon(config)
-    qos, admission = running.client, running.daemon.admission
-
-    async def backlog_of_a_prompt_ms() -> float:
-        lease = await qos.acquire("P1", 1_000, max_wait_ms=0)
-        if not lease.admitted:  # before the model, only within P1's share of the rate
-            return 0.0
-        backlog = (await admission.store.status(admission.pool("default"))).prefill_backlog_ms
-        await qos.release(lease.lease_id)  # the pool empties: the next starts from 0
-        return backlog
-
-    backlog_ms = await eventually(backlog_of_a_prompt_ms, lambda ms: ms >= 900, interval_s=0.05)
-    assert 900 <= backlog_ms <= 1_000

@@ -310,8 +310,9 @@ async def test_a_configured_prefill_model_holds_until_one_is_learned(
 ) -> None:
     """The pool's ``prefill_model_ms`` (1 ms a token: far slower than the server the
     reports come from) stands in until the loop has learned the prefill from reports:
-    a 1,000-token prompt puts 1 s of predicted prefill in the backlog, then, once the
-    samples are in, what the simulated GPU takes (about 60 ms)."""
+    from the loop's first turn, before any report, a 1,000-token prompt puts 1 s of
+    predicted prefill in the backlog; once the samples are in, what the simulated GPU
+    takes (about 60 ms)."""
     big = {"max_cost_tokens": 5_000}
     config = {
         "pools": {
