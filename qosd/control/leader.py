@@ -343,8 +343,8 @@ class Controller:
         (qosd.control.prefill), and tells the store, which derives from them which
         prompts wait for a gap in the top class's traffic (prefill.lua): on servers that
         serve the top class first too, since a long prompt's chunks, once started,
-        lengthen every pass its streams decode in. Until reports teach it the prefill,
-        the pool's configured ``prefill_model_ms``. Logged when the threshold moves by
+        lengthen every pass its streams decode in. While reports teach it no prefill
+        model, the pool's configured ``prefill_model_ms``. Logged when the threshold moves by
         a tenth or more."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
