@@ -44,9 +44,10 @@ from qosd.waiting import SHUTTING_DOWN_RETRY_MS, WaitingRoom
 log = logging.getLogger(__name__)
 
 LONG_PREFILL_MESSAGE = (
-    "its prefill would stall the pool's most urgent requests in flight for longer than "
-    "they can absorb, and no gap in their traffic came within its max wait; retry "
-    "later or use a pool whose servers chunk prefill"
+    "its prefill would stall the pool's most urgent requests for longer than they can "
+    "absorb, and no gap in their traffic (or in the share of time the pool lets long "
+    "prompts block them) came within its max wait; retry after retry_after_ms, or use "
+    "a pool whose servers chunk prefill or serve the urgent requests first"
 )
 DEADLINE_MESSAGE = (
     "its TTFT objective cannot be met here: the predicted wait (retry_after_ms) and its "

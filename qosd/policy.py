@@ -128,6 +128,10 @@ class PoolPolicy:
     # A request's cost per expected output token, before its class weight
     # (CostConfig; the rule itself is the scripts': formulas.lua formula.cost).
     output_weight: float = 0.0
+    # Servers that prefill oldest first: the most of the time prompts below the top
+    # class may keep its next prompt waiting past prefill_backlog_us (1.0: no limit).
+    top_blocked_share: float = 1.0  # no limit, where no config says (tests' policies)
+    top_blocked_burst_us: int = 0  # of blocked time, spent at once after a quiet spell
 
     @property
     def gated(self) -> bool:
@@ -211,6 +215,8 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,
             servers_by_priority=pool.servers_schedule_by_priority,
             output_weight=config.cost.output_weight,
+            top_blocked_share=pool.max_top_blocked_share,
+            top_blocked_burst_us=round(pool.top_blocked_burst_s * 1_000_000),
         )
     return pools
 

@@ -183,6 +183,72 @@ async def test_the_loop_learns_the_threshold_from_reports(make_daemon: DaemonFac
     assert 5_000 < threshold < 16_000  # the usual prompts (95 %) up to 8K, or P0's slack
 
 
+def _blocking(by_priority: bool) -> dict[str, Any]:
+    """A gated pool whose prefill is 0.03 ms a token (10,000 tokens: 300 ms), with a
+    backlog bound of 20 ms and a blocked share of 0.1 whose bucket holds 300 ms: a
+    10,000-token prompt blocks P0 for 280 ms, which the bucket refills in 2.8 s; a
+    4,000-token one for 100 ms (1 s). P0's recent peak is off, so P0 has traffic
+    while it holds a lease."""
+    pool = {
+        "max_in_flight": 8,
+        "top_reserve": 0,
+        "top_reserve_half_life_s": 0,
+        "max_prefill_backlog_ms": 20,
+        "max_prefill_share": 1.0,
+        "max_top_blocked_share": 0.1,
+        "top_blocked_burst_s": 0.3,
+        "servers_schedule_by_priority": by_priority,
+    }
+    return {**LONG_OK, "pools": {"default": pool}}
+
+
+async def _with_prefill_model(make_daemon: DaemonFactory, extra: dict[str, Any]) -> QosdClient:
+    running = await make_daemon(extra)
+    admission = running.daemon.admission
+    learned = PrefillLearned(model=(0.0, 0.03, 0.0), tolerance_ms=None, usual_tokens=0)
+    assert await admission.store.set_prefill(admission.pool("default"), learned) == 0
+    return running.client
+
+
+async def test_long_prompts_block_p0_for_at_most_their_share(make_daemon: DaemonFactory) -> None:
+    """Servers that prefill oldest first: while P0 has traffic, a prompt below P0 whose
+    prefill outlasts the backlog bound waits until the bucket of blocked time holds
+    its block, and is told how long that is; a prompt that blocks P0 less goes first,
+    past one queued before it; with no P0 traffic only the backlog bound holds them."""
+    qos = await _with_prefill_model(make_daemon, _blocking(by_priority=False))
+    p0 = await qos.acquire("P0", 100, max_wait_ms=0)
+    assert p0.admitted
+    first = await qos.acquire("P1", 10_000, max_wait_ms=0)
+    assert first.admitted  # from the full bucket: 20 ms of it left
+    refused = await qos.acquire("P2", 10_000, max_wait_ms=0)
+    assert not refused.admitted and refused.reason is Reason.LONG_PREFILL
+    assert 1.5 <= refused.retry_after_s <= 2.6  # 260 ms to refill at 0.1
+    longer = asyncio.create_task(qos.acquire("P2", 10_000, max_wait_ms=10_000))
+    await _until_waiting(qos, "P2", 1)
+    shorter = asyncio.create_task(qos.acquire("P2", 4_000, max_wait_ms=10_000))
+    await _until_waiting(qos, "P2", 2)
+    done, _ = await asyncio.wait({longer, shorter}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {shorter} and shorter.result().admitted  # 100 ms of block: in 0.8 s
+    assert not longer.done()
+    await qos.release(p0.lease_id)  # no P0 traffic: nobody to block
+    assert (await longer).admitted  # once the backlog is within the bound
+    behind = await qos.acquire("P1", 10_000, max_wait_ms=0)
+    assert not behind.admitted and behind.reason is Reason.RATE_LIMITED  # the bound alone
+
+
+async def test_servers_that_serve_p0_first_are_not_held_for_it(
+    make_daemon: DaemonFactory,
+) -> None:
+    """Where the servers take P0's prompts first, a long prompt below it does not block
+    it: the blocked share holds nothing back (the backlog bound still applies)."""
+    qos = await _with_prefill_model(make_daemon, _blocking(by_priority=True))
+    p0 = await qos.acquire("P0", 100, max_wait_ms=0)
+    assert p0.admitted
+    assert (await qos.acquire("P1", 10_000, max_wait_ms=0)).admitted
+    second = await qos.acquire("P2", 10_000, max_wait_ms=0)
+    assert not second.admitted and second.reason is Reason.RATE_LIMITED  # the bound alone
+
+
 async def _until_waiting(qos: QosdClient, qos_class: str, count: int) -> None:
     deadline = time.monotonic() + 5.0
     while (await qos.status("default")).pool("default").cls(qos_class).waiting != count:

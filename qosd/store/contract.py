@@ -125,6 +125,11 @@ class PoolArgs(NamedTuple):
     # What a request costs: (prompt + output_weight x output tokens) x class weight
     # (formulas.lua: formula.cost, the one statement of the rule).
     output_weight: str
+    # Servers that prefill oldest first: the most of the time lower classes' prompts
+    # may keep the top class's next prompt waiting past the backlog bound (1: no limit),
+    # and how much of that time may be spent at once after a quiet spell.
+    top_blocked_share: str
+    top_blocked_burst_us: int
 
 
 class ClassArgs(NamedTuple):
@@ -553,6 +558,11 @@ STATE_HASH: tuple[HashField, ...] = (
         "its decode model `base|per_sequence|chunked|target...`: a step of B sequences "
         "takes base + per_sequence B ms; chunked 1 where a prefill pass also decodes; "
         "each class's TPOT target, ms, in class order (0: none)",
+    ),
+    HashField(
+        "Bb",
+        "when the lower classes' prompts have paid for the time they kept the top class "
+        "blocked, at its blocked share's pace, us (servers that prefill oldest first)",
     ),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),

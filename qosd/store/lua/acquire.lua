@@ -171,7 +171,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
           answer(STATUS_REJECTED, REASON_DEADLINE, '', cost, i, miss_ms, 0)
         elseif held and wait_ms <= 0 then
           answer(STATUS_REJECTED, REASON_LONG_PREFILL, '', cost, i,
-            LONG_PREFILL_RETRY_MS, 0)
+            math.max(LONG_PREFILL_RETRY_MS, predict.top_blocked_wait_ms(i, input)), 0)
         elseif wait_ms <= 0 or (not pool_gated and not held and retry > wait_ms) then
           answer(STATUS_REJECTED, REASON_RATE_LIMITED, '', cost, i, retry, 0)
         elseif state.waiting[i] >= c.max_queue then

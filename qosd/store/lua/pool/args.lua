@@ -64,7 +64,7 @@ end
 
 local p = ARG_CALLS  -- the pool's policy follows the number of calls
 local capacity, pool_burst_s, stale_after_us, class_count, default_ttl_us
-local max_in_flight, max_in_flight_tokens, prefill_backlog_us, prefill_share
+local max_in_flight, max_in_flight_tokens
 -- What keeps a GPU-gated pool's lower classes out: the top class's reserve and the
 -- servers' own load. One table: a script's chunk holds at most 200 locals.
 local gate
@@ -77,9 +77,12 @@ do
   default_ttl_us = tonumber(r[ARG_POOL_LEASE_TTL_MS]) * 1000
   max_in_flight = tonumber(r[ARG_POOL_MAX_IN_FLIGHT])
   max_in_flight_tokens = tonumber(r[ARG_POOL_MAX_IN_FLIGHT_TOKENS])
-  prefill_backlog_us = tonumber(r[ARG_POOL_PREFILL_BACKLOG_US])
-  prefill_share = tonumber(r[ARG_POOL_PREFILL_SHARE])
   gate = {
+    -- The most predicted prefill ahead of an admission, us (0: no bound).
+    prefill_backlog_us = tonumber(r[ARG_POOL_PREFILL_BACKLOG_US]),
+    -- The configured share of the servers' time lower classes' prefill may take
+    -- (budget.lua: predict.prefill_share, without a decode model).
+    prefill_share = tonumber(r[ARG_POOL_PREFILL_SHARE]),
     top_reserve = tonumber(r[ARG_POOL_TOP_RESERVE]),
     top_peak_half_life_us = tonumber(r[ARG_POOL_TOP_PEAK_HALF_LIFE_US]),
     top_peak_most = TOP_PEAK_RESERVE_PCT / 100,
@@ -91,6 +94,10 @@ do
     -- A request's cost per expected output token, before its class weight
     -- (formulas.lua: formula.cost).
     output_weight = tonumber(r[ARG_POOL_OUTPUT_WEIGHT]),
+    -- Oldest-first servers: the most of the time lower classes' prompts may keep the
+    -- top class's next prompt past the backlog bound (budget.lua: predict.top_blocked).
+    top_blocked_share = tonumber(r[ARG_POOL_TOP_BLOCKED_SHARE]),
+    top_blocked_burst_us = tonumber(r[ARG_POOL_TOP_BLOCKED_BURST_US]),
   }
 end
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0

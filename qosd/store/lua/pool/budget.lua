@@ -84,7 +84,7 @@ end
 function predict.prefill_share(i)
   local d = state.decode_model
   if not d then
-    return prefill_share
+    return gate.prefill_share
   end
   local target = predict.tightest_tpot_ms(i)
   if not target then
@@ -118,11 +118,66 @@ function predict.step_within_targets(i)
   return formula.decode_step_ms(state.decode_model, predict.batch_for(i)) <= target
 end
 
+-- How long a prompt of class i, of `input` tokens, keeps the top class's next prompt
+-- from starting within the backlog bound, us: on servers that prefill oldest first,
+-- its own prefill past the bound (a prompt admitted at the bound, as has_room admits
+-- one). 0 for the top class, on servers that serve it first, for a prompt the bound
+-- covers, and where nothing predicts prefill.
+function predict.top_blocked_us(i, input)
+  if i == 1 or gate.servers_by_priority or gate.prefill_backlog_us <= 0 then
+    return 0
+  end
+  local own = predict.prefill_us(input)
+  if not own then
+    return 0
+  end
+  return math.max(0, own - gate.prefill_backlog_us)
+end
+
+-- The top class has traffic: in flight, waiting, or a recent peak of a request or more.
+function predict.top_active()
+  return state.in_n[1] > 0 or state.waiting[1] > 0 or predict.top_peak_requests() > 0
+end
+
+-- Does a prompt of class i wait for the top class's blocked share (max_top_blocked_share)?
+-- While the top class has traffic, the time prompts below it keep its next prompt
+-- blocked comes from a bucket that fills at that share of real time, up to
+-- top_blocked_burst_s: the clock `Bb` is when it would be empty (prefill_started
+-- charges it), so it holds (now - Bb) x share, at most the burst. A prompt waits
+-- until the bucket holds its block, or is full. About that share of the top class's
+-- prompts arrive while it is blocked, on servers that prefill oldest first; of the
+-- prompts that block it, those that block it least go first.
+function predict.top_blocked(i, input)
+  if gate.top_blocked_share >= 1 or not predict.top_active() then
+    return false
+  end
+  local blocked = predict.top_blocked_us(i, input)
+  return blocked > 0 and state.top_blocked_until
+    > now - math.min(blocked, gate.top_blocked_burst_us) / gate.top_blocked_share
+end
+
+-- When a prompt of class i may block the top class again, ms from now (0: now).
+function predict.top_blocked_wait_ms(i, input)
+  if not predict.top_blocked(i, input) then
+    return 0
+  end
+  local blocked = math.min(predict.top_blocked_us(i, input), gate.top_blocked_burst_us)
+  return math.ceil((state.top_blocked_until + blocked / gate.top_blocked_share - now) / 1000)
+end
+
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before
 -- it, on the share clock (predict.share_clock_us) and the real one; a
 -- top-class prompt (class i == 1) also on the top class's own clock.
 local function prefill_started(i, input)
   local work_us = predict.prefill_us(input)
+  if gate.top_blocked_share < 1 and predict.top_active() then
+    local blocked = predict.top_blocked_us(i, input)
+    if blocked > 0 then  -- from the bucket (predict.top_blocked), full at most
+      state.top_blocked_until = math.max(now - gate.top_blocked_burst_us / gate.top_blocked_share,
+        state.top_blocked_until) + blocked / gate.top_blocked_share
+      state_changed = true
+    end
+  end
   if work_us then
     state.prefill_until = math.max(now, state.prefill_until) + predict.share_clock_us(i, work_us)
     state.prefill_real_until = math.max(now, state.prefill_real_until) + work_us
@@ -157,8 +212,8 @@ local function has_room(i, tokens)
   if count == 0 then
     return true  -- alone in an idle pool: always, whatever its size
   end
-  if state.prefill_model and prefill_backlog_us > 0 then
-    if prefill_ahead_until(i) - now > prefill_backlog_us then
+  if state.prefill_model and gate.prefill_backlog_us > 0 then
+    if prefill_ahead_until(i) - now > gate.prefill_backlog_us then
       return false  -- the servers' prefill backlog is full: wait here, in priority order
     end
   end
@@ -210,7 +265,7 @@ local function gated_how(i, cost)
   if classes[i].can_borrow and math.max(own, 0) + state.shared >= cost then
     return TAKE_BORROW
   end
-  if prefill_backlog_us > 0 and not state.prefill_model then
+  if gate.prefill_backlog_us > 0 and not state.prefill_model then
     return 0  -- room is known only once the prefill backlog can be predicted
   end
   return TAKE_OVER

@@ -37,10 +37,10 @@ end
 -- How long until the prefill backlog lets class i in (us; 0: now, or no backlog
 -- bound): the lead of its clock (budget.lua: prefill_ahead_until) beyond the bound.
 function by_deadline.backlog_wait_us(i)
-  if not pool_gated or prefill_backlog_us <= 0 or not state.prefill_model then
+  if not pool_gated or gate.prefill_backlog_us <= 0 or not state.prefill_model then
     return 0
   end
-  return math.max(0, prefill_ahead_until(i) - now - prefill_backlog_us)
+  return math.max(0, prefill_ahead_until(i) - now - gate.prefill_backlog_us)
 end
 
 -- The longest a new request may wait, ms. With an objective and a prefill model: its

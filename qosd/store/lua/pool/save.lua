@@ -91,6 +91,9 @@ local function save_state()
     if state.prefill_top_until ~= stored.prefill_top_until then
       put('Bp', string.format('%.0f', state.prefill_top_until))
     end
+    if state.top_blocked_until ~= stored.top_blocked_until then
+      put('Bb', string.format('%.0f', state.top_blocked_until))
+    end
   end
   if state.expiry_from then
     if state.expiry_from ~= stored.expiry_from or state.expiry_to ~= stored.expiry_to then

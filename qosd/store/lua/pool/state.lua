@@ -46,7 +46,7 @@ local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D'}
+    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D', 'Bb'}
   local header = #fields  -- fields read before the per-class ones
   for i = 1, class_count do
     local name = classes[i].name
@@ -102,6 +102,8 @@ do
   state.prefill_real_until = stored.prefill_real_until or 0
   stored.prefill_top_until = tonumber(values[18])
   state.prefill_top_until = stored.prefill_top_until or 0
+  stored.top_blocked_until = tonumber(values[20])
+  state.top_blocked_until = stored.top_blocked_until or 0
   -- The servers' own load (load.lua), while fresh; nil: not known.
   if now - (tonumber(values[14]) or 0) <= gate.server_load_max_age_us then
     state.server_waiting = tonumber(values[12])

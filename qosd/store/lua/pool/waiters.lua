@@ -23,11 +23,13 @@ end
 -- A prompt longer than the learned threshold stalls the servers for longer than the
 -- top class's requests can absorb: one of another class i waits while the top class
 -- has anything in flight or waiting, or while its recent peak is a whole request or
--- more (budget.lua: predict.top_peak_requests) (a held waiter). A gap between
--- bursts is no gap: the next burst arrives while the long prompt still prefills.
+-- more (budget.lua: predict.top_active) (a held waiter). A gap between bursts is no
+-- gap: the next burst arrives while the long prompt still prefills. On servers that
+-- prefill oldest first, a prompt that would block the top class past the backlog
+-- bound also waits while the last such block is not yet paid for (predict.top_blocked).
 local function held_for_gap(i, input)
-  return i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
-    and (state.in_n[1] > 0 or state.waiting[1] > 0 or predict.top_peak_requests() > 0)
+  return (i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
+    and predict.top_active()) or predict.top_blocked(i, input)
 end
 
 local daemon_seen = {}
