@@ -26,7 +26,8 @@ end
 -- more (budget.lua: predict.top_active) (a held waiter). A gap between bursts is no
 -- gap: the next burst arrives while the long prompt still prefills. On servers that
 -- prefill oldest first, a prompt that would block the top class past the backlog
--- bound also waits while the last such block is not yet paid for (predict.top_blocked).
+-- bound also waits while the bucket of blocked time cannot pay for its block
+-- (budget.lua: predict.top_blocked).
 local function held_for_gap(i, input)
   return (i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
     and predict.top_active()) or predict.top_blocked(i, input)
