@@ -39,7 +39,7 @@ from qosd_harness import (
     redis_command,
     redis_server,
 )
-from tests.conftest import BASE_CONFIG, merge
+from tests.conftest import BASE_CONFIG, TEST_REDIS_TIMEOUT_MS, merge
 from tests.waiting import unread_bytes, until
 
 
@@ -186,7 +186,10 @@ async def test_scripts_come_back_after_a_flush(backend: Any) -> None:
 @pytest.fixture
 async def cluster_store(redis_cluster3: RedisCluster) -> AsyncIterator[RedisStore]:
     config = RedisConfig(
-        url=redis_cluster3.url, mode=RedisMode.CLUSTER, key_prefix=f"t{uuid.uuid4().hex[:12]}"
+        url=redis_cluster3.url,
+        mode=RedisMode.CLUSTER,
+        key_prefix=f"t{uuid.uuid4().hex[:12]}",
+        timeout_ms=TEST_REDIS_TIMEOUT_MS,  # the subject is a moved slot, not an outage
     )
     store = RedisStore(config, tombstone_ms=60_000)
     await store.start()
