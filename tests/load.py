@@ -30,6 +30,20 @@ class ClassLoadResult:
     # The machine's pace while the load ran: how late this worker's own 10 ms timer
     # fired at worst. The daemons share the machine, so their timers are as late.
     worst_lateness_s: float = 0.0
+    # When this worker first asked and when it last got an admission, on the machine's
+    # monotonic clock (CLOCK_MONOTONIC: one clock for every process here). Every
+    # admission the store made for this worker lies between the two.
+    first_asked_s: float = 0.0
+    last_admitted_s: float = 0.0
+
+
+def admission_window_s(results: Sequence[ClassLoadResult]) -> float:
+    """The span that holds every admission the workers got: from the first ask to the
+    last admission's answer. Dividing by it, not by the time until the workers have
+    returned, leaves out their exit and the answers that came after the last admission
+    (a busy machine made a 10 s load's run 12.6 s)."""
+    asked = min(r.first_asked_s for r in results)
+    return max(r.last_admitted_s for r in results) - asked
 
 
 async def _class_load(
@@ -45,10 +59,12 @@ async def _class_load(
     tokens = 0.0
     worst_elapsed = worst_waited = 0.0
     reasons: dict[str, int] = {}
-    stop_at = time.monotonic() + seconds
+    first_asked = time.monotonic()
+    last_admitted = first_asked
+    stop_at = first_asked + seconds
 
     async def client(index: int) -> None:
-        nonlocal answered, admitted, errors, tokens, worst_elapsed, worst_waited
+        nonlocal answered, admitted, errors, tokens, worst_elapsed, worst_waited, last_admitted
         qos = channels[index % len(channels)]
         while time.monotonic() < stop_at:
             started = time.monotonic()
@@ -65,6 +81,7 @@ async def _class_load(
             if result.admitted:
                 admitted += 1
                 tokens += result.tokens_charged
+                last_admitted = max(last_admitted, time.monotonic())
             elif result.retry_after_s:
                 await asyncio.sleep(min(result.retry_after_s, 0.05))
 
@@ -83,7 +100,8 @@ async def _class_load(
         for channel in channels:
             await channel.close()
     return ClassLoadResult(qos_class, answered, admitted, tokens, reasons, worst_elapsed,
-                           worst_waited, errors, worst_lateness)  # fmt: skip
+                           worst_waited, errors, worst_lateness, first_asked,
+                           last_admitted)  # fmt: skip
 
 
 def class_load(

@@ -26,7 +26,7 @@ from qosd.store.redis import RedisStore
 from qosd_client import QosdClient, Reason
 from qosd_harness import DaemonProcess, RedisCluster, RedisServer, daemon_processes
 from tests.conftest import TEST_REDIS_TIMEOUT_MS, merge
-from tests.load import ClassLoadResult, class_load, wait_for_workers
+from tests.load import ClassLoadResult, admission_window_s, class_load, wait_for_workers
 from tests.pace import metrics_page, worst_loop_lag_s
 from tests.waiting import eventually
 
@@ -61,35 +61,20 @@ def redis_client(settings: dict[str, Any]) -> Any:
     return redis.Redis.from_url(settings["url"])
 
 
-def redis_seconds(settings: dict[str, Any]) -> float:
-    """Redis TIME on the node that owns the pool."""
-    client = redis_client(settings)
-    try:
-        if settings.get("mode") == "cluster":
-            node = client.get_node_from_key(f"{settings['key_prefix']}:{{default}}:state")
-            seconds, micros = client.time(target_nodes=node)
-        else:
-            seconds, micros = client.time()
-    finally:
-        client.close()
-    return float(seconds) + float(micros) / 1e6
-
-
-@pytest.fixture
-def fleet(fleet_redis: dict[str, Any]) -> Iterator[tuple[dict[str, Any], list[DaemonProcess]]]:
+@pytest.fixture(name="daemons")
+def fleet(fleet_redis: dict[str, Any]) -> Iterator[list[DaemonProcess]]:
     config = merge(FLEET_CONFIG, {"redis": fleet_redis})
     with daemon_processes(config, count=2) as daemons:
-        yield config, daemons
+        yield daemons
 
 
 def run_loads(
     daemons: list[DaemonProcess],
-    settings: dict[str, Any],
     loads: list[tuple[str, int, int, int]],
     seconds: float,
-) -> tuple[dict[str, ClassLoadResult], float]:
+) -> dict[str, ClassLoadResult]:
     """Runs one worker process per (class, clients, cost, max_wait_ms), all at once;
-    returns their results by class and the Redis time the run took."""
+    returns their results by class."""
     context = multiprocessing.get_context("spawn")
     manager = context.Manager()
     start, ready = manager.Event(), manager.Queue()
@@ -100,19 +85,24 @@ def run_loads(
             for name, clients, cost, wait in loads
         ]
         wait_for_workers(ready, futures)  # their interpreters are up
-        began = redis_seconds(settings)
         start.set()
         results = [future.result(timeout=seconds + 60) for future in futures]
-        elapsed = redis_seconds(settings) - began
-    return {result.qos_class: result for result in results}, elapsed
+    return {result.qos_class: result for result in results}
 
 
-def describe(results: dict[str, ClassLoadResult], elapsed: float) -> str:
+def window_s(result: ClassLoadResult) -> float:
+    """The span that held a class's admissions: rates are per this, not per the time
+    until the workers returned, which holds their start and exit."""
+    return admission_window_s([result])
+
+
+def describe(results: dict[str, ClassLoadResult]) -> str:
     lines = []
     for name, r in sorted(results.items()):
+        rate = r.tokens_admitted / window_s(r)
         lines.append(
-            f"  {name}: {r.admitted}/{r.answered} admitted, {r.tokens_admitted / elapsed:,.0f} "
-            f"tokens/s = {r.tokens_admitted / elapsed / CAPACITY:.1%} of capacity; "
+            f"  {name}: {r.admitted}/{r.answered} admitted over {window_s(r):.2f} s, "
+            f"{rate:,.0f} tokens/s = {rate / CAPACITY:.1%} of capacity; "
             f"worst answer {r.worst_elapsed_s * 1000:.0f} ms; {r.reasons}; errors {r.errors}"
         )
     return "\n".join(lines)
@@ -120,16 +110,13 @@ def describe(results: dict[str, ClassLoadResult], elapsed: float) -> str:
 
 @pytest.mark.slow
 def test_p1_keeps_its_floor_while_p0_floods(
-    fleet: tuple[dict[str, Any], list[DaemonProcess]],
+    daemons: list[DaemonProcess],
 ) -> None:
-    config, daemons = fleet
-    results, elapsed = run_loads(
-        daemons, config["redis"], [("P0", 48, 200, 500), ("P1", 24, 200, 1_000)], 10.0
-    )
-    print(f"\nP0 flood and P1 demand for {elapsed:.2f} s:\n{describe(results, elapsed)}")
+    results = run_loads(daemons, [("P0", 48, 200, 500), ("P1", 24, 200, 1_000)], 10.0)
+    print(f"\nP0 flood and P1 demand:\n{describe(results)}")
     p0, p1 = results["P0"], results["P1"]
     assert p0.errors == p1.errors == 0
-    floor = SHARES["P1"] * CAPACITY * elapsed
+    floor = SHARES["P1"] * CAPACITY * window_s(p1)
     # At the start, P1's full bucket and part of the full shared tokens (0.5 s of
     # capacity) go to whoever asks first, before P0's waiters hold the shared tokens.
     initial = 0.5 * SHARES["P1"] * CAPACITY + 0.5 * CAPACITY
@@ -137,31 +124,27 @@ def test_p1_keeps_its_floor_while_p0_floods(
     assert p0.reasons.get("QUEUE_TIMEOUT", 0) + p0.reasons.get("RATE_LIMITED", 0) > 50
     assert 0.95 * floor <= p1.tokens_admitted <= 1.05 * floor + initial
     # And P0 gets the rest: its own share plus P2's, which P2 leaves unused.
-    assert p0.tokens_admitted >= 0.95 * (SHARES["P0"] + SHARES["P2"]) * CAPACITY * elapsed
+    assert p0.tokens_admitted >= 0.95 * (SHARES["P0"] + SHARES["P2"]) * CAPACITY * window_s(p0)
 
 
 @pytest.mark.slow
-def test_p2_alone_uses_the_whole_pool(fleet: tuple[dict[str, Any], list[DaemonProcess]]) -> None:
-    config, daemons = fleet
-    results, elapsed = run_loads(daemons, config["redis"], [("P2", 48, 400, 2_000)], 10.0)
-    print(f"\nP2 alone for {elapsed:.2f} s:\n{describe(results, elapsed)}")
+def test_p2_alone_uses_the_whole_pool(daemons: list[DaemonProcess]) -> None:
+    results = run_loads(daemons, [("P2", 48, 400, 2_000)], 10.0)
+    print(f"\nP2 alone:\n{describe(results)}")
     p2 = results["P2"]
     assert p2.errors == 0
-    assert p2.tokens_admitted >= 0.95 * CAPACITY * elapsed
+    assert p2.tokens_admitted >= 0.95 * CAPACITY * window_s(p2)
 
 
 @pytest.mark.slow
-def test_no_p2_waits_past_its_max_wait(fleet: tuple[dict[str, Any], list[DaemonProcess]]) -> None:
-    config, daemons = fleet
+def test_no_p2_waits_past_its_max_wait(daemons: list[DaemonProcess]) -> None:
     # P0 floods (holding the shared tokens); P2 has only its own 1,000 tokens/s, and
     # 32 callers each asking for 100 of them: most time out in the queue.
     before = [metrics_page(daemon.ready["http"]) for daemon in daemons]
-    results, elapsed = run_loads(
-        daemons, config["redis"], [("P0", 24, 200, 500), ("P2", 32, 100, 300)], 6.0
-    )
+    results = run_loads(daemons, [("P0", 24, 200, 500), ("P2", 32, 100, 300)], 6.0)
     lags = [worst_loop_lag_s(metrics_page(daemon.ready["http"]), page)
             for daemon, page in zip(daemons, before, strict=True)]  # fmt: skip
-    print(f"\nP2 with a 300 ms max wait under a P0 flood:\n{describe(results, elapsed)}")
+    print(f"\nP2 with a 300 ms max wait under a P0 flood:\n{describe(results)}")
     p2 = results["P2"]
     assert p2.errors == 0
     assert p2.reasons.get("QUEUE_TIMEOUT", 0) > 100  # the deadline path is exercised

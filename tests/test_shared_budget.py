@@ -6,7 +6,9 @@ hammer one (pool, class) bucket through all of them for 10 s. Time bounds come f
 the Redis server's own clock. With rate R and burst B, the tokens admitted over an
 interval T of server time must satisfy  admitted <= B + R*T  (plus float slack), and
 since demand exceeds the rate the whole time (refusals for the rate outnumber a
-tenth of the admissions),  admitted >= 95 % of that bound.
+tenth of the admissions),  admitted >= 95 % of  B + R*W, where W is the span from
+the workers' first ask to their last admission (tests.load.admission_window_s): T
+also holds the workers' start and exit, which a busy machine stretches.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import redis.cluster
 
 from qosd_harness import RedisCluster, RedisServer, daemon_processes
 from tests.conftest import TEST_REDIS_TIMEOUT_MS
-from tests.load import ClassLoadResult, class_load, wait_for_workers
+from tests.load import ClassLoadResult, admission_window_s, class_load, wait_for_workers
 
 RATE = 10_000.0  # tokens/s for the hammered class (share 0.5 of 20,000)
 BURST = 5_000.0  # 0.5 s of rate
@@ -86,11 +88,13 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
     admitted = sum(r.tokens_admitted for r in results)
     answered = sum(r.answered for r in results)
     bound = BURST + RATE * elapsed
+    floor = 0.95 * (BURST + RATE * admission_window_s(results))
     print(
         f"\n{DAEMONS} daemons, {CLIENTS} clients, {elapsed:.2f}s of Redis time: "
         f"{answered} answers ({answered / elapsed:.0f}/s), "
         f"{sum(r.admitted for r in results)} admitted = {admitted:.0f} tokens; "
         f"bound B+R*T = {bound:.0f}; admitted/bound = {admitted / bound:.4f}; "
+        f"admitted over {admission_window_s(results):.2f} s; floor {floor:.0f}; "
         f"worst answer {max(r.worst_elapsed_s for r in results) * 1000:.0f} ms; "
         f"errors {sum(r.errors for r in results)}"
     )
@@ -104,7 +108,7 @@ def run_shared_budget(redis_settings: dict[str, Any], cluster: bool) -> None:
     # answered 867/s against the bucket's 500/s; 10 % still shows the bucket ran dry.
     assert reasons["RATE_LIMITED"] > 0.1 * sum(r.admitted for r in results)
     assert admitted <= bound + 1e-6 * bound
-    assert admitted >= 0.95 * bound
+    assert admitted >= floor
 
 
 @pytest.mark.slow
