@@ -119,12 +119,15 @@ function predict.step_within_targets(i)
 end
 
 -- How long a prompt of class i, of `input` tokens, keeps the top class's next prompt
--- from starting within the backlog bound, us: on servers that prefill oldest first,
--- its own prefill past the bound (a prompt admitted at the bound, as has_room admits
--- one). 0 for the top class, on servers that serve it first, for a prompt the bound
--- covers, and where nothing predicts prefill.
+-- from starting within the backlog bound, us: its own prefill past the bound (a
+-- prompt admitted at the bound, as has_room admits one). On servers that prefill
+-- oldest first the top class's prompt waits that long; on servers that serve it first
+-- it starts, but every pass it shares with the long prompt's chunks is longer (vLLM
+-- V1 plans running prompts' chunks before a new one's, and a long prompt's late
+-- chunks attend over its whole prefix), about as long. 0 for the top class, for a
+-- prompt the bound covers, and where nothing predicts prefill.
 function predict.top_blocked_us(i, input)
-  if i == 1 or gate.servers_by_priority or gate.prefill_backlog_us <= 0 then
+  if i == 1 or gate.prefill_backlog_us <= 0 then
     return 0
   end
   local own = predict.prefill_us(input)
@@ -145,8 +148,8 @@ end
 -- top_blocked_burst_s: the clock `Bb` is when it would be empty (prefill_started
 -- charges it), so it holds (now - Bb) x share, at most the burst. A prompt waits
 -- until the bucket holds its block, or is full. About that share of the top class's
--- prompts arrive while it is blocked, on servers that prefill oldest first; of the
--- prompts that block it, those that block it least go first.
+-- prompts arrive while it is blocked (or slowed, where servers serve it first); of
+-- the prompts that block it, those that block it least go first.
 function predict.top_blocked(i, input)
   if gate.top_blocked_share >= 1 or not predict.top_active() then
     return false
