@@ -237,6 +237,27 @@ async def test_a_p0_stream_in_flight_narrows_the_share_to_its_tpot(
     assert await admitted_prompts(running, 5, prompt_ms) == admitted
 
 
+@pytest.mark.parametrize("decode", [None, (20.0, 0.0)], ids=["no-decode-model", "step-20"])
+async def test_a_first_token_comes_at_the_end_of_the_pass_that_prefills_it(
+    make_daemon: DaemonFactory, decode: tuple[float, float] | None
+) -> None:
+    """A P0 prompt of 30 (scaled) ms of prefill, due in 40, onto an idle pool: on time
+    by its prefill alone. With a decode step of 20 ms, the pass that carries its last
+    chunk ends 10 ms past due: refused at once for its deadline, and due in 60 ms it
+    is admitted (deadline.lua: first_pass_us)."""
+    running = await make_daemon(gated())
+    await learned(running, decode=decode)
+    qos = running.client
+    tight = await qos.acquire("P0", 30 * SCALE, slo_ttft_ms=40 * SCALE, max_wait_ms=0)
+    if decode is None:
+        assert tight.admitted
+        return
+    assert not tight.admitted and tight.reason is Reason.DEADLINE
+    assert tight.waited_s == 0
+    assert 5 * SCALE / 1000 <= tight.retry_after_s <= 10 * SCALE / 1000  # 10 ms late
+    assert (await qos.acquire("P0", 30 * SCALE, slo_ttft_ms=60 * SCALE, max_wait_ms=0)).admitted
+
+
 async def test_no_new_stream_while_its_step_would_pass_a_target_in_flight(
     make_daemon: DaemonFactory,
 ) -> None:

@@ -109,7 +109,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
         order = tenant.finish(i, fair.key, fair.charge)  -- by tenants' service, not due time
       end
       local wait_cap_ms = tonumber(r[ARG_REQUEST_WAIT_CAP_MS])
-      wait_ms = by_deadline.granted_wait_ms(wait_ms, r[ARG_REQUEST_TTFT_MS], wait_cap_ms, input)
+      wait_ms = by_deadline.granted_wait_ms(i, wait_ms, r[ARG_REQUEST_TTFT_MS], wait_cap_ms, input)
       local held = held_for_gap(i, input)
       if held then
         how = 0  -- waits for a gap in the top class's traffic

@@ -43,22 +43,38 @@ function by_deadline.backlog_wait_us(i)
   return math.max(0, prefill_ahead_until(i) - now - gate.prefill_backlog_us)
 end
 
--- The longest a new request may wait, ms. With an objective and a prefill model: its
--- slack, the objective less its own prefill (admitted later, even onto an idle GPU,
--- it is late), up to what the caller allows; otherwise the class's max wait.
-function by_deadline.granted_wait_ms(wait_ms, ttft_ms, cap_ms, input)
+-- The pass that ends in a request's first token, us: a prompt's last chunk comes out
+-- only as its pass ends, and that pass also decodes the batch the request joins, so
+-- at least a decode step at that batch (budget.lua: predict.batch_for). 0 without a
+-- decode model. Left out, the requests admitted at the end of their slack were late
+-- by the pass: on bursty 2x chunked (development seeds 1 to 3), 101 P1 first tokens,
+-- most after a wait within 120 ms of the objective.
+function by_deadline.first_pass_us(i)
+  local d = state.decode_model
+  if not d then
+    return 0
+  end
+  return formula.decode_step_ms(d, predict.batch_for(i)) * 1000
+end
+
+-- The longest a new request of class i may wait, ms. With an objective and a prefill
+-- model: its slack, the objective less its own prefill and the pass that ends it
+-- (admitted later, even onto an idle GPU, it is late), up to what the caller allows;
+-- otherwise the class's max wait.
+function by_deadline.granted_wait_ms(i, wait_ms, ttft_ms, cap_ms, input)
   local own = predict.prefill_us(input)
   if wait_ms <= 0 or ttft_ms <= 0 or not own then
     return wait_ms
   end
-  return math.max(0, math.min(cap_ms, math.floor(ttft_ms - own / 1000)))
+  local first_token_us = own + by_deadline.first_pass_us(i)
+  return math.max(0, math.min(cap_ms, math.floor(ttft_ms - first_token_us / 1000)))
 end
 
 -- How late a request of class i, due at `due`, would be (us; <= 0: on time) if it
 -- were admitted now or at any later time: its first token comes after the prefill
 -- admitted before it that the servers serve first (the real clock; the top class's
--- own where they schedule by priority) and its own, and waiting does not shorten
--- that. nil where nothing predicts it: no objective, or no prefill model, or a pool
+-- own where they schedule by priority), its own, and the pass that ends it, and
+-- waiting does not shorten that. nil where nothing predicts it: no objective, or no prefill model, or a pool
 -- that is not GPU-gated (no backlog is kept).
 function by_deadline.lateness_us(i, due, input)
   if not pool_gated then
@@ -72,7 +88,7 @@ function by_deadline.lateness_us(i, due, input)
   if i == 1 then
     ahead = prefill_ahead_until(1)  -- budget.lua: its own clock where servers serve it first
   end
-  return math.max(now, ahead) + own - due
+  return math.max(now, ahead) + own + by_deadline.first_pass_us(i) - due
 end
 
 -- May a waiter of class i no longer be on time? Then it is not admitted, and its
@@ -101,7 +117,7 @@ function by_deadline.miss_ms(i, ttft_ms, input, ready)
   local wait_us = late
   if not ready then
     local gate_us = by_deadline.backlog_wait_us(i)
-    if gate_us + predict.prefill_us(input) > ttft_ms * 1000 then
+    if gate_us + predict.prefill_us(input) + by_deadline.first_pass_us(i) > ttft_ms * 1000 then
       wait_us = math.max(wait_us, gate_us)
     end
   end
