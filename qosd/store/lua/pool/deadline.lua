@@ -57,30 +57,39 @@ function by_deadline.first_pass_us(i)
   return formula.decode_step_ms(d, predict.batch_for(i)) * 1000
 end
 
+-- A request's own time to its first token onto idle servers, us: its prefill and the
+-- pass that ends it. nil while no prefill model predicts it.
+function by_deadline.own_first_token_us(i, input)
+  local own = predict.prefill_us(input)
+  if not own then
+    return nil
+  end
+  return own + by_deadline.first_pass_us(i)
+end
+
 -- The longest a new request of class i may wait, ms. With an objective and a prefill
 -- model: its slack, the objective less its own prefill and the pass that ends it
 -- (admitted later, even onto an idle GPU, it is late), up to what the caller allows;
 -- otherwise the class's max wait.
 function by_deadline.granted_wait_ms(i, wait_ms, ttft_ms, cap_ms, input)
-  local own = predict.prefill_us(input)
+  local own = by_deadline.own_first_token_us(i, input)
   if wait_ms <= 0 or ttft_ms <= 0 or not own then
     return wait_ms
   end
-  local first_token_us = own + by_deadline.first_pass_us(i)
-  return math.max(0, math.min(cap_ms, math.floor(ttft_ms - first_token_us / 1000)))
+  return math.max(0, math.min(cap_ms, math.floor(ttft_ms - own / 1000)))
 end
 
 -- How late a request of class i, due at `due`, would be (us; <= 0: on time) if it
 -- were admitted now or at any later time: its first token comes after the prefill
 -- admitted before it that the servers serve first (the real clock; the top class's
 -- own where they schedule by priority), its own, and the pass that ends it, and
--- waiting does not shorten that. nil where nothing predicts it: no objective, or no prefill model, or a pool
--- that is not GPU-gated (no backlog is kept).
+-- waiting does not shorten that. nil where nothing predicts it: no objective, or no
+-- prefill model, or a pool that is not GPU-gated (no backlog is kept).
 function by_deadline.lateness_us(i, due, input)
   if not pool_gated then
     return nil
   end
-  local own = predict.prefill_us(input)
+  local own = by_deadline.own_first_token_us(i, input)
   if not own then
     return nil
   end
@@ -88,7 +97,7 @@ function by_deadline.lateness_us(i, due, input)
   if i == 1 then
     ahead = prefill_ahead_until(1)  -- budget.lua: its own clock where servers serve it first
   end
-  return math.max(now, ahead) + own + by_deadline.first_pass_us(i) - due
+  return math.max(now, ahead) + own - due
 end
 
 -- May a waiter of class i no longer be on time? Then it is not admitted, and its
@@ -105,7 +114,7 @@ end
 -- predicted before it could be on time, for its retry-after; nil when it can be (or
 -- nothing predicts it). `ready`: it could be admitted now. Late, now or later, if the
 -- prefill admitted before it and its own outlast the objective; and if it cannot go
--- now, late if the backlog bound lets it in too late for its own prefill.
+-- now, late if the backlog bound lets it in too late for its own first token.
 function by_deadline.miss_ms(i, ttft_ms, input, ready)
   if ttft_ms <= 0 then
     return nil
@@ -117,7 +126,7 @@ function by_deadline.miss_ms(i, ttft_ms, input, ready)
   local wait_us = late
   if not ready then
     local gate_us = by_deadline.backlog_wait_us(i)
-    if gate_us + predict.prefill_us(input) + by_deadline.first_pass_us(i) > ttft_ms * 1000 then
+    if gate_us + by_deadline.own_first_token_us(i, input) > ttft_ms * 1000 then
       wait_us = math.max(wait_us, gate_us)
     end
   end
