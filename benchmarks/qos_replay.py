@@ -671,11 +671,21 @@ def pinned_rerun(args: argparse.Namespace) -> int:
     if args.trace and not any(w.partition("=")[0] == "--trace" for w in argv):
         argv += ["--trace", str(Path(args.trace).resolve())]  # the default, from here
     with clean_worktree(ROOT, args.commit) as tree:
-        paths = [str(tree / part) for part in ("", "clients", "sim", "harness")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         script = tree / "benchmarks" / "qos_replay.py"
         print(f"running from a clean worktree of {args.commit} at {tree}", flush=True)
-        return subprocess.run([sys.executable, str(script), *argv], env=env, check=False).returncode
+        return subprocess.run(
+            [sys.executable, str(script), *argv], **pinned_process(tree), check=False
+        ).returncode
+
+
+def pinned_process(tree: Path) -> dict[str, Any]:
+    """The environment and directory a pinned run starts in: the worktree's packages
+    first on ``PYTHONPATH``, and the worktree as the working directory. Its daemons,
+    proxies and simulated servers start as ``python -m qosd.cli``, which puts the
+    working directory first on ``sys.path``: from the caller's checkout they ran its
+    ``qosd``, not the pinned commit's, in every real-time and ``--server vllm`` run."""
+    paths = [str(tree / part) for part in ("", "clients", "sim", "harness")]
+    return {"env": {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, "cwd": tree}
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.qos_replay import pinned_process
 from benchmarks.yardstick_matrix import run_cells
 from qosd_harness import changed_paths, clean_worktree, one_at_a_time
 
@@ -57,6 +58,18 @@ def test_a_clean_worktree_holds_the_commit_and_goes_away(tmp_path: Path) -> None
         assert _git(tree, "rev-parse", "HEAD") == commit
     assert not tree.exists()
     assert str(tree) not in _git(repo, "worktree", "list")
+
+
+def test_a_pinned_runs_processes_import_the_pinned_tree() -> None:
+    """The daemons, proxies and servers of a pinned run start as ``python -m``, which
+    puts the working directory first on ``sys.path``: they must run the worktree's
+    code, not that of the checkout the run was started from."""
+    with clean_worktree(ROOT, "HEAD") as tree:
+        shown = subprocess.run(
+            [sys.executable, "-m", "pydoc", "qosd.cli"],
+            **pinned_process(tree), capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert str(tree / "qosd" / "cli.py") in shown, shown[-300:]
 
 
 def test_a_second_run_waits_for_the_first() -> None:
