@@ -47,8 +47,14 @@ PRIOR_OVERHEAD_TOKENS = 8.0
 #: Bytes of prompt text per token, before any response: English text in the common
 #: BPE vocabularies runs at about 4.
 PRIOR_BYTES_PER_TOKEN = 4.0
-#: How many responses' worth of evidence the prior counts as.
+#: How many responses' worth of evidence the prior counts as, before any response.
+#: It ages as the responses do (MEMORY), down to PRIOR_FLOOR: held at its full weight,
+#: it kept a fit of 2-byte tokens 0.2 % short, and prompts just past the long-prefill
+#: threshold passed it on their estimate (docs/adr/0013).
 PRIOR_WEIGHT = 8.0
+#: The prior's weight once it has aged: enough to keep the fit defined when every
+#: prompt has one length, too little to pull it.
+PRIOR_FLOOR = 0.01
 #: Responses the fit remembers, about: each new one weighs 1, older ones decay.
 MEMORY = 256
 #: The most bytes any tokenizer packs into one token of text; a prompt longer than
@@ -151,9 +157,11 @@ class _Fit:
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    prior: float = PRIOR_WEIGHT
 
     def add(self, x: float, y: float) -> None:
         keep = 1.0 - 1.0 / MEMORY
+        self.prior = max(PRIOR_FLOOR, self.prior * keep)
         self.n = self.n * keep + 1.0
         self.x = self.x * keep + x
         self.y = self.y * keep + y
@@ -162,9 +170,9 @@ class _Fit:
 
     def line(self) -> tuple[float, float]:
         """(overhead, tokens per byte): least squares, regularised towards the prior
-        (ridge on each parameter, as strong as PRIOR_WEIGHT responses)."""
+        (ridge on each parameter, as strong as the prior's aged weight in responses)."""
         c0, b0 = PRIOR_OVERHEAD_TOKENS, 1.0 / PRIOR_BYTES_PER_TOKEN
-        lc, lb = PRIOR_WEIGHT, PRIOR_WEIGHT * _PRIOR_SCALE_BYTES**2
+        lc, lb = self.prior, self.prior * _PRIOR_SCALE_BYTES**2
         # Minimise sum (y - c - b x)^2 + lc (c - c0)^2 + lb (b - b0)^2.
         a11, a12, a22 = self.n + lc, self.x, self.xx + lb
         r1, r2 = self.y + lc * c0, self.xy + lb * b0
