@@ -139,6 +139,14 @@ class Metrics:
             ["model", "class", "code"],
             registry=r,
         )
+        self.proxy_prompt_counts = Counter(
+            "qosd_proxy_prompt_counts",
+            "Prompts qosd proxy asked an upstream to count (its /tokenize) while the model's "
+            "token estimate calibrated, by model and result: learned, refused (a count the "
+            "estimate cannot take), unsupported (no such route), failed.",
+            ["model", "result"],
+            registry=r,
+        )
         self.releases = Counter(
             "qosd_releases", "Release calls, by outcome reported and result.",
             ["outcome", "result"], registry=r,

@@ -37,6 +37,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from qosd.config import Config
 from qosd.doors.grpc_api import judge_samples
 from qosd.doors.proxy.estimate import (
+    CALIBRATION_EVIDENCE,
     MIN_MEDIA_PART_TOKENS,
     PRIOR_MEDIA_PART_TOKENS,
     Estimator,
@@ -1022,6 +1023,82 @@ async def test_an_image_is_no_free_prompt(make_stack: StackFactory) -> None:
     # 3,000 each here, one step of MEDIA_LEARNING_RATE from the prior.
     learned = stack.proxies[0].proxy.estimator.media_part_tokens[MODEL]
     assert learned == pytest.approx(PRIOR_MEDIA_PART_TOKENS + 0.05 * (3_000 - 1_600), abs=2)
+
+
+async def test_the_first_prompts_are_counted_by_the_upstream_before_any_usage(
+    make_stack: StackFactory,
+) -> None:
+    """Usage comes with an answer's last token, so the first seconds of traffic were
+    admitted on the prior alone: 2-byte tokens at half their count. While the fit has
+    little evidence the proxy asks the upstream's /tokenize (vLLM's) to count the
+    prompts it sees, and learns from the counts; once it has enough, it stops asking.
+    The upstream here reports no usage at all: what is learned is the counts'."""
+    asked: list[dict[str, Any]] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        asked.append(body)
+        words = sum(len(m["content"].split()) for m in body["messages"])
+        return web.json_response({"count": words, "max_model_len": 8192, "tokens": []})
+
+    async def no_usage(request: web.Request) -> web.Response:
+        answer = completion()
+        del answer["usage"]
+        return web.json_response(answer)
+
+    routes = [web.post("/tokenize", tokenize)]
+    roomy = {"pools": {"default": {"capacity_tokens_s": 10_000_000}}}  # none of them waits
+    async with upstream(no_usage, routes) as url:
+        stack = await make_stack(roomy, upstream=url)
+        proxy = stack.proxies[0].proxy
+        prior = proxy.estimator.prompt_tokens(MODEL, PromptSize(2 * 3_000))
+        assert prior < 2_000  # 3,000 two-byte tokens, taken for about 1,500
+        client = stack.client(max_retries=0)
+        for words in range(100, 100 + 150 * 20, 20):
+            await client.chat.completions.create(**chat_of(" w" * words, max_tokens=1))
+            await proxy.prompt_counter.idle()
+        await client.close()
+    # Asked while the evidence was short of CALIBRATION_EVIDENCE answers, then not.
+    assert CALIBRATION_EVIDENCE <= len(asked) < 150
+    assert asked[0]["model"] == MODEL and asked[0]["add_generation_prompt"] is True
+    assert proxy.estimator.prompt_tokens(MODEL, PromptSize(2 * 3_000)) == pytest.approx(
+        3_000, rel=0.03
+    )
+    assert counted(stack, "learned") == len(asked)
+
+
+async def test_an_upstream_that_counts_no_prompts_is_asked_once(make_stack: StackFactory) -> None:
+    """A server without /tokenize (404) is not asked again, and the estimate goes on
+    learning from usage alone; a count the fit cannot take teaches nothing."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(completion(prompt_tokens=400))
+
+    async with upstream(answer) as url:
+        stack = await make_stack(upstream=url)
+        proxy = stack.proxies[0].proxy
+        client = stack.client(max_retries=0)
+        for _ in range(3):
+            await client.chat.completions.create(**chat_of(" w" * 400, max_tokens=1))
+            await proxy.prompt_counter.idle()
+        await client.close()
+    assert proxy.prompt_counter.without_route == {url}
+    assert counted(stack, "unsupported") == 1 and counted(stack, "learned") == 0
+    # Usage goes on teaching the fit: 400 tokens of 800 bytes, from the prior's 208.
+    assert proxy.estimator.prompt_tokens(MODEL, PromptSize(800)) > 220
+
+
+def counted(stack: Stack, result: str) -> float:
+    """The proxy's prompt counts with this result, from its /metrics page."""
+    wanted = f'qosd_proxy_prompt_counts_total{{model="{MODEL}",result="{result}"}} '
+    for line in stack.proxies[0].daemon.metrics.exposition().decode().splitlines():
+        if line.startswith(wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def chat_of(content: str, **body: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **body}
 
 
 def test_the_prior_ages_out_of_the_estimate() -> None:

@@ -259,3 +259,33 @@ async def test_models_lists_the_upstreams_models(make_stack: StackFactory) -> No
     client = stack.client()
     assert [m.id async for m in client.models.list()] == [MODEL]
     await client.close()
+
+
+async def test_the_proxy_has_the_simulated_vllm_count_its_first_prompts(
+    make_stack: StackFactory,
+) -> None:
+    """The simulated vLLM answers vLLM's /tokenize (a chat's or a prompt's count, as
+    a completion of it counts it), and the proxy asks it about the prompts it sees
+    while its estimate calibrates (qosd.doors.proxy.tokenize)."""
+    stack = await make_stack()
+    url = f"{stack.vllm_url}/tokenize"
+    async with aiohttp.ClientSession() as session:
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]
+        async with session.post(url, json={"model": MODEL, "messages": messages}) as answer:
+            assert answer.status == 200
+            counted = await answer.json()
+            assert counted["count"] == 5 and len(counted["tokens"]) == 5
+            assert counted["max_model_len"] == stack.vllm.settings.max_model_len
+        async with session.post(url, json={"model": MODEL, "prompt": "one two"}) as answer:
+            assert (await answer.json())["count"] == 2
+        async with session.post(url, json={"model": "other", "prompt": "x"}) as answer:
+            assert answer.status == 404 and (await answer.json())["error"]["param"] == "model"
+        async with session.post(url, data=b"{not json") as answer:
+            assert answer.status == 400
+    client = stack.client(max_retries=0)
+    answer = await client.chat.completions.create(**chat(12, max_tokens=1))
+    await client.close()
+    assert answer.usage is not None and answer.usage.prompt_tokens == 12
+    await stack.proxies[0].proxy.prompt_counter.idle()
+    page = stack.proxies[0].daemon.metrics.exposition().decode()
+    assert f'qosd_proxy_prompt_counts_total{{model="{MODEL}",result="learned"}} 1.0' in page

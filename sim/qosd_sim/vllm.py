@@ -2,7 +2,8 @@
 
 What a client or a proxy sees is what ``vllm serve`` answers: ``/v1/chat/completions``
 and ``/v1/completions``, streaming (server-sent events, with ``usage`` in a last chunk
-when ``stream_options.include_usage`` asks for it) and not; ``/v1/models``;
+when ``stream_options.include_usage`` asks for it) and not; ``/tokenize`` (a prompt's
+or a chat's token count); ``/v1/models``;
 ``/health``; ``/load`` (vLLM's ``{"server_load": N}``); ``/metrics`` with vLLM's metric
 names, labels and types; and the ORCA ``endpoint-load-metrics`` response header when a
 request asks for it with ``endpoint-load-metrics-format``. Errors are OpenAI's
@@ -276,26 +277,8 @@ class _Request:
 
 def parse_request(body: Any, chat: bool, settings: VllmSettings) -> _Request:
     """Validates a completion request the way vLLM does, naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model: a model name is required", "model")
-    if model != settings.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages: a non-empty list is required", "messages")
-        words = sum(_words(m.get("content")) for m in messages if isinstance(m, dict))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list):
-            prompt = " ".join(str(p) for p in prompt)
-        if not isinstance(prompt, str):
-            raise ApiError(400, "prompt: a string or a list of strings is required", "prompt")
-        words = len(prompt.split())
-    input_tokens = max(1, words)
+    model = _model(body, settings)
+    input_tokens = max(1, _prompt_words(body, chat))
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is None:
         limit = settings.default_max_tokens
@@ -321,6 +304,42 @@ def parse_request(body: Any, chat: bool, settings: VllmSettings) -> _Request:
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         priority=priority,
     )
+
+
+def _model(body: Any, settings: VllmSettings) -> str:
+    """The served model a request body names, or vLLM's error naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model: a model name is required", "model")
+    if model != settings.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    return model
+
+
+def _prompt_words(body: dict[str, Any], chat: bool) -> int:
+    """The prompt's tokens (its words): every message's text, or the prompt's."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages: a non-empty list is required", "messages")
+        return sum(_words(m.get("content")) for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = " ".join(str(p) for p in prompt)
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt: a string or a list of strings is required", "prompt")
+    return len(prompt.split())
+
+
+def tokenized(body: Any, settings: VllmSettings) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` answer: a prompt's (``prompt``) or a chat's
+    (``messages``) token count, as a completion of it would use it, its tokens (here
+    each word's index), and the model's context length."""
+    _model(body, settings)
+    count = _prompt_words(body, chat="messages" in body)
+    return {"count": count, "max_model_len": settings.max_model_len, "tokens": list(range(count))}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -449,6 +468,16 @@ def vllm_app(server: SimulatedVllm) -> web.Application:
                  "max_model_len": settings.max_model_len}  # fmt: skip
         return web.json_response({"object": "list", "data": [model]})
 
+    async def tokenize(request: web.Request) -> web.Response:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+            return web.json_response(tokenized(body, settings))
+        except ApiError as error:
+            return error.response()
+
     async def health(_: web.Request) -> web.Response:
         return web.Response()
 
@@ -470,6 +499,7 @@ def vllm_app(server: SimulatedVllm) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", text_completions)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/load", load)

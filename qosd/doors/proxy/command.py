@@ -64,6 +64,12 @@ def add_proxy(commands: Any) -> None:
         "--max-answer-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
         help="the largest upstream answer that is not streamed (beyond: 502; default 64 MiB)",
     )  # fmt: skip
+    proxy.add_argument(
+        "--tokenize-path", default="/tokenize", metavar="PATH",
+        help="the upstreams' route that counts a prompt's tokens (vLLM's /tokenize), asked "
+        "about the first prompts of each model so that its token estimate starts right; "
+        "'' never asks (default /tokenize)",
+    )  # fmt: skip
     from qosd.cli import add_config_flags  # noqa: PLC0415 - cli imports this module
 
     add_config_flags(proxy, listen_flag="--grpc-listen")
@@ -131,6 +137,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         upstream_read_timeout_s=args.upstream_read_timeout,
         client_write_timeout_s=args.client_write_timeout,
         max_answer_bytes=args.max_answer_bytes,
+        tokenize_path=args.tokenize_path,
     )
     import uvloop  # noqa: PLC0415
 

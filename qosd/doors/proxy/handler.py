@@ -73,6 +73,7 @@ from qosd.doors.proxy.estimate import Estimator, PromptSize, Usage, prompt_size
 from qosd.doors.proxy.forwarded import REQUEST_ID_HEADER, forwarded
 from qosd.doors.proxy.openai_errors import NEVER_RETRIED, OpenAIError, refusal
 from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
+from qosd.doors.proxy.tokenize import TOKENIZE_PATH, PromptCounter
 from qosd.doors.proxy.upstreams import Upstream, Upstreams
 from qosd.doors.request import MAX_LATENCY_MS, InvalidArgument
 from qosd.model import (
@@ -144,6 +145,9 @@ class ProxySettings:
     #: The largest upstream answer held whole (not streamed): beyond, a 502. A stream's
     #: lines may each be up to ``max_body_bytes`` (beyond: an error event ends it).
     max_answer_bytes: int = 64 * 1024 * 1024
+    #: The upstreams' route that counts a prompt's tokens (vLLM's), asked while a
+    #: model's estimate calibrates (qosd.doors.proxy.tokenize); empty: never asked.
+    tokenize_path: str = TOKENIZE_PATH
 
 
 @dataclass(slots=True)
@@ -220,6 +224,10 @@ class Proxy:
             TokenFile(settings.upstream_key_file) if settings.upstream_key_file else None
         )
         self.estimator = Estimator()
+        self.prompt_counter = PromptCounter(
+            session, self.estimator, self._upstream_headers, self._metrics.proxy_prompt_counts,
+            path=settings.tokenize_path,
+        )  # fmt: skip
         self._samples: list[Sample] = []
         self._settling: set[asyncio.Task[None]] = set()
         self._handling: set[asyncio.Task[Any]] = set()  # completions being answered
@@ -317,6 +325,7 @@ class Proxy:
         try:
             self._authorize(request)
             call = await self._parse(request)
+            self._count_prompt(call, path)
             span = self._telemetry.start(
                 path, call.model, call.max_tokens, request.headers,
                 stream=call.stream, choices=call.body.get("n") or 1,  # n: checked in _parse
@@ -355,6 +364,18 @@ class Proxy:
                     self._finish_telemetry(span, path, call, code, arrived)
                 except Exception:
                     log.exception("the telemetry of a request to %s failed", path)
+
+    def _count_prompt(self, call: _Call, path: str) -> None:
+        """Has an upstream count the prompt while the model's estimate calibrates, in
+        the background (qosd.doors.proxy.tokenize); never in the request's way."""
+        upstream = self.settings.upstreams.pick(call.model)
+        if upstream is None:
+            return
+        try:
+            self.prompt_counter.consider(call.model, call.body, call.prompt,
+                                         path.endswith("/chat/completions"), upstream)  # fmt: skip
+        except Exception:
+            log.exception("asking %s to count a prompt failed", upstream.url)
 
     async def _end_prepared(self, request: web.Request, call: _Call, error: OpenAIError) -> int:
         """Ends a stream whose status line (200) already went out, with ``error`` as

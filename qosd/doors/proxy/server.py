@@ -50,6 +50,7 @@ class RunningProxy:
         with contextlib.suppress(asyncio.CancelledError):
             await self.reporter
         await self.proxy.settled()
+        await self.proxy.prompt_counter.close()
         await self.proxy.flush_samples()
         await self.session.close()
         await self.daemon.stop()
