@@ -36,7 +36,7 @@ from qosd.doors.proxy.answers import AnswerTooLarge, read_capped
 from qosd.doors.proxy.estimate import Estimator, PromptSize
 from qosd.doors.proxy.upstreams import Upstream
 
-log = logging.getLogger("qosd.proxy")
+log = logging.getLogger(__name__)
 
 #: vLLM's route (SGLang's and others' where they copy it).
 TOKENIZE_PATH = "/tokenize"
@@ -45,8 +45,9 @@ TOKENIZE_PATH = "/tokenize"
 IN_FLIGHT = 4
 #: Seconds a count may take: a tokenizer answers in milliseconds.
 TIMEOUT_S = 2.0
-#: The largest answer read: vLLM lists the token ids, about 7 bytes each.
-MAX_ANSWER_BYTES = 4 * 1024 * 1024
+#: The largest answer read: vLLM lists the token ids, up to 8 bytes each, and a
+#: counted prompt (MAX_COUNTED_BYTES) has at most a token a byte.
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
 #: The largest request whose prompt is counted: its JSON is written again on the
 #: proxy's loop, and a few hundred thousand tokens teach the fit what smaller ones do.
 MAX_COUNTED_BYTES = 1024 * 1024
