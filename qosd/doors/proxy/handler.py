@@ -368,14 +368,12 @@ class Proxy:
     def _count_prompt(self, call: _Call, path: str) -> None:
         """Has an upstream count the prompt while the model's estimate calibrates, in
         the background (qosd.doors.proxy.tokenize); never in the request's way."""
-        upstream = self.settings.upstreams.pick(call.model)
-        if upstream is None:
-            return
         try:
             self.prompt_counter.consider(call.model, call.body, call.prompt,
-                                         path.endswith("/chat/completions"), upstream)  # fmt: skip
+                                         path.endswith("/chat/completions"),
+                                         self.settings.upstreams)  # fmt: skip
         except Exception:
-            log.exception("asking %s to count a prompt failed", upstream.url)
+            log.exception("asking an upstream of %s to count a prompt failed", call.model)
 
     async def _end_prepared(self, request: web.Request, call: _Call, error: OpenAIError) -> int:
         """Ends a stream whose status line (200) already went out, with ``error`` as

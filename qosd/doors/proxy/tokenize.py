@@ -34,7 +34,7 @@ from prometheus_client import Counter
 
 from qosd.doors.proxy.answers import AnswerTooLarge, read_capped
 from qosd.doors.proxy.estimate import Estimator, PromptSize
-from qosd.doors.proxy.upstreams import Upstream
+from qosd.doors.proxy.upstreams import Upstream, Upstreams
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +92,22 @@ class PromptCounter:
     _asking: set[asyncio.Task[None]] = field(default_factory=set)
 
     def consider(
-        self, model: str, body: dict[str, Any], prompt: PromptSize, chat: bool, upstream: Upstream
+        self, model: str, body: dict[str, Any], prompt: PromptSize, chat: bool, upstreams: Upstreams
     ) -> None:
-        """Asks ``upstream`` to count this prompt, in the background, if the estimator
-        needs it and a count of it would be true."""
+        """Asks the least busy of ``model``'s upstreams to count this prompt, in the
+        background, if the estimator needs it and a count of it would be true. Once
+        calibrated, a request costs one comparison here."""
         if (
             not self.path
+            or not self.estimator.calibrating(model)
+            or len(self._asking) >= IN_FLIGHT
             or prompt.media_parts
             or prompt.text_bytes > MAX_COUNTED_BYTES
-            or len(self._asking) >= IN_FLIGHT
-            or upstream.url in self.without_route
-            or not self.estimator.calibrating(model)
         ):
             return
+        upstream = upstreams.pick(model)
         query = count_query(model, body, chat)
-        if query is None:
+        if upstream is None or upstream.url in self.without_route or query is None:
             return
         task = asyncio.get_running_loop().create_task(self._ask(model, prompt, query, upstream))
         self._asking.add(task)
