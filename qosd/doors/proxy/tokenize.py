@@ -4,9 +4,9 @@ The estimator (``estimate.py``) learns a model's tokens per byte from the usage 
 answered requests. Usage comes with an answer's last token, seconds after its request
 was admitted: the first seconds of traffic are admitted on the prior alone, and a
 prior of 4 bytes a token halves every prompt written at 2. Replayed through the proxy
-(Azure 2x, chunked, pinned seeds 11 to 15 at ``138775e``), P0 missed 14 to 42
-objectives per seed in the first 20 s against 0 to 3 through the gateway loop, which
-sends real counts, and about as many as the gateway loop after (docs/adr/0013).
+(Azure 2x, chunked, pinned seeds 11 to 15 at ``138775e``), P0 missed 42, 23, 34, 14
+and 1 objectives in the first 20 s against 1, 1, 3, 0 and 0 through the gateway loop,
+which sends real counts, and as many as the gateway loop after (docs/adr/0013).
 
 vLLM, and servers that copy its API, count a prompt on request: ``POST /tokenize``
 with the chat's ``messages`` (and ``tools``), rendered as a completion would render
