@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from qosd.config import Config
 from qosd.doors.grpc_api import judge_samples
+from qosd.doors.proxy import tokenize as tokenize_module
 from qosd.doors.proxy.estimate import (
     CALIBRATION_EVIDENCE,
     MIN_MEDIA_PART_TOKENS,
@@ -48,6 +49,7 @@ from qosd.doors.proxy.estimate import (
 from qosd.doors.proxy.forwarded import FORWARDED_HEADERS
 from qosd.doors.proxy.handler import CLIENT_CLOSED
 from qosd.doors.proxy.telemetry import GenAiTelemetry
+from qosd.doors.proxy.tokenize import IN_FLIGHT
 from qosd.logs import MalformedHttpQuieted, quiet_malformed_http
 from qosd.metrics import Metrics
 from qosd.model import Outcome, Sample
@@ -1086,6 +1088,39 @@ async def test_an_upstream_that_counts_no_prompts_is_asked_once(make_stack: Stac
     assert counted(stack, "unsupported") == 1 and counted(stack, "learned") == 0
     # Usage goes on teaching the fit: 400 tokens of 800 bytes, from the prior's 208.
     assert proxy.estimator.prompt_tokens(MODEL, PromptSize(800)) > 220
+
+
+async def test_a_count_that_never_comes_is_not_in_the_requests_way(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upstream whose /tokenize hangs: the requests are answered all the same, at
+    most IN_FLIGHT counts wait on it, and stopping the proxy ends them. (The counts'
+    own timeout is lifted, so that a slow machine cannot end them first.)"""
+    monkeypatch.setattr(tokenize_module, "TIMEOUT_S", 600.0)
+    never = asyncio.Event()
+    hanging = 0
+
+    async def tokenize(request: web.Request) -> web.Response:
+        nonlocal hanging
+        hanging += 1
+        await never.wait()
+        return web.json_response({"count": 1})
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(completion(prompt_tokens=400))
+
+    async with upstream(answer, [web.post("/tokenize", tokenize)]) as url:
+        stack = await make_stack(upstream=url)
+        client = stack.client(max_retries=0)
+        for _ in range(IN_FLIGHT + 3):
+            answered = await client.chat.completions.create(**chat_of(" w" * 400, max_tokens=1))
+            assert answered.usage is not None and answered.usage.prompt_tokens == 400
+        await client.close()
+        counter = stack.proxies[0].proxy.prompt_counter
+        assert await until(lambda: hanging == IN_FLIGHT)
+        assert counter.asking == IN_FLIGHT
+        await stack.proxies[0].stop()  # cancels the counts still asked
+        assert counter.asking == 0
 
 
 def counted(stack: Stack, result: str) -> float:

@@ -141,6 +141,11 @@ class PromptCounter:
             return "refused"
         return "learned" if self.estimator.learn_prompt(model, prompt, count) else "refused"
 
+    @property
+    def asking(self) -> int:
+        """Counts asked and not yet answered."""
+        return len(self._asking)
+
     async def idle(self) -> None:
         """Waits for the counts asked so far to be answered (or to fail)."""
         while self._asking:
