@@ -289,15 +289,15 @@ class Usage:
         (``limits.max_request_tokens``); None when it is missing or not counts."""
         if not isinstance(value, dict):
             return None
-        prompt = _count(value.get("prompt_tokens"))
-        completion = _count(value.get("completion_tokens"))
+        prompt = token_count(value.get("prompt_tokens"))
+        completion = token_count(value.get("completion_tokens"))
         if prompt is None or completion is None:
             return None
         credible = prompt <= limit and completion <= limit
         return cls(min(prompt, limit), min(completion, limit), credible)
 
 
-def _count(value: Any) -> int | None:
+def token_count(value: Any) -> int | None:
     """A token count as a server sent it: a whole number (not a bool) of at least 0,
     else None (no usage: the estimate stands; a negative count, clamped to 0, made a
     request free). Of any size: the caller clamps it before any arithmetic (a

@@ -33,7 +33,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from qosd.doors.proxy.answers import AnswerTooLarge, read_capped
-from qosd.doors.proxy.estimate import Estimator, PromptSize
+from qosd.doors.proxy.estimate import Estimator, PromptSize, token_count
 from qosd.doors.proxy.upstreams import Upstream, Upstreams
 
 log = logging.getLogger(__name__)
@@ -136,10 +136,9 @@ class PromptCounter:
 
     def _learn(self, model: str, prompt: PromptSize, answer: bytes) -> str:
         parsed = json.loads(answer)
-        count = parsed.get("count") if isinstance(parsed, dict) else None
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            return "refused"
-        return "learned" if self.estimator.learn_prompt(model, prompt, count) else "refused"
+        count = token_count(parsed.get("count")) if isinstance(parsed, dict) else None
+        taken = count is not None and self.estimator.learn_prompt(model, prompt, count)
+        return "learned" if taken else "refused"
 
     @property
     def asking(self) -> int:
