@@ -21,6 +21,15 @@ from qosd.model import new_lease_token
 if TYPE_CHECKING:
     from qosd.config import Config, PoolConfig
 
+#: On chunked servers that serve the top class first and cap one prompt's tokens per
+#: pass, what each prompt in prefill costs a new top-class prompt beside it, times the
+#: new prompt's own prefill: its chunk of every pass the new one needs, as long as the
+#: new one's chunk where the two are as deep, about three times where it is deep in a
+#: long prompt (lua/pool/budget.lua: predict.top_wait_until; docs/adr/0013). On
+#: Mooncake 1.5x chunked-priority (development seeds 1 to 10), 2 and 3 gave P0 the same
+#: 186 requests on time of 240, against 178 with the backlog counted whole.
+SHARED_PASS_STRETCH = 3.0
+
 
 def tenant_digest(tenant: str) -> str:
     """A tenant's name in the store: 16 hex digits of its BLAKE2b hash. Fixed length
@@ -125,6 +134,11 @@ class PoolPolicy:
     server_load_max_age_us: int = 5_000_000
     # The servers serve the top class's prompts first (PoolConfig).
     servers_by_priority: bool = False
+    # And chunk prefill under a cap on one prompt's tokens per pass, so the prompts in
+    # prefill share every pass (vLLM V1 with --long-prefill-token-threshold): what each
+    # costs a new top-class prompt beside it, times its own prefill
+    # (SHARED_PASS_STRETCH); 0: prompts are prefilled one after another.
+    shared_pass_stretch: float = 0.0
     # A request's cost per expected output token, before its class weight
     # (CostConfig; the rule itself is the scripts': formulas.lua formula.cost).
     output_weight: float = 0.0
@@ -214,6 +228,11 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             max_kv_cache_usage=pool.max_kv_cache_usage or 0.0,
             server_load_max_age_us=pool.server_load_max_age_ms * 1000,
             servers_by_priority=pool.servers_schedule_by_priority,
+            shared_pass_stretch=(
+                SHARED_PASS_STRETCH
+                if pool.servers_schedule_by_priority and pool.chunked_prefill
+                else 0.0
+            ),
             output_weight=config.cost.output_weight,
             top_blocked_share=pool.max_top_blocked_share,
             top_blocked_burst_us=round(pool.top_blocked_burst_s * 1_000_000),

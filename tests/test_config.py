@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qosd.config import Config, ConfigError, FailMode, load_config
-from qosd.policy import ClassPolicy, resolve_pools
+from qosd.policy import SHARED_PASS_STRETCH, ClassPolicy, resolve_pools
 
 pytestmark = pytest.mark.fast
 
@@ -125,6 +125,21 @@ def _backlog_ms(pool: dict[str, object], top_max_wait_ms: int | None = None) -> 
     if top_max_wait_ms is not None:
         tree["classes"]["P0"]["max_wait_ms"] = top_max_wait_ms
     return resolve_pools(Config.model_validate(tree))["default"].prefill_backlog_us / 1000
+
+
+def test_prompts_share_passes_only_on_chunked_servers_that_serve_the_top_class_first() -> None:
+    """The cap on one prompt's tokens per pass comes with priority scheduling on a
+    chunked server (PoolConfig.servers_schedule_by_priority); elsewhere prompts are
+    prefilled one after another, and a top-class prompt waits for the whole backlog."""
+
+    def stretch(pool: dict[str, object]) -> float:
+        tree = {"pools": {"default": {"capacity_tokens_s": 10_000, **pool}}}
+        return resolve_pools(Config.model_validate(tree))["default"].shared_pass_stretch
+
+    both: dict[str, object] = {"servers_schedule_by_priority": True, "chunked_prefill": True}
+    assert stretch(both) == SHARED_PASS_STRETCH > 0
+    assert stretch({**both, "chunked_prefill": False}) == 0
+    assert stretch({**both, "servers_schedule_by_priority": False}) == 0
 
 
 def test_the_prefill_backlog_bound_defaults_to_the_top_objective_less_its_max_wait() -> None:

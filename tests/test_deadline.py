@@ -174,6 +174,29 @@ async def test_where_servers_serve_the_top_class_first_it_waits_behind_its_own_p
     assert 0.5 <= hopeless.retry_after_s <= 1.0
 
 
+async def test_where_prompts_share_passes_the_top_class_prefills_beside_its_own(
+    make_daemon: DaemonFactory,
+) -> None:
+    """Chunked servers that serve the top class first cap each prompt's tokens per
+    pass, so the prompts in prefill share every pass: behind 1 s of one P0 prompt, a
+    10-token P0 request due in 300 ms starts beside it and is admitted at once (the
+    test above refuses it where prompts go one after another). Each top-class lease
+    in flight costs it up to three times its own prefill: a 100-token request, beside
+    the two, would take 2 x 300 + 100 ms, and is refused for about the 500 ms its
+    backlog holds it past the 100 ms bound."""
+    config = gated(max_in_flight=10, backlog_ms=100)
+    config["pools"]["default"].update(servers_schedule_by_priority=True, chunked_prefill=True)
+    running = await make_daemon(config)
+    qos = running.client
+    await with_prefill_model(running)
+    assert (await qos.acquire("P0", 1_000, slo_ttft_ms=5_000)).admitted  # 1 s of P0 ahead
+    beside = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert beside.admitted and beside.waited_s == 0
+    hopeless = await qos.acquire("P0", 100, slo_ttft_ms=300)
+    assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE
+    assert 0.3 <= hopeless.retry_after_s <= 0.5
+
+
 async def test_a_waiter_is_dropped_once_prefill_admitted_ahead_makes_it_late(
     make_daemon: DaemonFactory,
 ) -> None:

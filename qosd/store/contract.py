@@ -122,6 +122,11 @@ class PoolArgs(NamedTuple):
     # scheduling, and chunked, a cap on one prompt's tokens per pass), so the top class
     # waits behind its own prefill alone; 0: behind every prompt admitted before it.
     servers_by_priority: int
+    # > 0: and they chunk prefill under a cap on one prompt's tokens per pass, so the
+    # prompts in prefill share every pass rather than go one after another: a new
+    # top-class prompt prefills beside the top class's backlog, each prompt there
+    # costing it this many times its own prefill (policy.SHARED_PASS_STRETCH); 0: no.
+    shared_pass_stretch: str
     # What a request costs: (prompt + output_weight x output tokens) x class weight
     # (formulas.lua: formula.cost, the one statement of the rule).
     output_weight: str

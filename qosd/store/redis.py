@@ -234,6 +234,7 @@ class RedisStore:
                         max_kv_cache_usage=repr(pool.max_kv_cache_usage),
                         server_load_max_age_us=pool.server_load_max_age_us,
                         servers_by_priority=1 if pool.servers_by_priority else 0,
+                        shared_pass_stretch=repr(pool.shared_pass_stretch),
                         output_weight=repr(pool.output_weight),
                         top_blocked_share=repr(pool.top_blocked_share),
                         top_blocked_burst_us=pool.top_blocked_burst_us,

@@ -114,7 +114,7 @@ for _ = 1, tonumber(ARGV[ARG_CALLS]) do
       if held then
         how = 0  -- waits for a gap in the top class's traffic
       elseif pool_gated then
-        how = gated_how_for_new(i, cost, kv, order)
+        how = gated_how_for_new(i, cost, kv, order, input)
       elseif not has_live_waiter(i, order) then  -- no overtaking a waiter placed before
         local shared_open = c.can_borrow and state.tokens[i] < cost and shared_open_for(i)
         how = how_to_take(i, cost, shared_open)

@@ -152,7 +152,7 @@ local function pump_gated()
     local m = mine[w.id]
     if blocked and not passes_reserve(w.class, blocked, false) then
       -- past a head without room, only the top class, into its reserve
-    elseif not has_room(w.class, w.kv) then
+    elseif not has_room(w.class, w.kv, w.input) then
       if blocked or not passes_reserve(1, w.class, false) then
         return false
       end

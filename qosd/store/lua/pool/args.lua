@@ -91,6 +91,9 @@ do
     server_load_max_age_us = tonumber(r[ARG_POOL_SERVER_LOAD_MAX_AGE_US]),
     -- The servers take the top class's prompts first: it waits behind its own alone.
     servers_by_priority = r[ARG_POOL_SERVERS_BY_PRIORITY] == '1',
+    -- > 0: and the prompts in prefill share every pass, each costing a new top-class
+    -- prompt this many times its own prefill (budget.lua: predict.top_wait_until).
+    shared_pass_stretch = tonumber(r[ARG_POOL_SHARED_PASS_STRETCH]),
     -- A request's cost per expected output token, before its class weight
     -- (formulas.lua: formula.cost).
     output_weight = tonumber(r[ARG_POOL_OUTPUT_WEIGHT]),

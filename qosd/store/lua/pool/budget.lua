@@ -191,14 +191,40 @@ local function prefill_started(i, input)
   end
 end
 
--- When the prefill that class i's next prompt starts behind ends (us of Redis time):
--- the top class's, by the real clock (its own prompts alone where the servers
--- schedule by priority); the others', by the share's, and never before the real
--- one's (a decode model's share clock counts a chunked prefill less the step its
--- pass decodes, so it can run behind the prefill really queued).
-local function prefill_ahead_until(i)
+-- When the top class's prompts in prefill stop delaying a new one of `input` tokens,
+-- on servers where prompts share passes (us of Redis time). There the servers plan a
+-- chunk of every prompt in prefill into each pass, each at most the long-prefill
+-- threshold (vLLM V1), so a new prompt does not wait for the backlog: it prefills
+-- beside it, and each prompt beside it costs it about its chunk of every pass the
+-- new one needs. A chunk costs what the new prompt's does (prompts of the same
+-- depth) up to about three times (one deep in a long prompt: 512 tokens 30K tokens
+-- in take 67 ms of attention and compute against 31 ms): the pool's
+-- shared_pass_stretch times its own prefill each (policy.py: SHARED_PASS_STRETCH),
+-- for at most every top-class lease in flight, and never more than the backlog. Serial, the clock refused a 26-token P0 prompt
+-- behind 3.8 s of one 37K-token P0 prompt that the servers would start at once
+-- (Mooncake 1.5x chunked-priority, development seeds: 31 of 62 of P0's losses).
+function predict.top_wait_until(input)
+  local own = input and predict.prefill_us(input)
+  if not own then
+    return state.prefill_top_until
+  end
+  local beside = math.max(1, state.in_n[1]) * gate.shared_pass_stretch * own
+  return math.min(state.prefill_top_until, now + beside)
+end
+
+-- When the prefill that class i's next prompt (of `input` tokens, where known)
+-- starts behind ends (us of Redis time): the top class's, by the real clock (its
+-- own prompts alone where the servers schedule by priority, as far as they delay
+-- it where prompts share passes); the others', by the share's, and never before
+-- the real one's (a decode model's share clock counts a chunked prefill less the
+-- step its pass decodes, so it can run behind the prefill really queued).
+-- (In `predict`, not a local: a script's main chunk has at most 200 locals.)
+function predict.prefill_ahead_until(i, input)
   if i ~= 1 then
     return math.max(state.prefill_until, state.prefill_real_until)
+  end
+  if gate.shared_pass_stretch > 0 then
+    return predict.top_wait_until(input)
   end
   if gate.servers_by_priority then
     return state.prefill_top_until
@@ -206,7 +232,9 @@ local function prefill_ahead_until(i)
   return state.prefill_real_until
 end
 
-local function has_room(i, tokens)
+-- Room for a request of class i holding `tokens` of KV in flight, with a prompt of
+-- `input` tokens (nil: not known; the top class's backlog then counts whole).
+local function has_room(i, tokens, input)
   local count, held = 0, 0
   for j = 1, class_count do
     count = count + state.in_n[j]
@@ -216,7 +244,7 @@ local function has_room(i, tokens)
     return true  -- alone in an idle pool: always, whatever its size
   end
   if state.prefill_model and gate.prefill_backlog_us > 0 then
-    if prefill_ahead_until(i) - now > gate.prefill_backlog_us then
+    if predict.prefill_ahead_until(i, input) - now > gate.prefill_backlog_us then
       return false  -- the servers' prefill backlog is full: wait here, in priority order
     end
   end

@@ -34,13 +34,14 @@ function by_deadline.order_us(due, enqueued, input)
   return due + own
 end
 
--- How long until the prefill backlog lets class i in (us; 0: now, or no backlog
--- bound): the lead of its clock (budget.lua: prefill_ahead_until) beyond the bound.
-function by_deadline.backlog_wait_us(i)
+-- How long until the prefill backlog lets class i's prompt of `input` tokens in (us;
+-- 0: now, or no backlog bound): the lead of its clock (budget.lua:
+-- predict.prefill_ahead_until) beyond the bound.
+function by_deadline.backlog_wait_us(i, input)
   if not pool_gated or gate.prefill_backlog_us <= 0 or not state.prefill_model then
     return 0
   end
-  return math.max(0, prefill_ahead_until(i) - now - gate.prefill_backlog_us)
+  return math.max(0, predict.prefill_ahead_until(i, input) - now - gate.prefill_backlog_us)
 end
 
 -- The pass that ends in a request's first token, us: a prompt's last chunk comes out
@@ -82,8 +83,9 @@ end
 -- How late a request of class i, due at `due`, would be (us; <= 0: on time) if it
 -- were admitted now or at any later time: its first token comes after the prefill
 -- admitted before it that the servers serve first (the real clock; the top class's
--- own where they schedule by priority), its own, and the pass that ends it, and
--- waiting does not shorten that. nil where nothing predicts it: no objective, or no
+-- own where they schedule by priority, as far as it delays this prompt where prompts
+-- share passes), its own, and the pass that ends it, and waiting does not shorten
+-- that. nil where nothing predicts it: no objective, or no
 -- prefill model, or a pool that is not GPU-gated (no backlog is kept).
 function by_deadline.lateness_us(i, due, input)
   if not pool_gated then
@@ -95,7 +97,7 @@ function by_deadline.lateness_us(i, due, input)
   end
   local ahead = state.prefill_real_until
   if i == 1 then
-    ahead = prefill_ahead_until(1)  -- budget.lua: its own clock where servers serve it first
+    ahead = predict.prefill_ahead_until(1, input)  -- its own where servers serve it first
   end
   return math.max(now, ahead) + own - due
 end
@@ -125,7 +127,7 @@ function by_deadline.miss_ms(i, ttft_ms, input, ready)
   end
   local wait_us = late
   if not ready then
-    local gate_us = by_deadline.backlog_wait_us(i)
+    local gate_us = by_deadline.backlog_wait_us(i, input)
     if gate_us + by_deadline.own_first_token_us(i, input) > ttft_ms * 1000 then
       wait_us = math.max(wait_us, gate_us)
     end

@@ -161,15 +161,15 @@ end
 -- A GPU-gated pool's answer for a new request of class i: how it pays, or 0 to wait.
 -- It needs room, no waiter of its class placed before it, and nobody of another class
 -- standing better than it, or as well and earlier.
-local function gated_how_for_new(i, cost, kv, order)
-  if has_live_waiter(i, order) or not has_room(i, kv) then
+local function gated_how_for_new(i, cost, kv, order, input)
+  if has_live_waiter(i, order) or not has_room(i, kv, input) then
     return 0
   end
   local mine = within_share(i, cost) and 0 or 1
   for _, w in ipairs(heads()) do
     if w.class ~= i and stands_before(standing(w), gated_rank(w.class, w.rank), w.class,
         mine, gated_rank(i, classes[i].rank), i)
-        and not passes_reserve(i, w.class, has_room(w.class, w.kv)) then
+        and not passes_reserve(i, w.class, has_room(w.class, w.kv, w.input)) then
       return 0
     end
   end
