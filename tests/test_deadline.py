@@ -46,6 +46,16 @@ async def with_prefill_model(running: RunningDaemon) -> None:
     )
 
 
+async def modelled_pool(make_daemon: DaemonFactory, **pool: object) -> QosdClient:
+    """A daemon on a pool of 10 slots and a 100 ms backlog bound, with ``pool``'s
+    settings and the prefill model; its client."""
+    config = gated(max_in_flight=10, backlog_ms=100)
+    config["pools"]["default"].update(pool)
+    running = await make_daemon(config)
+    await with_prefill_model(running)
+    return running.client
+
+
 async def waiting(qos: QosdClient, qos_class: str, count: int) -> None:
     async def read() -> int:
         return (await qos.status("default")).pool("default").cls(qos_class).waiting
@@ -140,9 +150,7 @@ async def test_a_request_that_cannot_be_on_time_is_refused_with_the_predicted_wa
     """1 s of prefill admitted ahead (a 1,000-token prompt) and a 100 ms backlog bound:
     a 10-token P0 request due in 300 ms would wait about 900 ms for the backlog to
     drain: refused at once, retry-after the predicted wait. Due in 3 s, it waits."""
-    running = await make_daemon(gated(max_in_flight=10, backlog_ms=100))
-    qos = running.client
-    await with_prefill_model(running)
+    qos = await modelled_pool(make_daemon)
     assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # alone: 1 s ahead
     hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
     assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE
@@ -160,11 +168,7 @@ async def test_where_servers_serve_the_top_class_first_it_waits_behind_its_own_p
     above refuse a P0 request due in 300 ms does not: the servers start it first, so it
     is admitted at once, past the 100 ms backlog bound too. The top class's own
     prefill still counts: behind 1 s of it, the same request is refused."""
-    config = gated(max_in_flight=10, backlog_ms=100)
-    config["pools"]["default"]["servers_schedule_by_priority"] = True
-    running = await make_daemon(config)
-    qos = running.client
-    await with_prefill_model(running)
+    qos = await modelled_pool(make_daemon, servers_schedule_by_priority=True)
     assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # 1 s of P1 ahead
     passing = await qos.acquire("P0", 10, slo_ttft_ms=300)
     assert passing.admitted and passing.waited_s == 0
@@ -184,11 +188,7 @@ async def test_where_prompts_share_passes_the_top_class_prefills_beside_its_own(
     in flight costs it up to three times its own prefill: a 100-token request, beside
     the two, would take 2 x 300 + 100 ms, and is refused for about the 500 ms its
     backlog holds it past the 100 ms bound."""
-    config = gated(max_in_flight=10, backlog_ms=100)
-    config["pools"]["default"].update(servers_schedule_by_priority=True, chunked_prefill=True)
-    running = await make_daemon(config)
-    qos = running.client
-    await with_prefill_model(running)
+    qos = await modelled_pool(make_daemon, servers_schedule_by_priority=True, chunked_prefill=True)
     assert (await qos.acquire("P0", 1_000, slo_ttft_ms=5_000)).admitted  # 1 s of P0 ahead
     beside = await qos.acquire("P0", 10, slo_ttft_ms=300)
     assert beside.admitted and beside.waited_s == 0
@@ -270,9 +270,7 @@ async def test_an_empty_pool_owes_no_prefill(make_daemon: DaemonFactory) -> None
     """A 1,000-token prompt puts 1 s of prefill ahead of the next request. Its lease
     ended early (cancelled, say): the servers hold nothing qosd admitted, so a P0
     request due in 300 ms is admitted, not refused for prefill no server has left."""
-    running = await make_daemon(gated(max_in_flight=10, backlog_ms=100))
-    qos = running.client
-    await with_prefill_model(running)
+    qos = await modelled_pool(make_daemon)
     ahead = await qos.acquire("P1", 1_000, max_wait_ms=0)
     assert ahead.admitted
     hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
@@ -288,11 +286,7 @@ async def test_an_empty_pool_forgives_the_share_s_debt(make_daemon: DaemonFactor
     the streams in flight would repay by decoding slower. Once they have all ended,
     a prompt let into the empty pool does not keep the one after it out for the rest
     of that debt."""
-    config = gated(max_in_flight=10, backlog_ms=100)
-    config["pools"]["default"]["max_prefill_share"] = 0.5
-    running = await make_daemon(config)
-    qos = running.client
-    await with_prefill_model(running)
+    qos = await modelled_pool(make_daemon, max_prefill_share=0.5)
     first = await qos.acquire("P1", 1_000, max_wait_ms=0)
     assert first.admitted
     held_back = await qos.acquire("P2", 10, max_wait_ms=0)
