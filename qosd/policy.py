@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 #: new prompt's own prefill: its chunk of every pass the new one needs, as long as the
 #: new one's chunk where the two are as deep, about three times where it is deep in a
 #: long prompt (lua/pool/budget.lua: predict.top_wait_until; docs/adr/0013). On
-#: Mooncake 1.5x chunked-priority (development seeds 1 to 10), 2 and 3 gave P0 the same
-#: 186 requests on time of 240, against 178 with the backlog counted whole.
+#: Mooncake 1.5x chunked-priority (development seeds 1 to 10), 2 and 3 gave P0 186 and
+#: 185 requests on time of 240, against 178 with the backlog counted whole; on bursty
+#: 1.5x (seeds 4 to 10), 1,163 and 1,169 of 2,280, against 1,148.
 SHARED_PASS_STRETCH = 3.0
 
 

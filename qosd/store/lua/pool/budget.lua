@@ -200,9 +200,10 @@ end
 -- depth) up to about three times (one deep in a long prompt: 512 tokens 30K tokens
 -- in take 67 ms of attention and compute against 31 ms): the pool's
 -- shared_pass_stretch times its own prefill each (policy.py: SHARED_PASS_STRETCH),
--- for at most every top-class lease in flight, and never more than the backlog. Serial, the clock refused a 26-token P0 prompt
--- behind 3.8 s of one 37K-token P0 prompt that the servers would start at once
--- (Mooncake 1.5x chunked-priority, development seeds: 31 of 62 of P0's losses).
+-- for at most every top-class lease in flight, and never more than the backlog.
+-- Counted whole, the clock refused a 26-token P0 prompt behind 3.8 s of one
+-- 37K-token P0 prompt that the servers would start at once (Mooncake 1.5x
+-- chunked-priority, development seeds: 31 of 62 of P0's losses).
 function predict.top_wait_until(input)
   local own = input and predict.prefill_us(input)
   if not own then
