@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from qosd.config import SloConfig
+from qosd.control.fit import weighted_least_squares
 from qosd.control.windows import sample_objectives
 from qosd.model import Outcome, PrefillLearned, StoredSample
 
@@ -82,26 +83,6 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solves the 3x3 system m x = v (Cramer's rule); None when it is singular."""
-
-    def det(a: list[list[float]]) -> float:
-        return (
-            a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
-            - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
-        )
-
-    d = det(m)
-    if abs(d) < 1e-300:
-        return None
-    result = []
-    for column in range(3):
-        replaced = [[v[r] if c == column else m[r][c] for c in range(3)] for r in range(3)]
-        result.append(det(replaced) / d)
-    return result
-
-
 def learn_prefill(samples: Iterable[StoredSample]) -> PrefillModel | None:
     """The prefill model from reported TTFTs (see the module's docstring): each
     band's fastest tenth, fitted by least squares (weighted by 1/TTFT², so that
@@ -128,17 +109,9 @@ def learn_prefill(samples: Iterable[StoredSample]) -> PrefillModel | None:
     # Weighted least squares of t = c + a n + b n^2, each point weighted by 1 / t^2:
     # relative errors count, not the long prompts' milliseconds alone. In thousands
     # of tokens, so that the normal equations stay well scaled.
-    m = [[0.0] * 3 for _ in range(3)]
-    v = [0.0] * 3
-    for n, t in points:
-        w = 1 / (t * t)
-        k = n / 1000
-        powers = (1.0, k, k * k)
-        for r in range(3):
-            v[r] += w * powers[r] * t
-            for c in range(3):
-                m[r][c] += w * powers[r] * powers[c]
-    solved = _solve3(m, v)
+    solved = weighted_least_squares(
+        (1 / (t * t), (1.0, n / 1000, (n / 1000) ** 2), t) for n, t in points
+    )
     if solved is None or solved[1] < 0 or solved[2] < 0:
         # A curve bending down is noise: a straight line from the origin instead.
         ratio = sorted(t / n for n, t in points)[len(points) // 2]
