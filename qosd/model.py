@@ -14,12 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qosd_client.types import Outcome, Reason
+from qosd_client.types import Outcome, PassStats, Reason
 
 if TYPE_CHECKING:
     from qosd.policy import ClassPolicy
 
-__all__ = ["Outcome", "Reason"]  # defined once, in the client; the daemon imports them here
+# Defined once, in the client; the daemon imports them here.
+__all__ = ["Outcome", "PassStats", "Reason"]
 
 
 def new_daemon_id() -> str:
@@ -208,13 +209,41 @@ class TenantStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class PassRead:
+    """One server's :class:`PassStats` as the store keeps it, stamped (Redis time, ms)."""
+
+    at_ms: int
+    server: str
+    passes: int
+    prefill_tokens: int
+    decode_tokens: int
+    step_ms: float
+
+    @staticmethod
+    def encode(stats: PassStats, server: str) -> str:
+        """What the store keeps of one server's read (``report.lua`` stamps it)."""
+        return (
+            f"{stats.passes}|{stats.prefill_tokens}|{stats.decode_tokens}|{stats.step_ms!r}|"
+            f"{server}"
+        )
+
+    @classmethod
+    def decode(cls, raw: str) -> PassRead:
+        """Reads ``report.lua``'s stamp and :meth:`encode`'s form."""
+        at, passes, prefill, decode, step, server = raw.split("|", 5)
+        return cls(int(at), server, int(passes), int(prefill), int(decode), float(step))
+
+
+@dataclass(frozen=True, slots=True)
 class ServerLoad:
     """One model server's gauges at one read (ReportRequest.loads): requests it holds
-    waiting, and the share of its KV cache in use; None: not known."""
+    waiting, and the share of its KV cache in use; None: not known. ``passes``: what
+    its passes carried since its previous read, where its metrics say."""
 
     server: str
     waiting: int | None
     kv_usage: float | None
+    passes: PassStats | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,6 +134,11 @@ def report_request(
             entry.waiting_requests = load.waiting_requests
         if load.kv_cache_usage is not None:
             entry.kv_cache_usage = load.kv_cache_usage
+        if load.passes is not None:
+            entry.passes.passes = load.passes.passes
+            entry.passes.prefill_tokens = load.passes.prefill_tokens
+            entry.passes.decode_tokens = load.passes.decode_tokens
+            entry.passes.step_ms = load.passes.step_ms
     for sample in samples:
         item = request.samples.add(
             model=sample.model,

@@ -3,7 +3,8 @@
 Every ``interval_s`` a scraper reads a model server's ``/metrics``, turns what
 changed since the last read into latency samples for the models' classes, records
 them into a sink (``LatencyReporter``), and hands the server's own gauges (its
-waiting requests, KV cache usage: ``qosd_client.server_load``) to ``on_loads``. The
+waiting requests, KV cache usage, and what its passes carried since the last read:
+``qosd_client.server_load``) to ``on_loads``. The
 first read only sets the baseline: what finished before it is not reported. What a
 read means is the engine's: subclasses parse it and compute the samples.
 """
@@ -20,8 +21,15 @@ from typing import Generic, TypeVar
 
 import aiohttp
 
-from qosd_client.server_load import ModelLoad, parse_server_load, to_report
-from qosd_client.types import LatencySample, SampleSink, ServerLoad
+from qosd_client.server_load import (
+    ModelLoad,
+    PassCounts,
+    parse_pass_counts,
+    parse_server_load,
+    passes_between,
+    to_report,
+)
+from qosd_client.types import LatencySample, PassStats, SampleSink, ServerLoad
 
 log = logging.getLogger("qosd_client.scraping")
 
@@ -76,6 +84,9 @@ class MetricsScraper(ABC, Generic[Counters]):
         self.stats = ScraperStats()
         #: The server's gauges per model at the last successful read.
         self.last_loads: dict[str, ModelLoad] = {}
+        #: What each model's passes carried between the last two successful reads.
+        self.last_passes: dict[str, PassStats] = {}
+        self._pass_counts: dict[str, PassCounts] = {}
 
     @abstractmethod
     def parse(self, text: str) -> dict[str, Counters]:
@@ -99,11 +110,18 @@ class MetricsScraper(ABC, Generic[Counters]):
                 text = await response.text()
             current = self.parse(text)
             self.last_loads = parse_server_load(text)
+            counts = parse_pass_counts(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             self.stats.failed_reads += 1
             log.warning("reading %s failed: %r", self._url, error)
             return []
         self.stats.reads += 1
+        last_counts, self._pass_counts = self._pass_counts, counts
+        self.last_passes = {
+            model: stats
+            for model, after in counts.items()
+            if model in last_counts and (stats := passes_between(last_counts[model], after))
+        }
         await self._hand_over_loads()
         baseline = self._last is None
         samples = self.samples_since_last(current)
@@ -118,7 +136,7 @@ class MetricsScraper(ABC, Generic[Counters]):
     async def _hand_over_loads(self) -> None:
         if self._on_loads is None:
             return
-        loads = to_report(self.last_loads, self._server)
+        loads = to_report(self.last_loads, self._server, self.last_passes)
         if not loads:
             return
         try:

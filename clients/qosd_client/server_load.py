@@ -10,6 +10,14 @@ so one table serves every engine. Requests running are read too, for ``qosd scra
 uses.
 
 A gauge a server does not expose stays unknown (None), never 0.
+
+Where an engine counts its passes (``PASS_COUNTERS``: vLLM V1's
+``vllm:iteration_tokens_total``, a histogram of the tokens each pass carried, beside
+its prompt and generation token counters and its inter-token latency), a load also
+says what the passes carried and took since the previous read (``PassStats``), the
+differences of those counters: the leader learns the decode step from them
+(``qosd.control.passes`` in the daemon). SGLang and Triton expose no pass count, and
+their loads carry none.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from enum import Enum
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosd_client.types import ServerLoad
+from qosd_client.types import PassStats, ServerLoad
 
 
 class LoadKind(Enum):
@@ -142,13 +150,80 @@ def parse_server_load(text: str) -> dict[str, ModelLoad]:
     return {model: _model_load(sums) for model, sums in found.items()}
 
 
-def to_report(loads: Mapping[str, ModelLoad], server: str) -> list[ServerLoad]:
-    """The loads to report for one server (``server`` names it): models with neither a
-    waiting count nor a KV usage are left out (running requests are not reported)."""
+class PassCounter(Enum):
+    PASSES = "passes"  # passes run: the count of the tokens-per-pass histogram
+    PROMPT = "prompt"  # prompt tokens whose prefill finished
+    GENERATED = "generated"  # tokens generated
+    GAP_SUM = "gap_sum"  # the inter-token latency histogram's sum, seconds
+    GAPS = "gaps"  # and its count
+
+
+#: Each engine's pass counters, by their sample names (summed over a model's series:
+#: a data-parallel server's engines), and the label that names the model.
+PASS_COUNTERS: dict[str, PassCounter] = {
+    "vllm:iteration_tokens_total_count": PassCounter.PASSES,
+    "vllm:prompt_tokens_total": PassCounter.PROMPT,
+    "vllm:generation_tokens_total": PassCounter.GENERATED,
+    "vllm:inter_token_latency_seconds_sum": PassCounter.GAP_SUM,
+    "vllm:inter_token_latency_seconds_count": PassCounter.GAPS,
+}
+PASS_MODEL_LABEL = "model_name"
+
+#: One model's pass counters at one read.
+PassCounts = dict[PassCounter, float]
+
+
+def parse_pass_counts(text: str) -> dict[str, PassCounts]:
+    """Per model, the pass counters of ``PASS_COUNTERS`` found in exposition text, each
+    summed over the model's series; a model is left out unless all are there. Raises
+    ValueError on text that does not parse."""
+    found: dict[str, PassCounts] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            counter = PASS_COUNTERS.get(sample.name)
+            model = sample.labels.get(PASS_MODEL_LABEL, "")
+            if counter is None or not model:
+                continue
+            counts = found.setdefault(model, {})
+            counts[counter] = counts.get(counter, 0.0) + sample.value
+    return {model: counts for model, counts in found.items() if len(counts) == len(PassCounter)}
+
+
+def passes_between(before: PassCounts, after: PassCounts) -> PassStats | None:
+    """What the passes carried between two reads of one model's counters; None where
+    no pass decoded, or a counter went down (the server restarted: the next read
+    starts afresh)."""
+    delta = {counter: after[counter] - before[counter] for counter in PassCounter}
+    if any(change < 0 for change in delta.values()):
+        return None
+    passes, generated = round(delta[PassCounter.PASSES]), round(delta[PassCounter.GENERATED])
+    if passes < 1 or generated < 1 or delta[PassCounter.GAPS] < 1:
+        return None
+    step_ms = delta[PassCounter.GAP_SUM] / delta[PassCounter.GAPS] * 1000
+    if not 0 < step_ms <= 60_000:
+        return None
+    return PassStats(passes, round(delta[PassCounter.PROMPT]), generated, step_ms)
+
+
+def to_report(
+    loads: Mapping[str, ModelLoad],
+    server: str,
+    passes: Mapping[str, PassStats] | None = None,
+) -> list[ServerLoad]:
+    """The loads to report for one server (``server`` names it), with what each
+    model's passes carried where known: models with neither a waiting count, a KV
+    usage nor passes are left out (running requests are not reported)."""
+    passes = passes or {}
     return [
-        ServerLoad(model, server, waiting_requests=load.waiting, kv_cache_usage=load.kv_usage)
-        for model, load in sorted(loads.items())
-        if load.waiting is not None or load.kv_usage is not None
+        ServerLoad(
+            model,
+            server,
+            waiting_requests=load.waiting,
+            kv_cache_usage=load.kv_usage,
+            passes=passes.get(model),
+        )
+        for model, load in sorted({**{m: ModelLoad() for m in passes}, **loads}.items())
+        if load.waiting is not None or load.kv_usage is not None or model in passes
     ]
 
 

@@ -86,12 +86,27 @@ class ServerLoad:
     requests it holds waiting (Triton's nv_inference_pending_request_count, vLLM's
     vllm:num_requests_waiting) and the share of its KV cache in use (vLLM's
     vllm:kv_cache_usage_perc); None: not known. ``server`` names the instance: qosd
-    keeps each one's latest read."""
+    keeps each one's latest read. ``passes``: what its passes carried since its
+    previous read, where its metrics count them."""
 
     model: str
     server: str
     waiting_requests: int | None = None
     kv_cache_usage: float | None = None
+    passes: PassStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PassStats:
+    """What one server's engine passes carried and took between two reads of its
+    metrics (``ServerLoad.passes``; ``qosd_client.server_load``): passes run, prompt
+    tokens whose prefill they finished, tokens generated, and the mean time between a
+    stream's tokens, ms. The SLO loop's leader learns the decode step from them."""
+
+    passes: int
+    prefill_tokens: int
+    decode_tokens: int
+    step_ms: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from qosd.model import (
     LeaseExpired,
     LeaseNotFound,
     Outcome,
+    PassStats,
     Sample,
     ServerLoad,
     StoreUnavailable,
@@ -327,6 +328,14 @@ def _server_loads(
                     server=load.server,
                     waiting=load.waiting_requests if load.HasField("waiting_requests") else None,
                     kv_usage=load.kv_cache_usage if load.HasField("kv_cache_usage") else None,
+                    passes=PassStats(
+                        load.passes.passes,
+                        load.passes.prefill_tokens,
+                        load.passes.decode_tokens,
+                        load.passes.step_ms,
+                    )
+                    if load.HasField("passes")
+                    else None,
                 )
             )
         except InvalidArgument as exc:

@@ -27,6 +27,7 @@ from qosd.model import (
     AdmissionRequest,
     LeaseNotFound,
     Outcome,
+    PassStats,
     ReleaseRequest,
     Sample,
     ServerLoad,
@@ -44,6 +45,10 @@ MAX_MODEL_LENGTH = 256
 MAX_LATENCY_MS = 86_400_000.0
 #: A model server's own queue: far above any real one, far below int64 when summed.
 MAX_SERVER_WAITING = 10_000_000
+#: Passes or tokens of one server in one read's interval: far above any GPU's.
+MAX_PASS_COUNT = 10**12
+#: A pass over a minute long is a unit mistake or a stalled server, not a step.
+MAX_STEP_MS = 60_000.0
 #: Control characters (C0, DEL, C1) and lone surrogates: what a name must not hold.
 _UNFIT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
@@ -325,7 +330,13 @@ class RequestRules:
         )
 
     def server_load(
-        self, *, model: str, server: str, waiting: int | None, kv_usage: float | None
+        self,
+        *,
+        model: str,
+        server: str,
+        waiting: int | None,
+        kv_usage: float | None,
+        passes: PassStats | None = None,
     ) -> tuple[str, ServerLoad]:
         """One server's load: its pool and the load, or InvalidArgument naming the field."""
         pool = self.pool_of(model)
@@ -345,7 +356,29 @@ class RequestRules:
             raise InvalidArgument(
                 "kv_cache_usage", f"kv_cache_usage must be between 0 and 1 (got {kv_usage})"
             )
-        return pool, ServerLoad(server, waiting, kv_usage)
+        if passes is not None:
+            pass_stats(passes)
+        return pool, ServerLoad(server, waiting, kv_usage, passes)
+
+
+def pass_stats(stats: PassStats) -> PassStats:
+    """A server's passes since its last read: counts a server could have run in a
+    read's interval, and a sane step. Checked here, where they enter: the leader fits
+    the decode step to them."""
+    for name, value, least in (("passes.passes", stats.passes, 1),
+                               ("passes.prefill_tokens", stats.prefill_tokens, 0),
+                               ("passes.decode_tokens", stats.decode_tokens, 1)):  # fmt: skip
+        if not least <= value <= MAX_PASS_COUNT:
+            raise InvalidArgument(
+                name, f"{name} must be between {least} and {MAX_PASS_COUNT} (got {value})"
+            )
+    if not (math.isfinite(stats.step_ms) and 0 < stats.step_ms <= MAX_STEP_MS):
+        raise InvalidArgument(
+            "passes.step_ms",
+            f"passes.step_ms must be a finite number of milliseconds above 0 and at most "
+            f"{MAX_STEP_MS:.0f} (got {stats.step_ms})",
+        )
+    return stats
 
 
 def objective(value: float, field: str) -> float:

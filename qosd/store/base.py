@@ -16,6 +16,7 @@ from qosd.model import (
     BucketDecision,
     ControlRecord,
     LeaseSpec,
+    PassRead,
     PoolStatus,
     PrefillLearned,
     PumpResult,
@@ -133,6 +134,12 @@ class BucketStore(Protocol):
     async def report_load(self, pool: PoolPolicy, loads: Sequence[ServerLoad]) -> None:
         """Keeps each server's latest load and sets the pool's aggregate
         (``budget.servers_load``), which admission reads (``budget.servers_full``)."""
+        ...
+
+    async def passes(self, pool: PoolPolicy) -> list[PassRead]:
+        """What the pool's servers said their passes carried (``ServerLoad.passes``),
+        newest first, stamped when stored: what the leader learns the decode step from
+        (``qosd.control.passes``)."""
         ...
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:

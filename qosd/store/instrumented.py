@@ -21,6 +21,7 @@ from qosd.model import (
     BucketDecision,
     ControlRecord,
     LeaseSpec,
+    PassRead,
     PoolStatus,
     PrefillLearned,
     PumpResult,
@@ -162,6 +163,9 @@ class InstrumentedStore(BucketStore):
     async def report(self, samples: Sequence[Sample], window_size: int) -> None:
         await self._measured("report", self._store.report(samples, window_size))
 
+    async def passes(self, pool: PoolPolicy) -> list[PassRead]:
+        return await self._measured("passes", self._store.passes(pool))
+
     async def window(self, pool: str, qos_class: str) -> list[StoredSample]:
         return await self._measured("window", self._store.window(pool, qos_class))
 
@@ -204,5 +208,5 @@ class InstrumentedStore(BucketStore):
 # The calls whose latency and failures are measured, one label each.
 _MEASURED = (
     "acquire", "pump", "cancel", "release", "status", "tenants", "control", "adjust", "set_prefill",
-    "report_load", "history", "lead", "report", "window", "ping",
+    "report_load", "passes", "history", "lead", "report", "window", "ping",
 )  # fmt: skip

@@ -31,6 +31,7 @@ from qosd.model import (
     LeaseNotFound,
     LeaseSpec,
     Outcome,
+    PassRead,
     PoolStatus,
     PrefillLearned,
     PumpResult,
@@ -59,6 +60,10 @@ from qosd.store.transport import Transport
 log = logging.getLogger(__name__)
 
 _WINDOW_EXPIRE_MS = 7 * 24 * 3600 * 1000
+#: Servers' pass reads kept per pool: ten minutes of reads every 5 s from 100 servers.
+PASS_WINDOW = 12_000
+#: A pool whose servers stopped reporting passes forgets them within the hour.
+_PASSES_EXPIRE_MS = 3600 * 1000
 #: Scripts that start with the shared pool prelude.
 POOL_SCRIPTS = frozenset({"acquire", "pump", "cancel", "release", "status", "adjust"})
 #: The prelude's files in lua/pool/, by concern, in the order they run.
@@ -776,6 +781,17 @@ class RedisStore:
             )
         keys = (args_for.keys[0], f"{args_for.prefix}servers")
         await self._run(self._scripts["load"], keys, args)
+        passes = [PassRead.encode(load.passes, load.server) for load in loads if load.passes]
+        if passes:  # appended, stamped, as the latency windows are (report.lua)
+            args = list(contract.ReportArgs(window_size=PASS_WINDOW, expire_ms=_PASSES_EXPIRE_MS))
+            for encoded in passes:
+                args += contract.SampleArgs(key_index=1, sample=encoded)
+            await self._run(self._scripts["report"], (f"{args_for.prefix}passes",), args)
+
+    async def passes(self, pool: PoolPolicy) -> list[PassRead]:
+        key = f"{self._args_for(pool).prefix}passes"
+        raw = await self._client.execute(key, "LRANGE", key, 0, -1)
+        return [PassRead.decode(item) for item in raw]
 
     async def history(self, pool: PoolPolicy, limit: int = 20) -> list[Adjustment]:
         if limit <= 0:

@@ -42,7 +42,7 @@ from aiohttp import web
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from qosd.server import write_ready_file
-from qosd_client import LatencySample, QosdClient
+from qosd_client import LatencySample, PassStats, QosdClient
 from qosd_client.reporter import LatencyReporter
 from qosd_sim.errors import BadRequest, QueueFull
 from qosd_sim.gpu import Engine, GpuModel, Sequence, TokenEvent, TokenKind
@@ -60,6 +60,36 @@ OUTPUT_NAME = "token_count"
 #: event loop: it catches up on this much (its tokens come late, but it produced them
 #: in time); any more is GPU time lost.
 MAX_CATCH_UP_S = 0.05
+
+
+class PassCounter:
+    """A server's pass counters, as vLLM V1 keeps them (``vllm:iteration_tokens_total``'s
+    count, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, and the
+    inter-token latency's sum and count), for ``RealTimeGpu.on_pass``; :meth:`take`
+    gives their differences since it last did, as ``qosd scrape`` reports them."""
+
+    def __init__(self) -> None:
+        self._counts: list[float] = [0, 0, 0, 0.0, 0]  # passes, prompt, generated, gap s, gaps
+        self._taken = list(self._counts)
+
+    def record(self, events: list[TokenEvent], duration_s: float) -> None:
+        """One pass: a stream's token after its first comes one pass after the last."""
+        later = sum(1 for e in events if e.kind is TokenKind.NEXT)
+        self._counts[0] += 1
+        self._counts[1] += sum(e.sequence.input_tokens for e in events
+                               if e.kind is TokenKind.FIRST)  # fmt: skip
+        self._counts[2] += len(events)
+        self._counts[3] += later * duration_s
+        self._counts[4] += later
+
+    def take(self) -> PassStats | None:
+        """The passes since the last take; None where none decoded a later token."""
+        now, before = list(self._counts), self._taken
+        self._taken = now
+        passes, prompt, generated, gap_s, gaps = (a - b for a, b in zip(now, before, strict=True))
+        if not gaps or not generated:
+            return None
+        return PassStats(int(passes), int(prompt), int(generated), gap_s / gaps * 1000)
 
 
 class RealTimeGpu:
@@ -81,6 +111,9 @@ class RealTimeGpu:
         self.lost_seconds = 0.0
         #: Wake-ups, between back-to-back iterations, more than ``MAX_CATCH_UP_S`` late.
         self.late_wakeups = 0
+        #: Told of every pass's tokens and duration as it ends (a server's per-pass
+        #: metrics).
+        self.on_pass: Callable[[list[TokenEvent], float], None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="simulated-gpu")
@@ -132,7 +165,10 @@ class RealTimeGpu:
             await asyncio.sleep(max(0.0, busy_until - time.monotonic()))
             self._busy = (self._busy[0] + iteration.duration_s, 0.0, 0.0)
             self.iterations += 1
-            for event in self.engine.complete(busy_until):
+            events = self.engine.complete(busy_until)
+            if self.on_pass is not None:
+                self.on_pass(events, iteration.duration_s)
+            for event in events:
                 self._deliver(event)
 
     def _ready_since(self, busy_until: float, start: float) -> float:

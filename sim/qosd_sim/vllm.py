@@ -49,6 +49,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 #: The word the simulated model writes, once per token.
@@ -128,6 +129,11 @@ class VllmMetrics:
             "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
         )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKEN_BUCKETS,
+        )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
@@ -153,8 +159,19 @@ class VllmMetrics:
         )
         # The model's series exist from the start, at zero, as vLLM's stat logger makes
         # them when it starts: a scraper's first read sees every histogram.
-        for histogram_ in (self.ttft, self.itl, self.request_tpot, self.e2e, self.queue):
+        for histogram_ in (self.ttft, self.itl, self.request_tpot, self.e2e, self.queue,
+                           self.iteration_tokens):  # fmt: skip
             histogram_.labels(*self.labels)
+        for counter in (self.prompt_tokens, self.generation_tokens):
+            counter.labels(*self.labels)
+
+    def count_pass(self, events: list[TokenEvent], duration_s: float) -> None:
+        """One pass's tokens, as vLLM V1 counts them at every engine step: the tokens
+        generated, and the whole prompt of each request whose prefill it finished."""
+        prompt = sum(e.sequence.input_tokens for e in events if e.kind is TokenKind.FIRST)
+        self.prompt_tokens.labels(*self.labels).inc(prompt)
+        self.generation_tokens.labels(*self.labels).inc(len(events))
+        self.iteration_tokens.labels(*self.labels).observe(prompt + len(events))
 
 
 class SimulatedVllm:
@@ -164,6 +181,7 @@ class SimulatedVllm:
         self.settings = settings
         self.gpu = RealTimeGpu(settings.gpu)
         self.metrics = VllmMetrics(settings.model_name)
+        self.gpu.on_pass = self.metrics.count_pass
         self.created = int(time.time())
 
     # -- load -----------------------------------------------------------------------
@@ -227,8 +245,6 @@ class SimulatedVllm:
             metrics.e2e.labels(*labels).observe(ended - received)
             if first is not None and output_tokens > 1:
                 metrics.request_tpot.labels(*labels).observe((ended - first) / (output_tokens - 1))
-            metrics.prompt_tokens.labels(*labels).inc(input_tokens)
-            metrics.generation_tokens.labels(*labels).inc(output_tokens)
             metrics.success.labels(*labels, "length").inc()
 
 

@@ -574,6 +574,7 @@ class ServerLoad(_message.Message):
     SERVER_FIELD_NUMBER: _builtins.int
     WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
     KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    PASSES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model it serves, mapped to its pool like an Acquire's; required."""
     server: _builtins.str
@@ -589,6 +590,13 @@ class ServerLoad(_message.Message):
     """Share of its KV cache in use, 0 to 1: vLLM's vllm:kv_cache_usage_perc. Absent:
     not known.
     """
+    @_builtins.property
+    def passes(self) -> Global___PassStats:
+        """What the server's passes carried since its previous read, where its metrics
+        count them (vLLM's vllm:iteration_tokens_total and token counters). The SLO
+        loop's leader learns the decode step from them. Absent: not known.
+        """
+
     def __init__(
         self,
         *,
@@ -596,10 +604,11 @@ class ServerLoad(_message.Message):
         server: _builtins.str = ...,
         waiting_requests: _builtins.int | None = ...,
         kv_cache_usage: _builtins.float | None = ...,
+        passes: Global___PassStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_waiting_requests", b"_waiting_requests", "kv_cache_usage", b"kv_cache_usage", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_waiting_requests", b"_waiting_requests", "kv_cache_usage", b"kv_cache_usage", "passes", b"passes", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_waiting_requests", b"_waiting_requests", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "server", b"server", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage", "_waiting_requests", b"_waiting_requests", "kv_cache_usage", b"kv_cache_usage", "model", b"model", "passes", b"passes", "server", b"server", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__kv_cache_usage: _TypeAlias = _typing.Literal["kv_cache_usage"]  # noqa: Y015
     _WhichOneofArgType__kv_cache_usage: _TypeAlias = _typing.Literal["_kv_cache_usage", b"_kv_cache_usage"]  # noqa: Y015
@@ -611,6 +620,46 @@ class ServerLoad(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__waiting_requests) -> _WhichOneofReturnType__waiting_requests | None: ...
 
 Global___ServerLoad: _TypeAlias = ServerLoad  # noqa: Y015
+
+@_typing.final
+class PassStats(_message.Message):
+    """PassStats is what one server's engine passes (iterations, steps) carried and took
+    between two reads of its metrics: the differences of its counters.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PASSES_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_TOKENS_FIELD_NUMBER: _builtins.int
+    STEP_MS_FIELD_NUMBER: _builtins.int
+    passes: _builtins.int
+    """Passes run: vllm:iteration_tokens_total's count. At least 1."""
+    prefill_tokens: _builtins.int
+    """Prompt tokens whose prefill the passes finished: vllm:prompt_tokens_total. At
+    least 0.
+    """
+    decode_tokens: _builtins.int
+    """Tokens the passes generated: vllm:generation_tokens_total. At least 1."""
+    step_ms: _builtins.float
+    """Mean time between a stream's tokens over the passes, ms: the mean of
+    vllm:inter_token_latency_seconds. Finite, above 0, at most 60000.
+    """
+    def __init__(
+        self,
+        *,
+        passes: _builtins.int = ...,
+        prefill_tokens: _builtins.int = ...,
+        decode_tokens: _builtins.int = ...,
+        step_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens", b"decode_tokens", "passes", b"passes", "prefill_tokens", b"prefill_tokens", "step_ms", b"step_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PassStats: _TypeAlias = PassStats  # noqa: Y015
 
 @_typing.final
 class RejectedLoad(_message.Message):
