@@ -50,9 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qosd.control.decode import BatchHistory, DecodeModel, decode_points, learn_decode
+from qosd.control.leader import USUAL_PROMPT_QUANTILE
+from qosd.control.passes import learn_from_passes
 from qosd.control.prefill import learn_prefill
 from qosd.control.prefill import prefill_ms as prefill_model_ms
-from qosd.model import Outcome, StoredSample
+from qosd.model import Outcome, PassRead, StoredSample
 from qosd.policy import SHARED_PASS_STRETCH
 from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS
 from qosd_sim.gpu import VLLM_A100_BATCHED_TOKENS, Engine, GpuModel, Sequence
@@ -69,6 +71,7 @@ ENGINES = {
 LOADS = (0.5, 0.9)
 BACKLOG_S = 0.3  # the default backlog bound: P0's 500 ms objective less its 200 ms wait
 SEEDS = (11, 12, 13)
+READ_EVERY_S = 5.0  # qosd scrape's default interval
 
 
 @dataclass(slots=True)
@@ -77,6 +80,10 @@ class Pass:
     duration_s: float
     decodes: int
     prefill_tokens: int
+    #: Prompts whose prefill this pass finished, and their tokens: what vLLM's
+    #: counters count at the pass (a prompt's tokens all at once, with its first token).
+    prompts_finished: int = 0
+    prompt_tokens_finished: int = 0
 
 
 def serve(
@@ -117,11 +124,35 @@ def serve(
         if iteration is None:  # idle: the next arrival, or the backlog's drain
             now = max(now, pending[index][0], clock - backlog_s)
             continue
-        passes.append(Pass(now, iteration.duration_s, len(iteration.decode),
-                           sum(n for _, n in iteration.prefill)))  # fmt: skip
         now += iteration.duration_s
         engine.complete(now)
+        finished = [s for s, _ in iteration.prefill if s.first_token_at == now]
+        passes.append(Pass(now - iteration.duration_s, iteration.duration_s,
+                           len(iteration.decode), sum(n for _, n in iteration.prefill),
+                           len(finished), sum(s.input_tokens for s in finished)))  # fmt: skip
     return sequences, passes
+
+
+def scraper_reads(passes: list[Pass], every_s: float = READ_EVERY_S) -> list[PassRead]:
+    """What ``qosd scrape --engine vllm`` reports of the passes every ``every_s``: the
+    differences of vLLM's counters (``vllm:iteration_tokens_total``'s count, the
+    prompt and generation tokens) and the mean of the inter-token latencies (a stream's
+    token after its first comes one pass later), as ``ServerLoad.passes``."""
+    reads, start, window = [], 0.0, list[Pass]()
+    for p in [*passes, Pass(math.inf, 0.0, 0, 0)]:
+        if p.start_s >= start + every_s and window:
+            decodes = sum(w.decodes for w in window)
+            if decodes:
+                step_ms = sum(w.decodes * w.duration_s for w in window) / decodes * 1000
+                generated = decodes + sum(w.prompts_finished for w in window)
+                prompt = sum(w.prompt_tokens_finished for w in window)
+                at_ms = int((start + every_s) * 1000)
+                reads.append(PassRead(at_ms, "s", len(window), prompt, generated, step_ms))
+            window = []
+        while p.start_s >= start + every_s and not math.isinf(p.start_s):
+            start += every_s
+        window.append(p)
+    return reads
 
 
 def errors(predicted: Seq[float], true: Seq[float]) -> dict[str, float | int]:
@@ -227,6 +258,11 @@ def measure(model: GpuModel, arrivals: list[tuple[float, int, int]]) -> dict[str
     as_reported = learn_decode(decode_points(learning, history))
     if decode is None or as_reported is None:
         return {"learned": False}
+    # From the servers' own counters, as a scraper reads them (qosd/control/passes.py).
+    prompts = sorted(s.input_tokens for s in learning)
+    usual_prefill = prefill_ms(prompts[int(USUAL_PROMPT_QUANTILE * (len(prompts) - 1))])
+    reads = [r for r in scraper_reads(passes) if r.at_ms <= half]
+    from_passes = learn_from_passes(reads, half, usual_prefill)
     judged = [s for s in sequences if s.finished_at is not None and s.finished_at * 1000 > half]
     return {
         "learned": True,
@@ -241,6 +277,21 @@ def measure(model: GpuModel, arrivals: list[tuple[float, int, int]]) -> dict[str
             sequences, judged, history, prefill_ms, as_reported, model.chunked
         ),
         "decode_step_as_reported": step_errors(passes, as_reported),
+        **(
+            {}
+            if from_passes is None
+            else {
+                "decode_from_passes_model_ms": [
+                    from_passes.base_ms,
+                    from_passes.per_sequence_ms,
+                    from_passes.per_prefill_token_ms,
+                ],
+                "tpot_from_passes": tpot_errors(
+                    sequences, judged, history, prefill_ms, from_passes.decode, model.chunked
+                ),
+                "decode_step_from_passes": step_errors(passes, from_passes.decode),
+            }
+        ),
     }
 
 
@@ -272,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                       + "; ".join(line(name, measured[key]) for name, key in
                                   (("TTFT", "ttft"), ("TTFT serial", "ttft_serial"),
                                    ("TPOT", "tpot"), ("step", "decode_step"),
-                                   ("step as reported", "decode_step_as_reported"))),
+                                   ("step as reported", "decode_step_as_reported"),
+                                   ("step from passes", "decode_step_from_passes"),
+                                   ("TPOT from passes", "tpot_from_passes"))
+                                  if key in measured),
                       flush=True)  # fmt: skip
     Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "runs": results},
                                           indent=1) + "\n")  # fmt: skip

@@ -472,6 +472,15 @@ def build_parser() -> argparse.ArgumentParser:
         "at a time (--server vllm is always real)",
     )
     parser.add_argument(
+        "--engine-passes",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="virtual time: the server also reports what its passes carried this often, "
+        "as `qosd scrape --engine vllm` reads a vLLM server's counters (the SLO loop "
+        "then learns the decode step from them); default: latencies only",
+    )
+    parser.add_argument(
         "--long-prefill-threshold",
         type=int,
         default=VLLM_A100_BATCHED_TOKENS // 4,
@@ -773,6 +782,7 @@ def run_cell(args: argparse.Namespace, commit: str, changed: list[str]) -> int:
         "engine": gpu.engine,
         "server": args.server,
         "clock": clock_of(args).value,
+        "engine_passes_s": args.engine_passes,
         "load": args.load,
         "seeds": [s.workload.seed for s in seed_runs],
         "development_seeds": list(DEVELOPMENT_SEEDS),
@@ -879,6 +889,7 @@ def replay_seeds(
                         config_overrides=settings if policy is Policy.QOSD else None,
                         capacity_factor=factor, objectives=SCORINGS[HEADLINE],
                         queue_cap=args.queue_cap, clock=clock,
+                        passes_every_s=args.engine_passes,
                     )  # fmt: skip
                 seed_run.runs.append(run)
                 late = lateness([r.late_ms for r in run.records])

@@ -32,12 +32,19 @@ from qosd.control.law import (
     near_ceiling,
     step,
 )
+from qosd.control.passes import learn_from_passes
 from qosd.control.prefill import learn, prefill_ms
 from qosd.model import ControlRecord, StoredSample, StoreUnavailable
 from qosd.policy import PoolPolicy
 from qosd.store.base import BucketStore
 
 log = logging.getLogger(__name__)
+
+
+#: The pool's usual long prompt, as a quantile of its reported prompts: whose prefill
+#: says whether the servers' pass counts can tell prefill from decode
+#: (``qosd.control.passes.MAX_PREFILL_OF_READ``).
+USUAL_PROMPT_QUANTILE = 0.9
 
 
 def _near(a: float, b: float) -> bool:
@@ -56,6 +63,7 @@ class _PoolMemory:
     # The pool's leases in flight, turn by turn: the batch each report decoded in.
     batch: BatchHistory = dataclasses.field(default_factory=BatchHistory)
     decode: DecodeModel | None = None  # the decode model last learned
+    decode_source: str = ""  # what it was learned from
     # The last control record read while the pool's state existed, in every daemon:
     # what the leader writes back when the store comes back empty. Every daemon keeps
     # it because the loss takes the controller lease too, and whichever daemon takes
@@ -361,21 +369,13 @@ class Controller:
         # the reports' TPOTs less the prefill that shared them: the closer estimate
         # (benchmarks/predictor_error.py), and, with the top class's peak in the
         # predicted batch (budget.lua), no longer the P0 cost it was (ADR 13).
-        decode = None
+        decode, source = None, ""
         if configured.chunked_prefill and learned.model is not None:
-            prefill = functools.partial(prefill_ms, learned.model)
-            decode = learn_decode(
-                decode_points(
-                    (s for window in windows.values() for s in window),
-                    memory.batch,
-                    prefill,
-                    chunked=True,
-                )
-            )
-        if decode is not None and memory.decode is None:
-            log.info("pool %s: a decode step takes %.1f ms + %.3f ms a sequence",
-                     pool.name, decode.base_ms, decode.per_sequence_ms)  # fmt: skip
-        memory.decode = decode
+            decode, source = await self._learn_decode(pool, windows, memory, learned.model)
+        if decode is not None and (memory.decode is None or source != memory.decode_source):
+            log.info("pool %s: a decode step takes %.1f ms + %.3f ms a sequence (from %s)",
+                     pool.name, decode.base_ms, decode.per_sequence_ms, source)  # fmt: skip
+        memory.decode, memory.decode_source = decode, source
         targets = tuple(
             (self._config.classes[cls.name].slo.tpot_ms or 0.0) * self._control.tpot_target
             for cls in pool.classes
@@ -395,6 +395,31 @@ class Controller:
         if threshold and (known is None or not _near(threshold, known)):
             log.info("pool %s: prompts over %.0f tokens wait for a gap in %s traffic",
                      pool.name, threshold, top)  # fmt: skip
+
+    async def _learn_decode(
+        self,
+        pool: PoolPolicy,
+        windows: dict[str, list[StoredSample]],
+        memory: _PoolMemory,
+        prefill_model: tuple[float, float, float],
+    ) -> tuple[DecodeModel | None, str]:
+        """The pool's decode step, and what it was learned from: the reports' TPOTs
+        less the prefill that shared them (``qosd.control.decode``), else, where they
+        teach none (too few decodes, one batch size), the servers' own pass counts
+        (``qosd.control.passes``). The counts' step is the closer at load 0.9 on the
+        simulator, but errs fast where the reports' errs slow, and that slow step is
+        the margin the stores' rules were measured with: preferred, the counts moved
+        development seeds along the frontier (bursty chunked: goodput +0.032, P0
+        -6 points), not past it (ADR 13)."""
+        samples = [s for window in windows.values() for s in window]
+        prefill = functools.partial(prefill_ms, prefill_model)
+        prompts = sorted(s.input_tokens for s in samples) or [0]
+        usual = prefill(prompts[int(USUAL_PROMPT_QUANTILE * (len(prompts) - 1))])
+        decode = learn_decode(decode_points(samples, memory.batch, prefill, chunked=True))
+        if decode is not None:
+            return decode, "the reports"
+        fitted = learn_from_passes(await self._store.passes(pool), memory.at_ms, usual)
+        return (None, "") if fitted is None else (fitted.decode, "the servers' passes")
 
     def _say(self, pool: PoolPolicy, pins: int, verdict: Verdict) -> None:
         """Shows a turn's verdict, unless an operator pinned or unpinned the pool since

@@ -716,6 +716,7 @@ def run_policy(
     objectives: Scoring = SCALED,
     queue_cap: int | None = None,
     clock: Clock = Clock.REAL,
+    passes_every_s: float | None = None,
 ) -> PolicyRun:
     """Starts the parts a policy needs, replays the workload, stops everything.
 
@@ -759,6 +760,7 @@ def run_policy(
             policy, workload, gpu=server_gpu, config=config, habits=habits,
             max_queued=max_queued, acquire_timeout_s=acquire_timeout_s, drain_s=drain_s,
             window_s=window_s, on_record=on_record, on_tick=on_tick,
+            passes_every_s=passes_every_s,
         )  # fmt: skip
     else:
         with contextlib.ExitStack() as parts:
@@ -802,6 +804,7 @@ def _run_virtual(
     window_s: float | None,
     on_record: Callable[[RequestRecord], None] | None,
     on_tick: Callable[[float, RatePoint | None], None] | None,
+    passes_every_s: float | None = None,
 ) -> PolicyRun:
     """One replay in virtual time: the daemon (``config``; None: none), the server and
     the gateway in this process, on a virtual clock."""
@@ -813,7 +816,9 @@ def _run_virtual(
                 core = await parts.enter_async_context(in_process_daemon(config))
                 qos = InProcessQosd(core, timeout_s=acquire_timeout_s)
             server = await parts.enter_async_context(
-                in_process_server(gpu, qos, model=MODEL, max_queued=max_queued)
+                in_process_server(
+                    gpu, qos, model=MODEL, max_queued=max_queued, passes_every_s=passes_every_s
+                )
             )
             gateway = InProcessGateway(
                 server, model=MODEL, qos=qos, on_record=on_record, class_ranks=CLASS_RANKS,

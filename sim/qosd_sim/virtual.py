@@ -40,13 +40,13 @@ from tritonclient.grpc import service_pb2
 from qosd.config import Config
 from qosd.doors.grpc_api import QoSService
 from qosd.server import DaemonCore, make_store, start_core
-from qosd_client import QosdClient
+from qosd_client import QosdClient, ServerLoad
 from qosd_client.reporter import LatencyReporter
 from qosd_sim.errors import QueueFull
 from qosd_sim.gateway import Gateway, ServerRefused
 from qosd_sim.gpu import GpuModel
 from qosd_sim.replay import Request
-from qosd_sim.server import RealTimeGpu, SimulatedTriton
+from qosd_sim.server import PassCounter, RealTimeGpu, SimulatedTriton
 
 #: Where the virtual clock starts: any value works; a large one keeps "0 means unset"
 #: bugs from hiding.
@@ -207,8 +207,11 @@ async def in_process_server(
     *,
     model: str,
     max_queued: int | None = None,
+    passes_every_s: float | None = None,
 ) -> AsyncGenerator[SimulatedTriton, None]:
-    """A simulated Triton in this process, reporting to ``qos`` when given."""
+    """A simulated Triton in this process, reporting to ``qos`` when given: its
+    requests' latencies, and with ``passes_every_s``, what its passes carried, as
+    ``qosd scrape --engine vllm`` reads a vLLM server's counters that often."""
     reporter = LatencyReporter(qos) if qos is not None else None
     server = SimulatedTriton(
         RealTimeGpu(gpu), model_name=model, reporter=reporter, max_queued=max_queued
@@ -216,9 +219,25 @@ async def in_process_server(
     server.gpu.start()
     if reporter is not None:
         reporter.start()
+    scraping = None
+    if qos is not None and passes_every_s is not None:
+        counter = PassCounter()
+        server.gpu.on_pass = counter.record
+        scraping = asyncio.create_task(_report_passes(qos, counter, model, passes_every_s))
     try:
         yield server
     finally:
+        if scraping is not None:
+            scraping.cancel()
+            await asyncio.gather(scraping, return_exceptions=True)
         await server.gpu.stop()
         if reporter is not None:
             await reporter.close()
+
+
+async def _report_passes(qos: QosdClient, counter: PassCounter, model: str, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        stats = counter.take()
+        if stats is not None:
+            await qos.report([], loads=[ServerLoad(model, "sim-0", passes=stats)])
