@@ -307,6 +307,9 @@ class PrefillLearned:
     # Each of the pool's classes' TPOT target, ms, in the pool's class order (0: none):
     # what the stores keep every stream in flight within, by the decode model.
     tpot_targets_ms: tuple[float, ...] = ()
+    # The stall the top class absorbs when nothing else is in prefill ahead of its
+    # next prompt (qosd.control.prefill.idle_tolerance_ms); None: not known.
+    idle_tolerance_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from qosd.config import Config, SloConfig
 from qosd.control.prefill import (
     USUAL_QUANTILE,
     PrefillModel,
+    idle_tolerance_ms,
     learn,
     learn_prefill,
     stall_tolerance_ms,
@@ -401,3 +402,80 @@ async def test_a_configured_prefill_model_holds_until_one_is_learned(
     await _report_gpu_like(qos, 200)
     learned = await eventually(backlog_of_a_prompt_ms, lambda ms: 0 < ms < 300, interval_s=0.05)
     assert 0 < learned < 300
+
+
+# -- an idle server takes a long prompt the top class can wait out ---------------------
+
+IDLE_MODEL = (0.0, 0.25, 0.0)  # 0.25 ms a token: 12,000 tokens prefill in 3 s
+#: A GPU-gated pool (whose stores keep the prefill clock), P0's recent peak off (its
+#: gap is the moment it holds nothing), a backlog bound above these prompts.
+GATED_LONG = {"max_in_flight": 8, "top_reserve_half_life_s": 0, "max_prefill_backlog_ms": 60_000}
+
+
+async def _with_idle_threshold(make_daemon: DaemonFactory) -> RunningDaemon:
+    """A threshold of 4,000 tokens (a stall of 1 s) and an idle threshold of 16,000
+    (4 s: the stall the top class absorbs with nothing in prefill ahead of it)."""
+    running = await make_daemon({**LONG_OK, "pools": {"default": GATED_LONG}})
+    admission = running.daemon.admission
+    learned = PrefillLearned(IDLE_MODEL, 1_000.0, 0, idle_tolerance_ms=4_000.0)
+    assert await admission.store.set_prefill(admission.pool("default"), learned) == 4_000
+    return running
+
+
+async def _until_prefilled(running: RunningDaemon) -> None:
+    """Until the prefill admitted is done, by the store's clock of it."""
+    admission = running.daemon.admission
+    pool = admission.pool("default")
+    status = await eventually(lambda: admission.store.status(pool),
+                              lambda s: s.prefill_backlog_ms <= 0, 5.0)  # fmt: skip
+    assert status.prefill_backlog_ms <= 0
+
+
+async def test_an_idle_server_takes_a_long_prompt_the_top_class_can_wait_out(
+    make_daemon: DaemonFactory,
+) -> None:
+    """In a GPU-gated pool, with P0 in flight and no prefill admitted ahead, a prompt
+    over the threshold but within the idle threshold goes in at once; the next one,
+    behind its 3 s of prefill, is held as before; one over the idle threshold is held
+    even at an idle server."""
+    running = await _with_idle_threshold(make_daemon)
+    qos = running.client
+    assert (await qos.acquire("P0", 1, max_wait_ms=0)).admitted  # never released
+    await _until_prefilled(running)  # P0's own prompt: a quarter of a millisecond
+    beyond = await qos.acquire("P2", 20_000, max_wait_ms=0)
+    assert not beyond.admitted and beyond.reason is Reason.LONG_PREFILL
+    assert (await qos.acquire("P1", 12_000, max_wait_ms=0)).admitted
+    behind = await qos.acquire("P2", 12_000, max_wait_ms=0)
+    assert not behind.admitted and behind.reason is Reason.LONG_PREFILL
+
+
+async def test_without_an_idle_threshold_the_gap_rule_holds_at_an_idle_server(
+    make_daemon: DaemonFactory,
+) -> None:
+    running = await make_daemon({**LONG_OK, "pools": {"default": GATED_LONG}})
+    admission = running.daemon.admission
+    learned = PrefillLearned(IDLE_MODEL, 1_000.0, 0)  # no idle tolerance learned
+    await admission.store.set_prefill(admission.pool("default"), learned)
+    qos = running.client
+    assert (await qos.acquire("P0", 1, max_wait_ms=0)).admitted
+    await _until_prefilled(running)
+    held = await qos.acquire("P1", 12_000, max_wait_ms=0)
+    assert not held.admitted and held.reason is Reason.LONG_PREFILL
+
+
+def test_the_idle_tolerance_is_the_slack_p0_would_have_alone() -> None:
+    """Each P0 request's objective less its own prefill (100 ms a 1,000-token prompt
+    here), at the tenth percentile: one in ten of 3,000 tokens leaves 200 ms."""
+    slo = SloConfig(ttft_ms=500, tpot_ms=50)
+    model = (0.0, 0.1, 0.0)
+    samples = [_sample(1_000, 480.0) for _ in range(26)] + [_sample(3_000, 490.0)] * 4
+    assert idle_tolerance_ms(samples, slo, model, chunked=True) == pytest.approx(200)
+    # Unchunked, a prefill stalls P0's streams too: (50 - 45) x 9 = 45 ms for one in ten.
+    samples += [_sample(1_000, 300.0, tpot=45.0, output=10)] * 4
+    assert idle_tolerance_ms(samples, slo, model) == pytest.approx(45)
+    assert idle_tolerance_ms(samples, slo, model, chunked=True) == pytest.approx(200)
+    assert idle_tolerance_ms(samples[:5], slo, model) is None
+    # Prompts too short to learn prefill from: by the operator's model, 500 - 20 ms.
+    short = [_sample(200, 100.0) for _ in range(30)]
+    learned = learn({"P0": short}, "P0", slo, chunked=True, fallback_model=model)
+    assert learned.model == model and learned.idle_tolerance_ms == pytest.approx(480)

@@ -356,12 +356,18 @@ class Controller:
         a tenth or more."""
         configured = self._config.pools[pool.name]
         top = pool.classes[0].name
+        # With the operator's measurement as the model until reports teach the loop
+        # its own.
         learned = await asyncio.to_thread(
-            learn, windows, top, self._config.classes[top].slo, chunked=configured.chunked_prefill
+            functools.partial(
+                learn,
+                windows,
+                top,
+                self._config.classes[top].slo,
+                chunked=configured.chunked_prefill,
+                fallback_model=configured.prefill_model_ms,
+            )
         )
-        if learned.model is None and configured.prefill_model_ms is not None:
-            # The operator's measurement, until reports teach the loop its own.
-            learned = dataclasses.replace(learned, model=configured.prefill_model_ms)
         fallback = configured.long_prefill_tokens or 0.0
         # Chunked servers only: on an unchunked one the predicted share was tighter
         # than the configured one, and goodput fell from 0.680 to 0.486 on an Azure

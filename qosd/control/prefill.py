@@ -147,6 +147,34 @@ def stall_tolerance_ms(
     return max(0.0, _quantile(slack, TOLERANCE_QUANTILE))
 
 
+def idle_tolerance_ms(
+    samples: Sequence[StoredSample],
+    slo: SloConfig,
+    model: tuple[float, float, float],
+    *,
+    chunked: bool = False,
+) -> float | None:
+    """The stall the class's recent requests could have absorbed had nothing been in
+    prefill ahead of them: each one's TTFT objective less its own prefill, by the
+    model (and, unchunked, its TPOT slack as reported: a prefill stalls the streams
+    decoding too), at :data:`TOLERANCE_QUANTILE`, as :func:`stall_tolerance_ms` takes
+    the slack they had. None with too little evidence."""
+    slack: list[float] = []
+    for s in samples:
+        if s.status not in (Outcome.OK, Outcome.UNSPECIFIED):
+            continue
+        objectives = sample_objectives(s, slo)
+        if objectives.ttft_ms is None:
+            continue
+        part = objectives.ttft_ms - prefill_ms(model, s.input_tokens)
+        if not chunked and objectives.tpot_ms is not None and s.tpot_ms is not None:
+            part = min(part, (objectives.tpot_ms - s.tpot_ms) * max(0, s.output_tokens - 1))
+        slack.append(part)
+    if len(slack) < MIN_SAMPLES:
+        return None
+    return max(0.0, _quantile(slack, TOLERANCE_QUANTILE))
+
+
 def learn(
     windows: dict[str, list[StoredSample]],
     top: str,
@@ -154,17 +182,24 @@ def learn(
     *,
     newest: int = 200,
     chunked: bool = False,
+    fallback_model: tuple[float, float, float] | None = None,
 ) -> PrefillLearned:
-    """The prefill model of the pool's windows (newest first), the stall the top class
-    ``top`` absorbs (from the newest ``newest`` of its samples), and the pool's usual
-    prompt length: what the store derives the long-prefill threshold from
-    (prefill.lua). Either part is None with too little evidence."""
+    """The prefill model of the pool's windows (newest first; ``fallback_model``, the
+    operator's, until they teach one), the stall the top class ``top`` absorbs (from
+    the newest ``newest`` of its samples) as it was served and had nothing been in
+    prefill ahead of it, and the pool's usual prompt length: what the store derives
+    the long-prefill thresholds from (prefill.lua). A part is None with too little
+    evidence."""
     everything = [s for window in windows.values() for s in window]
-    model = learn_prefill(everything)
+    learned = learn_prefill(everything)
+    model = fallback_model if learned is None else learned.coefficients()
     tolerance = stall_tolerance_ms(windows.get(top, [])[:newest], slo, chunked=chunked)
     usual = _quantile([s.input_tokens for s in everything], USUAL_QUANTILE) if everything else 0
     return PrefillLearned(
-        model=None if model is None else model.coefficients(),
+        model=model,
         tolerance_ms=tolerance,
         usual_tokens=float(usual),
+        idle_tolerance_ms=None
+        if model is None
+        else idle_tolerance_ms(windows.get(top, [])[:newest], slo, model, chunked=chunked),
     )

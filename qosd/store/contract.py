@@ -308,6 +308,9 @@ class PrefillArgs(NamedTuple):
     # 1 where the pass that prefills also decodes (chunked prefill), else 0, and each
     # class's TPOT target, ms, in the pool's class order (0: none); '': none
     decode: str
+    # The stall the top class absorbs when nothing else is in prefill: the idle
+    # threshold's (waiters.lua: held_for_gap); '': not known
+    idle_tolerance_ms: str
 
 
 class ReportArgs(NamedTuple):

@@ -762,6 +762,9 @@ class RedisStore:
                 repr(float(x))
                 for x in (*learned.decode, int(learned.chunked), *learned.tpot_targets_ms)
             ),
+            idle_tolerance_ms=""
+            if learned.idle_tolerance_ms is None
+            else repr(float(learned.idle_tolerance_ms)),
         )
         return float(await self._run(self._scripts["prefill"], (state_key,), args))
 

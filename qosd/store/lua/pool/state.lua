@@ -46,7 +46,7 @@ local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D', 'Bb'}
+    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D', 'Bb', 'Pi'}
   local header = #fields  -- fields read before the per-class ones
   for i = 1, class_count do
     local name = classes[i].name
@@ -75,6 +75,7 @@ do
   stored.expiry_to = state.expiry_to
   expiring[default_second] = parse_expiring(values[8], default_second)
   state.long_prefill = tonumber(values[9]) or 0
+  state.long_prefill_idle = tonumber(values[21]) or 0  -- prefill.lua: the idle threshold
   if values[10] then
     local c, a, b = string.match(values[10], '^([^|]*)|([^|]*)|([^|]*)$')
     state.prefill_model = {tonumber(c), tonumber(a), tonumber(b)}

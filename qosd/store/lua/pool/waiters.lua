@@ -27,8 +27,16 @@ end
 -- gap: the next burst arrives while the long prompt still prefills. On servers that
 -- prefill oldest first, a prompt that would block the top class past the backlog
 -- bound also waits while the bucket of blocked time cannot pay for its block
--- (budget.lua: predict.top_blocked).
+-- (budget.lua: predict.top_blocked). In a GPU-gated pool neither holds while no
+-- prefill is admitted ahead (the real clock, budget.lua, at now) for a prompt within
+-- the idle threshold (prefill.lua): its stall on the next top-class prompt is then
+-- its own prefill alone, which the top class's objectives absorb. Held at an idle
+-- server, such prompts left the GPU idle while they waited out their max wait
+-- (ADR 14).
 local function held_for_gap(i, input)
+  if pool_gated and input <= state.long_prefill_idle and state.prefill_real_until <= now then
+    return false
+  end
   return (i ~= 1 and state.long_prefill > 0 and input > state.long_prefill
     and predict.top_active()) or predict.top_blocked(i, input)
 end
