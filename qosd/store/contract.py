@@ -572,6 +572,11 @@ STATE_HASH: tuple[HashField, ...] = (
         "when the lower classes' prompts have paid for the time they kept the top class "
         "blocked, at its blocked share's pace, us (servers that prefill oldest first)",
     ),
+    HashField(
+        "Pi",
+        "the idle threshold, prompt tokens: a longer prompt than P but not than this is "
+        "not held while no prefill is admitted ahead; absent: none",
+    ),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),
     HashField("n:<class>", "leases in flight: admitted, neither released nor expired"),
