@@ -59,6 +59,7 @@ from qosd.policy import SHARED_PASS_STRETCH
 from qosd_sim.gateway import EXPECTED_OUTPUT_TOKENS
 from qosd_sim.gpu import VLLM_A100_BATCHED_TOKENS, Engine, GpuModel, Sequence
 from qosd_sim.replay import read_trace
+from qosd_sim.server import EnginePassCounters
 from qosd_sim.workload import WorkloadSpec, seeded_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,24 +81,23 @@ class Pass:
     duration_s: float
     decodes: int
     prefill_tokens: int
-    #: Prompts whose prefill this pass finished, and their tokens: what vLLM's
-    #: counters count at the pass (a prompt's tokens all at once, with its first token).
-    prompts_finished: int = 0
-    prompt_tokens_finished: int = 0
 
 
 def serve(
     model: GpuModel, arrivals: list[tuple[float, int, int]], backlog_s: float
-) -> tuple[list[Sequence], list[Pass]]:
+) -> tuple[list[Sequence], list[Pass], list[PassRead]]:
     """``run_virtual``'s loop, keeping every pass, behind a gate as qosd's: a request
     goes to the server (its ``submitted_at``) once the prefill admitted before it is
     done within ``backlog_s`` (by the server's own prefill work: the gate only makes
     the regime qosd runs the servers in; the predictions below know none of it), and
-    until then waits outside, first come first served."""
+    until then waits outside, first come first served. Also what ``qosd scrape
+    --engine vllm`` would report of the server's pass counters every
+    :data:`READ_EVERY_S` (the simulated servers' own ``EnginePassCounters``)."""
     engine = Engine(model)
     pending = sorted(arrivals)
     sequences: list[Sequence] = []
     passes: list[Pass] = []
+    counters, reads, next_read = EnginePassCounters(), list[PassRead](), READ_EVERY_S
     now, index, clock = 0.0, 0, 0.0
 
     def has_room() -> bool:
@@ -124,35 +124,18 @@ def serve(
         if iteration is None:  # idle: the next arrival, or the backlog's drain
             now = max(now, pending[index][0], clock - backlog_s)
             continue
+        passes.append(Pass(now, iteration.duration_s, len(iteration.decode),
+                           sum(n for _, n in iteration.prefill)))  # fmt: skip
+        if now >= next_read:  # the read falls between passes, as a scrape does
+            stats = counters.take()
+            if stats is not None:
+                reads.append(PassRead(int(next_read * 1000), "s", stats.passes,
+                                      stats.prefill_tokens, stats.decode_tokens,
+                                      stats.step_ms))  # fmt: skip
+            next_read = (math.floor(now / READ_EVERY_S) + 1) * READ_EVERY_S
         now += iteration.duration_s
-        engine.complete(now)
-        finished = [s for s, _ in iteration.prefill if s.first_token_at == now]
-        passes.append(Pass(now - iteration.duration_s, iteration.duration_s,
-                           len(iteration.decode), sum(n for _, n in iteration.prefill),
-                           len(finished), sum(s.input_tokens for s in finished)))  # fmt: skip
-    return sequences, passes
-
-
-def scraper_reads(passes: list[Pass], every_s: float = READ_EVERY_S) -> list[PassRead]:
-    """What ``qosd scrape --engine vllm`` reports of the passes every ``every_s``: the
-    differences of vLLM's counters (``vllm:iteration_tokens_total``'s count, the
-    prompt and generation tokens) and the mean of the inter-token latencies (a stream's
-    token after its first comes one pass later), as ``ServerLoad.passes``."""
-    reads, start, window = [], 0.0, list[Pass]()
-    for p in [*passes, Pass(math.inf, 0.0, 0, 0)]:
-        if p.start_s >= start + every_s and window:
-            decodes = sum(w.decodes for w in window)
-            if decodes:
-                step_ms = sum(w.decodes * w.duration_s for w in window) / decodes * 1000
-                generated = decodes + sum(w.prompts_finished for w in window)
-                prompt = sum(w.prompt_tokens_finished for w in window)
-                at_ms = int((start + every_s) * 1000)
-                reads.append(PassRead(at_ms, "s", len(window), prompt, generated, step_ms))
-            window = []
-        while p.start_s >= start + every_s and not math.isinf(p.start_s):
-            start += every_s
-        window.append(p)
-    return reads
+        counters.record(engine.complete(now), iteration.duration_s)
+    return sequences, passes, reads
 
 
 def errors(predicted: Seq[float], true: Seq[float]) -> dict[str, float | int]:
@@ -242,7 +225,7 @@ def measure(model: GpuModel, arrivals: list[tuple[float, int, int]]) -> dict[str
     """Learns from the first half of the run (by finish) and judges the second."""
     shared = model.long_prefill_token_threshold is not None
     shared_stretch = SHARED_PASS_STRETCH if shared else 0.0
-    sequences, passes = serve(model, arrivals, BACKLOG_S)
+    sequences, passes, pass_reads = serve(model, arrivals, BACKLOG_S)
     samples = reports(sequences)
     history = leader_reads(sequences)
     half = sorted(s.at_ms for s in samples)[len(samples) // 2]
@@ -261,7 +244,7 @@ def measure(model: GpuModel, arrivals: list[tuple[float, int, int]]) -> dict[str
     # From the servers' own counters, as a scraper reads them (qosd/control/passes.py).
     prompts = sorted(s.input_tokens for s in learning)
     usual_prefill = prefill_ms(prompts[int(USUAL_PROMPT_QUANTILE * (len(prompts) - 1))])
-    reads = [r for r in scraper_reads(passes) if r.at_ms <= half]
+    reads = [r for r in pass_reads if r.at_ms <= half]
     from_passes = learn_from_passes(reads, half, usual_prefill)
     judged = [s for s in sequences if s.finished_at is not None and s.finished_at * 1000 > half]
     return {

@@ -26,7 +26,7 @@ from qosd_client.types import LatencySample
 from qosd_sim.experiment import MODEL
 from qosd_sim.gpu import GpuModel, Sequence, TokenEvent, TokenKind
 from qosd_sim.openai_experiment import vllm_process
-from qosd_sim.server import PassCounter
+from qosd_sim.server import EnginePassCounters
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.test_engine_scrape import _completions
 from tests.test_json_api import post
@@ -275,7 +275,7 @@ def test_the_replay_s_server_counts_its_passes_as_vllm_does() -> None:
     """qosd_sim's pass counter, which the replay reports with ``--engine-passes``: a
     prompt's tokens in the pass that finishes its prefill, every token generated, and
     a gap of one pass for each token after a stream's first."""
-    counter = PassCounter()
+    counter = EnginePassCounters()
     assert counter.take() is None
     one, two = Sequence("a", 300, 4, 0.0), Sequence("b", 20, 4, 0.0)
     counter.record([TokenEvent(one, TokenKind.FIRST, False, 1)], 0.05)

@@ -62,9 +62,18 @@ OUTPUT_NAME = "token_count"
 MAX_CATCH_UP_S = 0.05
 
 
-class PassCounter:
+def pass_tokens(events: list[TokenEvent]) -> tuple[int, int]:
+    """What vLLM V1 counts of one pass (engine step): the prompt tokens of the requests
+    whose prefill it finished (``vllm:prompt_tokens_total``, a prompt's tokens all at
+    once, with its first token) and the tokens it generated
+    (``vllm:generation_tokens_total``)."""
+    prompt = sum(e.sequence.input_tokens for e in events if e.kind is TokenKind.FIRST)
+    return prompt, len(events)
+
+
+class EnginePassCounters:
     """A server's pass counters, as vLLM V1 keeps them (``vllm:iteration_tokens_total``'s
-    count, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, and the
+    count, the prompt and generation token counters of :func:`pass_tokens`, and the
     inter-token latency's sum and count), for ``RealTimeGpu.on_pass``; :meth:`take`
     gives their differences since it last did, as ``qosd scrape`` reports them."""
 
@@ -74,13 +83,10 @@ class PassCounter:
 
     def record(self, events: list[TokenEvent], duration_s: float) -> None:
         """One pass: a stream's token after its first comes one pass after the last."""
+        prompt, generated = pass_tokens(events)
         later = sum(1 for e in events if e.kind is TokenKind.NEXT)
-        self._counts[0] += 1
-        self._counts[1] += sum(e.sequence.input_tokens for e in events
-                               if e.kind is TokenKind.FIRST)  # fmt: skip
-        self._counts[2] += len(events)
-        self._counts[3] += later * duration_s
-        self._counts[4] += later
+        for i, value in enumerate((1, prompt, generated, later * duration_s, later)):
+            self._counts[i] += value
 
     def take(self) -> PassStats | None:
         """The passes since the last take; None where none decoded a later token."""

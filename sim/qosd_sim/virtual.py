@@ -46,7 +46,7 @@ from qosd_sim.errors import QueueFull
 from qosd_sim.gateway import Gateway, ServerRefused
 from qosd_sim.gpu import GpuModel
 from qosd_sim.replay import Request
-from qosd_sim.server import PassCounter, RealTimeGpu, SimulatedTriton
+from qosd_sim.server import EnginePassCounters, RealTimeGpu, SimulatedTriton
 
 #: Where the virtual clock starts: any value works; a large one keeps "0 means unset"
 #: bugs from hiding.
@@ -221,7 +221,7 @@ async def in_process_server(
         reporter.start()
     scraping = None
     if qos is not None and passes_every_s is not None:
-        counter = PassCounter()
+        counter = EnginePassCounters()
         server.gpu.on_pass = counter.record
         scraping = asyncio.create_task(_report_passes(qos, counter, model, passes_every_s))
     try:
@@ -235,7 +235,9 @@ async def in_process_server(
             await reporter.close()
 
 
-async def _report_passes(qos: QosdClient, counter: PassCounter, model: str, every_s: float) -> None:
+async def _report_passes(
+    qos: QosdClient, counter: EnginePassCounters, model: str, every_s: float
+) -> None:
     while True:
         await asyncio.sleep(every_s)
         stats = counter.take()

@@ -42,7 +42,7 @@ from prometheus_client import (
 
 from qosd.server import write_ready_file
 from qosd_sim.gpu import GpuModel, Sequence, TokenEvent, TokenKind
-from qosd_sim.server import RealTimeGpu, StartupError, until_signalled
+from qosd_sim.server import RealTimeGpu, StartupError, pass_tokens, until_signalled
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -166,12 +166,12 @@ class VllmMetrics:
             counter.labels(*self.labels)
 
     def count_pass(self, events: list[TokenEvent], duration_s: float) -> None:
-        """One pass's tokens, as vLLM V1 counts them at every engine step: the tokens
-        generated, and the whole prompt of each request whose prefill it finished."""
-        prompt = sum(e.sequence.input_tokens for e in events if e.kind is TokenKind.FIRST)
+        """One pass's tokens, as vLLM V1 counts them at every engine step
+        (``pass_tokens``); its gaps between tokens are observed as they are streamed."""
+        prompt, generated = pass_tokens(events)
         self.prompt_tokens.labels(*self.labels).inc(prompt)
-        self.generation_tokens.labels(*self.labels).inc(len(events))
-        self.iteration_tokens.labels(*self.labels).observe(prompt + len(events))
+        self.generation_tokens.labels(*self.labels).inc(generated)
+        self.iteration_tokens.labels(*self.labels).observe(prompt + generated)
 
 
 class SimulatedVllm:
