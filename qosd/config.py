@@ -32,6 +32,8 @@ from pydantic import (
 # braces, the key separator ':' or whitespace.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 _NAME_RE = re.compile(NAME_PATTERN)
+#: The most servers one pool's prefill clocks count (each clock is kept in its state).
+MAX_POOL_SERVERS = 256
 
 
 class ConfigError(ValueError):
@@ -217,6 +219,14 @@ class PoolConfig(_Strict):
     # the top class's prefill alone. Long prompts still wait for a gap in its traffic:
     # a started prompt's chunks lengthen every pass its streams decode in.
     servers_schedule_by_priority: bool = False
+    # How many servers the pool's traffic is spread over, each taking its next prompt
+    # from the one with the least prefill ahead (`qosd proxy` routes so; a gateway
+    # that balances by queue depth or KV load, as llm-d's and Dynamo's routers do,
+    # about so). qosd then predicts a prompt's start by the earliest free of that
+    # many prefill clocks, and lets the servers' time be that many times real time
+    # (docs/adr/0015). None: 1, except behind `qosd proxy`, which counts the pool's
+    # upstreams.
+    servers: Annotated[int, Field(ge=1, le=MAX_POOL_SERVERS)] | None = None
     # A GPU-gated pool whose servers report their own load (ReportRequest.loads, from
     # `qosd triton-scrape` or a server-side reporter): classes below the top one are
     # not admitted while the requests the servers hold waiting, summed over them,

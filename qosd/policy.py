@@ -147,6 +147,9 @@ class PoolPolicy:
     # class may keep its next prompt waiting past prefill_backlog_us (1.0: no limit).
     top_blocked_share: float = 1.0  # no limit, where no config says (tests' policies)
     top_blocked_burst_us: int = 0  # of blocked time, spent at once after a quiet spell
+    # The servers the pool's prompts are spread over, each taking the next from the
+    # earliest free (PoolConfig.servers): so many prefill clocks.
+    servers: int = 1
 
     @property
     def gated(self) -> bool:
@@ -237,6 +240,7 @@ def resolve_pools(config: Config) -> dict[str, PoolPolicy]:
             output_weight=config.cost.output_weight,
             top_blocked_share=pool.max_top_blocked_share,
             top_blocked_burst_us=round(pool.top_blocked_burst_s * 1_000_000),
+            servers=pool.servers or 1,
         )
     return pools
 

@@ -197,6 +197,27 @@ async def test_where_prompts_share_passes_the_top_class_prefills_beside_its_own(
     assert 0.3 <= hopeless.retry_after_s <= 0.5
 
 
+async def test_with_two_servers_a_prompt_starts_on_the_one_free_of_prefill(
+    make_daemon: DaemonFactory,
+) -> None:
+    """``servers: 2``: the servers take each prompt onto the first free of them, so
+    the 1 s of P1 prefill that makes one server refuse a P0 request due in 300 ms
+    holds one of two; the request starts on the other and is admitted at once. A
+    second 1-s prompt fills that one too: then the same request is refused, for
+    about the wait until the first of them is free. (A 2-s backlog bound, so that
+    the prompts themselves go in.)"""
+    for servers, on_time in ((1, False), (2, True)):
+        qos = await modelled_pool(make_daemon, servers=servers, max_prefill_backlog_ms=2_000)
+        assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # 1 s ahead
+        first = await qos.acquire("P0", 10, slo_ttft_ms=300)
+        assert first.admitted is on_time, servers
+        assert first.admitted or first.reason is Reason.DEADLINE
+    assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # the other server
+    hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE
+    assert 0.5 <= hopeless.retry_after_s <= 1.0
+
+
 async def test_a_waiter_is_dropped_once_prefill_admitted_ahead_makes_it_late(
     make_daemon: DaemonFactory,
 ) -> None:

@@ -135,6 +135,9 @@ class PoolArgs(NamedTuple):
     # and how much of that time may be spent at once after a quiet spell.
     top_blocked_share: str
     top_blocked_burst_us: int
+    # The servers the prompts are spread over, each taking the next from the earliest
+    # free: so many real prefill clocks (`Bt` the earliest, `Bs` the others).
+    servers: int
 
 
 class ClassArgs(NamedTuple):
@@ -576,6 +579,11 @@ STATE_HASH: tuple[HashField, ...] = (
         "Pi",
         "the idle threshold, prompt tokens: a longer prompt than P but not than this is "
         "not held while no prefill is admitted ahead; absent: none",
+    ),
+    HashField(
+        "Bs",
+        "the other servers' prefill clocks, as Bt, `us|us...` (pools of more than one "
+        "server): Bt is the earliest free",
     ),
     HashField("t:<class>", "class tokens"),
     HashField("w:<class>", "waiters queued"),

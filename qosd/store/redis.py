@@ -243,6 +243,7 @@ class RedisStore:
                         output_weight=repr(pool.output_weight),
                         top_blocked_share=repr(pool.top_blocked_share),
                         top_blocked_burst_us=pool.top_blocked_burst_us,
+                        servers=pool.servers,
                     )
                 )
             ]

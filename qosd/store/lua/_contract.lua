@@ -59,6 +59,7 @@ local ARG_POOL_SHARED_PASS_STRETCH = 16
 local ARG_POOL_OUTPUT_WEIGHT = 17
 local ARG_POOL_TOP_BLOCKED_SHARE = 18
 local ARG_POOL_TOP_BLOCKED_BURST_US = 19
+local ARG_POOL_SERVERS = 20
 local CLASS_ARGS = 1  -- ClassArgs, packed
 local ARG_CLASS_RECORD = 1  -- the packed record
 local ARG_CLASS_NAME = 1

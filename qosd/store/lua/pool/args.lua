@@ -62,14 +62,14 @@ local function record(packed)
   end
 end
 
-local p = ARG_CALLS  -- the pool's policy follows the number of calls
 local capacity, pool_burst_s, stale_after_us, class_count, default_ttl_us
 local max_in_flight, max_in_flight_tokens
 -- What keeps a GPU-gated pool's lower classes out: the top class's reserve and the
 -- servers' own load. One table: a script's chunk holds at most 200 locals.
 local gate
 do
-  local r = record(ARGV[p + ARG_POOL_RECORD])  -- the pool's policy, packed
+  -- The pool's policy, packed, follows the number of calls.
+  local r = record(ARGV[ARG_CALLS + ARG_POOL_RECORD])
   capacity = tonumber(r[ARG_POOL_CAPACITY])
   pool_burst_s = tonumber(r[ARG_POOL_BURST_S])
   stale_after_us = tonumber(r[ARG_POOL_STALE_AFTER_MS]) * 1000
@@ -101,13 +101,16 @@ do
     -- top class's next prompt past the backlog bound (budget.lua: predict.top_blocked).
     top_blocked_share = tonumber(r[ARG_POOL_TOP_BLOCKED_SHARE]),
     top_blocked_burst_us = tonumber(r[ARG_POOL_TOP_BLOCKED_BURST_US]),
+    -- The servers the prompts are spread over, each taking the next from the earliest
+    -- free (budget.lua: prefill_started); 1 where a caller's policy names none.
+    servers = math.max(1, tonumber(r[ARG_POOL_SERVERS]) or 1),
   }
 end
 local pool_gated = max_in_flight > 0 or max_in_flight_tokens > 0
 local classes = {}
 local class_index = {}
 do
-  local a = p + POOL_ARGS
+  local a = ARG_CALLS + POOL_ARGS
   for i = 1, class_count do
     local r = record(ARGV[a + ARG_CLASS_RECORD])  -- the class's policy, packed
     local c = {
@@ -133,7 +136,7 @@ do
   end
 end
 -- The arguments before the script's own: the epoch's are the last EPOCH_ARGS of them.
-local ARGS_BEFORE = p + POOL_ARGS + CLASS_ARGS * class_count + EPOCH_ARGS
+local ARGS_BEFORE = ARG_CALLS + POOL_ARGS + CLASS_ARGS * class_count + EPOCH_ARGS
 local known_epoch = ARGV[ARGS_BEFORE - EPOCH_ARGS + ARG_EPOCH_KNOWN]
 local epoch_nonce = ARGV[ARGS_BEFORE - EPOCH_ARGS + ARG_EPOCH_NONCE]
 local NEXT_KEY = class_count + 4

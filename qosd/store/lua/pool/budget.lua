@@ -134,7 +134,9 @@ function predict.top_blocked_us(i, input)
   if not own then
     return 0
   end
-  return math.max(0, own - gate.prefill_backlog_us)
+  -- Spread over several servers, each taking its next prompt from the earliest free,
+  -- about one top-class prompt in that many lands behind it.
+  return math.max(0, own - gate.prefill_backlog_us) / gate.servers
 end
 
 -- The top class has traffic: in flight, waiting, or a recent peak of a request or more.
@@ -168,9 +170,29 @@ function predict.top_blocked_wait_ms(i, input)
   return math.ceil((state.top_blocked_until + blocked / gate.top_blocked_share - now) / 1000)
 end
 
+-- A prompt whose prefill, on the earliest free server, ends at `ends` (us): that
+-- server's clock becomes `ends`, and the earliest free is then the first of the
+-- servers' clocks to run out (Bt; the others in `state.prefill_others`).
+function predict.onto_earliest_server(ends)
+  local others = state.prefill_others
+  local earliest = 0
+  for k = 1, #others do
+    if others[k] < ends and (earliest == 0 or others[k] < others[earliest]) then
+      earliest = k
+    end
+  end
+  if earliest == 0 then
+    return ends
+  end
+  ends, others[earliest] = others[earliest], ends
+  return ends
+end
+
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before
 -- it, on the share clock (predict.share_clock_us) and the real one; a
--- top-class prompt (class i == 1) also on the top class's own clock.
+-- top-class prompt (class i == 1) also on the top class's own clock. The real clock
+-- is the earliest free server's; the share clock and the top class's run as fast as
+-- the servers together (the servers' time is that many times real time).
 local function prefill_started(i, input)
   local work_us = predict.prefill_us(input)
   if gate.top_blocked_share < 1 and predict.top_active() then
@@ -182,10 +204,12 @@ local function prefill_started(i, input)
     end
   end
   if work_us then
-    state.prefill_until = math.max(now, state.prefill_until) + predict.share_clock_us(i, work_us)
-    state.prefill_real_until = math.max(now, state.prefill_real_until) + work_us
+    state.prefill_until = math.max(now, state.prefill_until)
+      + predict.share_clock_us(i, work_us) / gate.servers
+    state.prefill_real_until = predict.onto_earliest_server(
+      math.max(now, state.prefill_real_until) + work_us)
     if i == 1 then
-      state.prefill_top_until = math.max(now, state.prefill_top_until) + work_us
+      state.prefill_top_until = math.max(now, state.prefill_top_until) + work_us / gate.servers
     end
     state_changed = true
   end

@@ -88,6 +88,16 @@ local function save_state()
     if state.prefill_real_until ~= stored.prefill_real_until then
       put('Bt', string.format('%.0f', state.prefill_real_until))
     end
+    if #state.prefill_others > 0 then
+      local clocks = {}
+      for k, clock in ipairs(state.prefill_others) do
+        clocks[k] = string.format('%.0f', clock)
+      end
+      local joined = table.concat(clocks, '|')
+      if joined ~= stored.prefill_others then
+        put('Bs', joined)
+      end
+    end
     if state.prefill_top_until ~= stored.prefill_top_until then
       put('Bp', string.format('%.0f', state.prefill_top_until))
     end

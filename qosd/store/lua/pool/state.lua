@@ -46,7 +46,7 @@ local stored = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
 do
   local default_second = math.floor((now + default_ttl_us) / 1000000)
   local fields = {'u', 's', 'R', 'a', 'K', 'xo', 'xn', 'x:' .. default_second, 'P', 'M', 'B',
-    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D', 'Bb', 'Pi'}
+    'Sw', 'Sk', 'St', 'Bt', 'E', 'Tp', 'Bp', 'D', 'Bb', 'Pi', 'Bs'}
   local header = #fields  -- fields read before the per-class ones
   for i = 1, class_count do
     local name = classes[i].name
@@ -105,6 +105,20 @@ do
   state.prefill_top_until = stored.prefill_top_until or 0
   stored.top_blocked_until = tonumber(values[20])
   state.top_blocked_until = stored.top_blocked_until or 0
+  -- The other servers' real prefill clocks (pools of more than one server): Bt is
+  -- the earliest free, these the rest, as many as the policy's servers less one.
+  stored.prefill_others = values[22]
+  state.prefill_others = {}
+  if gate.servers > 1 then
+    for clock in string.gmatch(values[22] or '', '[^|]+') do
+      if #state.prefill_others < gate.servers - 1 then
+        state.prefill_others[#state.prefill_others + 1] = tonumber(clock) or 0
+      end
+    end
+    for k = #state.prefill_others + 1, gate.servers - 1 do
+      state.prefill_others[k] = 0
+    end
+  end
   -- The servers' own load (load.lua), while fresh; nil: not known.
   if now - (tonumber(values[14]) or 0) <= gate.server_load_max_age_us then
     state.server_waiting = tonumber(values[12])
@@ -164,6 +178,9 @@ do
     state.prefill_until = math.min(state.prefill_until, now)
     state.prefill_real_until = math.min(state.prefill_real_until, now)
     state.prefill_top_until = math.min(state.prefill_top_until, now)
+    for k, clock in ipairs(state.prefill_others) do
+      state.prefill_others[k] = math.min(clock, now)
+    end
   end
   if now > state.updated then
     local elapsed = now - state.updated
