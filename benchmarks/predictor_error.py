@@ -270,9 +270,9 @@ def measure(model: GpuModel, arrivals: list[tuple[float, int, int]]) -> dict[str
                     from_passes.per_prefill_token_ms,
                 ],
                 "tpot_from_passes": tpot_errors(
-                    sequences, judged, history, prefill_ms, from_passes.decode, model.chunked
+                    sequences, judged, history, prefill_ms, from_passes.decode(), model.chunked
                 ),
-                "decode_step_from_passes": step_errors(passes, from_passes.decode),
+                "decode_step_from_passes": step_errors(passes, from_passes.decode()),
             }
         ),
     }

@@ -108,6 +108,21 @@ def test_a_reports_step_is_its_tpot_less_the_prefill_that_shared_its_decode(
     assert points[0][1] == pytest.approx(step_ms)
 
 
+def test_on_several_servers_a_decode_shares_its_server_with_its_share_of_prompts() -> None:
+    """The test above's decode and prompts, the pool's prompts spread over two
+    servers: its own shared a quarter of its decode with prefill, not half, so its
+    step was 30 ms. Counted whole, the step learned fast, and the stores let in
+    streams that took P0 past its TPOT objective (2 upstreams, Azure 2x: 29 of P0's
+    417 admitted requests)."""
+    history = BatchHistory()
+    for second in range(5):
+        history.record(second * 1000, 20)
+    decoding = StoredSample(3000, 100, 40.0, 2100, 100, 51, Outcome.OK, "t")
+    others = [StoredSample(4000, 600, 10.0, at, 500, 2, Outcome.OK, "t") for at in (2500, 1500)]
+    batch, step = decode_points([decoding, *others], history, float, servers=2)[0]
+    assert batch == 20.0 and step == pytest.approx(30.0)
+
+
 def test_the_history_forgets_past_its_horizon_and_keeps_order() -> None:
     history = BatchHistory(horizon_ms=2000)
     history.record(1000, 5)

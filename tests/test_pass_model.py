@@ -55,8 +55,11 @@ def test_the_step_is_fitted_apart_from_the_prefill_the_passes_carried() -> None:
     fit = learn_from_passes(reads, NOW_MS)
     assert fit is not None and fit.reads == 40
     for batch in (8, 64, 120):
-        assert fit.decode.step_ms(batch) == pytest.approx(12 + 0.1 * batch, rel=0.05)
+        assert fit.decode().step_ms(batch) == pytest.approx(12 + 0.1 * batch, rel=0.05)
     assert fit.per_prefill_token_ms == pytest.approx(0.02, rel=0.15)
+    # Each server's pass carries its share of the pool's leases in flight: on four
+    # servers, a batch of 64 leases is a pass of 16 sequences.
+    assert fit.decode(servers=4).step_ms(64) == pytest.approx(fit.decode().step_ms(16))
 
 
 def test_a_sequence_costs_at_least_a_prompt_token() -> None:
@@ -70,7 +73,7 @@ def test_a_sequence_costs_at_least_a_prompt_token() -> None:
     assert fit is not None
     assert fit.per_sequence_ms == pytest.approx(fit.per_prefill_token_ms)
     assert fit.per_sequence_ms >= 0.04
-    assert fit.decode.step_ms(0) == pytest.approx(10, abs=0.5)
+    assert fit.decode().step_ms(0) == pytest.approx(10, abs=0.5)
 
 
 def test_prompts_that_prefill_across_reads_leave_the_step_to_the_reports() -> None:

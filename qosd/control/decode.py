@@ -104,6 +104,7 @@ def decode_points(
     prefill_ms: Callable[[int], float] | None = None,
     *,
     chunked: bool = False,
+    servers: int = 1,
 ) -> list[tuple[float, float]]:
     """(mean batch over its decode, its step) of each reported request that decoded
     (two output tokens or more, not an error) within the history. The step is its
@@ -113,7 +114,11 @@ def decode_points(
     prefill, or, ``chunked``, the prefill less the step its pass decodes, as the
     stores count it: formulas.lua, ``prefill_stretch_us``). Without a prefill model,
     the TPOT itself. A decode that prefill took most of (ρ above
-    :data:`MAX_STRETCH`) says little of the step, and is left out."""
+    :data:`MAX_STRETCH`) says little of the step, and is left out. The pool's
+    prompts are spread over its ``servers`` (``PoolConfig.servers``), so each
+    decode shared its server with that share of them: counted whole on two
+    servers, ρ was twice what slowed the stream, the step learned fast, and the
+    stores admitted streams past P0's TPOT objective (ADR 15)."""
     kept = [s for s in samples if s.e2e_ms is not None]
     starts = sorted((s.at_ms - (s.e2e_ms or 0.0), s.input_tokens) for s in kept)
     times = [at for at, _ in starts]
@@ -133,7 +138,7 @@ def decode_points(
             added = (prefill_ms(n) for _, n in starts[begin:end])
             if chunked:
                 added = (max(0.0, ms - s.tpot_ms) for ms in added)
-            share = sum(added) / span
+            share = sum(added) / (span * servers)
         if share <= MAX_STRETCH:
             points.append((batch, s.tpot_ms * (1 - share)))
     return points

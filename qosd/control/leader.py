@@ -419,13 +419,16 @@ class Controller:
         -6 points), not past it (ADR 13)."""
         samples = [s for window in windows.values() for s in window]
         prefill = functools.partial(prefill_ms, prefill_model)
-        decode = learn_decode(decode_points(samples, memory.batch, prefill, chunked=True))
+        points = decode_points(samples, memory.batch, prefill, chunked=True, servers=pool.servers)
+        decode = learn_decode(points)
         if decode is not None:
             return decode, "the reports"
         prompts = sorted(s.input_tokens for s in samples) or [0]
         usual = prefill(prompts[int(USUAL_PROMPT_QUANTILE * (len(prompts) - 1))])
         fitted = learn_from_passes(await self._store.passes(pool), memory.at_ms, usual)
-        return (None, "") if fitted is None else (fitted.decode, "the servers' passes")
+        if fitted is None:
+            return None, ""
+        return fitted.decode(pool.servers), "the servers' passes"
 
     def _say(self, pool: PoolPolicy, pins: int, verdict: Verdict) -> None:
         """Shows a turn's verdict, unless an operator pinned or unpinned the pool since

@@ -54,9 +54,10 @@ class PassFit:
     per_prefill_token_ms: float
     reads: int
 
-    @property
-    def decode(self) -> DecodeModel:
-        return DecodeModel(self.base_ms, self.per_sequence_ms)
+    def decode(self, servers: int = 1) -> DecodeModel:
+        """The step by the pool's batch: its leases in flight, spread over its
+        ``servers``, so each server's pass carries that share of them."""
+        return DecodeModel(self.base_ms, self.per_sequence_ms / servers)
 
 
 def read_interval_ms(reads: Iterable[PassRead]) -> float | None:
