@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
@@ -16,7 +16,7 @@ from aiohttp import web
 from qosd.config import Config
 from qosd.doors.proxy.handler import ProxySettings
 from qosd.doors.proxy.server import RunningProxy, start_proxy
-from qosd.doors.proxy.upstreams import Upstreams
+from qosd.doors.proxy.upstreams import Route, Upstreams
 from qosd_sim.vllm import SimulatedVllm, VllmSettings, vllm_runner
 from tests.conftest import BASE_CONFIG, merge
 
@@ -25,11 +25,13 @@ MODEL = "llama-3-8b"  # the base config's pool serves it
 
 @dataclass
 class Stack:
-    """A simulated vLLM server and the proxies in front of it."""
+    """A simulated vLLM server (or several of one model) and the proxies in front of it."""
 
     vllm: SimulatedVllm
     vllm_url: str
     proxies: list[RunningProxy]
+    #: Every server of the model, the first one (``vllm``) first.
+    vllms: list[SimulatedVllm] = field(default_factory=list)
 
     def url(self, replica: int = 0) -> str:
         return f"http://{self.proxies[replica].address}/v1"
@@ -54,23 +56,32 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             *,
             replicas: int = 1,
             vllm: dict[str, Any] | None = None,
+            servers: int = 1,
             **proxy: Any,
         ) -> Stack:
-            settings = VllmSettings(port=0, model_name=MODEL, **(vllm or {}))
-            server = SimulatedVllm(settings)
-            runner = vllm_runner(server)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            server.gpu.start()
-            stack.push_async_callback(server.gpu.stop)
-            stack.push_async_callback(runner.cleanup)
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            vllms, urls = [], []
+            for _ in range(servers):
+                server = SimulatedVllm(VllmSettings(port=0, model_name=MODEL, **(vllm or {})))
+                runner = vllm_runner(server)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", 0).start()
+                server.gpu.start()
+                stack.push_async_callback(server.gpu.stop)
+                stack.push_async_callback(runner.cleanup)
+                vllms.append(server)
+                urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+            url = urls[0]
             config = Config.model_validate(merge(BASE_CONFIG, extra or {}))
             telemetry = proxy.pop("telemetry", None)
-            # upstreams: MODEL=URL items, for several models; upstream: MODEL's server.
-            served = proxy.pop("upstreams", None) or [f"{MODEL}={proxy.pop('upstream', url)}"]
+            # upstreams: MODEL=URL items, for several models; upstream: MODEL's server;
+            # by default, every simulated server.
+            served = proxy.pop("upstreams", None) or (
+                [f"{MODEL}={proxy.pop('upstream')}"] if "upstream" in proxy
+                else [f"{MODEL}={u}" for u in urls]
+            )  # fmt: skip
+            route = proxy.pop("route", Route.PREDICTED)
             proxy_settings = ProxySettings(
-                upstreams=Upstreams.parse(served),
+                upstreams=Upstreams.parse(served, route),
                 default_class=proxy.pop("default_class", "P1"),
                 **proxy,
             )
@@ -79,7 +90,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 started = await start_proxy(config, "127.0.0.1:0", proxy_settings, telemetry)
                 stack.push_async_callback(started.stop)
                 running.append(started)
-            return Stack(server, url, running)
+            return Stack(vllms[0], url, running, vllms)
 
         yield make
 

@@ -40,6 +40,12 @@ def add_proxy(commands: Any) -> None:
         "keys, a request without a known key is refused (401/403), and x-qos-class may "
         "lower a key's class, never raise it",
     )  # fmt: skip
+    proxy.add_argument(
+        "--route", choices=["predicted", "in-flight"], default="predicted",
+        help="how a request picks among its model's servers: predicted (default), the "
+        "soonest first token each server's learned model predicts for it; in-flight, "
+        "the fewest requests in flight (docs/proxy.md)",
+    )  # fmt: skip
     proxy.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     proxy.add_argument(
         "--upstream-key-file", metavar="FILE",
@@ -98,14 +104,14 @@ def api_keys(items: list[str], classes: list[str]) -> dict[str, tuple[str, str]]
 def run_proxy(args: argparse.Namespace) -> int:
     from qosd.cli import configured  # noqa: PLC0415 - the command imports what it runs
     from qosd.doors.proxy.handler import ProxySettings  # noqa: PLC0415
-    from qosd.doors.proxy.upstreams import Upstreams  # noqa: PLC0415
+    from qosd.doors.proxy.upstreams import Route, Upstreams  # noqa: PLC0415
 
     config = configured(args)
     if config is None:
         return 2
     classes = list(config.classes)
     try:
-        upstreams = Upstreams.parse(args.upstream)
+        upstreams = Upstreams.parse(args.upstream, Route(args.route))
         if not upstreams.by_model:
             raise ValueError("name at least one --upstream MODEL=URL")
         default_class = args.default_class or max(

@@ -74,7 +74,7 @@ from qosd.doors.proxy.forwarded import REQUEST_ID_HEADER, forwarded
 from qosd.doors.proxy.openai_errors import NEVER_RETRIED, OpenAIError, refusal
 from qosd.doors.proxy.telemetry import Finished, GenAiTelemetry
 from qosd.doors.proxy.tokenize import TOKENIZE_PATH, PromptCounter
-from qosd.doors.proxy.upstreams import Upstream, Upstreams
+from qosd.doors.proxy.upstreams import Sent, Upstream, Upstreams
 from qosd.doors.request import MAX_LATENCY_MS, InvalidArgument
 from qosd.model import (
     AdmissionRequest,
@@ -166,6 +166,7 @@ class _Call:
     outcome: AcquireOutcome | None = None
     progress: _Progress | None = None
     upstream: Upstream | None = None
+    sent: Sent | None = None  # on its way to that upstream: in flight there until ended
     error_type: str | None = None  # why it failed, low-cardinality (error.type)
     #: The stream's answer once its status line went out: from then on, an error can
     #: only end it with an error event, never answer anew.
@@ -654,7 +655,9 @@ class Proxy:
         call.progress = progress = _Progress()
         try:
             limits = rate_limit_headers(decision)
-            call.upstream = upstream = self.settings.upstreams.pick(call.model)
+            call.upstream = upstream = self.settings.upstreams.pick(
+                call.model, tokens=call.admission.input_tokens
+            )
             assert upstream is not None  # checked in _parse; upstreams never change
             response = await self._forward(request, path, call, upstream,
                                            outcome.server_priority, progress, limits)  # fmt: skip
@@ -723,7 +726,8 @@ class Proxy:
                     answer.close()  # the client left: the upstream drops the request
                     raise
         finally:
-            upstream.in_flight -= 1
+            if call.sent is not None:
+                call.sent.ended()
 
     async def _payload(self, call: _Call, priority: int) -> bytes:
         """The body to send upstream: as the client sent it, unless the proxy changes
@@ -763,7 +767,7 @@ class Proxy:
         that refused is passed over for a while; when none takes it, the last error."""
         tried: list[Upstream] = []
         while True:
-            upstream.in_flight += 1
+            call.sent = sent = upstream.send(call.admission.input_tokens)
             progress = call.progress
             if progress is not None:
                 progress.sent_at = time.monotonic()
@@ -772,16 +776,18 @@ class Proxy:
                     upstream.url + path, data=payload, headers=headers, allow_redirects=False
                 )
             except aiohttp.ClientConnectorError:
-                upstream.in_flight -= 1
+                sent.ended()
                 upstream.refused_connection()
                 tried.append(upstream)
-                following = self.settings.upstreams.pick(call.model, avoid=tried)
+                following = self.settings.upstreams.pick(
+                    call.model, avoid=tried, tokens=call.admission.input_tokens
+                )
                 if following is None:
                     raise
                 call.upstream = upstream = following
                 continue
             except BaseException:
-                upstream.in_flight -= 1
+                sent.ended()
                 raise
             return answer, upstream
 
@@ -846,8 +852,12 @@ class Proxy:
                 if not line.endswith(b"\n") and not is_done(line):
                     raise AnswerCut("the stream ended in the middle of a line")
                 done = done or is_done(line)
-                if is_event(line) and self._saw(line, progress, limit) and not call.wants_usage:
-                    continue  # the usage chunk the proxy asked for, not the client
+                if is_event(line):
+                    usage_chunk = self._saw(line, progress, limit)
+                    if progress.first_token_at is not None and call.sent is not None:
+                        call.sent.first_token(progress.first_token_at)
+                    if usage_chunk and not call.wants_usage:
+                        continue  # the usage chunk the proxy asked for, not the client
             except (TimeoutError, aiohttp.ClientError, AnswerTooLarge, AnswerCut) as exc:
                 error = broke_off(exc)
             except Exception:

@@ -14,12 +14,13 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from qosd.config import Config, parse_listen_address
+from qosd.config import MAX_POOL_SERVERS, Config, parse_listen_address
 from qosd.doors import openapi
 from qosd.doors.auth import CallerCheck, Group
 from qosd.doors.proxy.handler import Proxy, ProxySettings
 from qosd.doors.proxy.openai_errors import OpenAIError
 from qosd.doors.proxy.telemetry import GenAiTelemetry
+from qosd.doors.proxy.upstreams import Upstreams
 from qosd.gc_tuning import tune_for_serving
 from qosd.server import Daemon, start, write_ready_file
 
@@ -85,6 +86,23 @@ def proxy_app(proxy: Proxy) -> web.Application:
     return app
 
 
+def with_upstream_servers(config: Config, upstreams: Upstreams) -> Config:
+    """``config`` with each pool whose server count is not configured counting the
+    upstreams of the models it serves (the default pool: those no pool names): the
+    proxy spreads each pool's prompts over them, so the stores keep that many prefill
+    clocks (``PoolConfig.servers``)."""
+    named = {model for pool in config.pools.values() for model in pool.models}
+    pools = {}
+    for name, pool in config.pools.items():
+        models = list(pool.models)
+        if name == config.default_pool:
+            models += [model for model in upstreams.models() if model not in named]
+        servers = min(upstreams.count(models), MAX_POOL_SERVERS)
+        counted = pool.servers is None and servers > 1
+        pools[name] = pool.model_copy(update={"servers": servers}) if counted else pool
+    return config.model_copy(update={"pools": pools})
+
+
 async def start_proxy(
     config: Config,
     listen: str,
@@ -94,6 +112,7 @@ async def start_proxy(
     """Starts the daemon, then the proxy's listener on ``listen`` (HOST:PORT).
     ``telemetry``: where the GenAI spans and metrics go; by default, the daemon's
     tracing (spans and metrics exported beside them when tracing is on)."""
+    config = with_upstream_servers(config, settings.upstreams)
     # With keys, the daemon opens no door around them (qosd.server.start).
     daemon = await start(config, behind_api_keys=bool(settings.api_keys))
     if config.auth.qos.configured:
