@@ -8,6 +8,11 @@ gateway calling Acquire), with no gateway code.
 
 Where the simulated GPU schedules by priority, requests carry their class's rank in
 vLLM's ``priority`` field (``--priority-upstreams`` through the proxy).
+
+Several servers of one model: ``proxy_process`` takes a list of upstreams (one
+``--upstream MODEL=URL`` each), and ``replay_openai`` a list of base URLs, which the
+client takes in turn (``RoundRobinGateway``: what a plain Kubernetes Service in front
+of them does), and a list of ``/metrics`` URLs, whose busy seconds it averages.
 """
 
 from __future__ import annotations
@@ -27,14 +32,19 @@ from qosd_client import QosdClient
 from qosd_harness import start_command, stop_process
 from qosd_sim.experiment import (
     MODEL,
+    BusyReader,
+    LossReader,
     Policy,
     PolicyRun,
     ReplayParts,
     busy_over_http,
     daemon_config,
     losses_over_http,
+    read_busy_seconds,
+    read_gpu_losses,
     replay_through,
 )
+from qosd_sim.gateway import ReplayLoop, RequestRecord
 from qosd_sim.gpu import GpuModel
 from qosd_sim.objectives import CLASSES
 from qosd_sim.openai_gateway import OpenAIGateway, rank_priorities
@@ -65,18 +75,29 @@ def vllm_process(gpu: GpuModel, directory: Path, name: str = "vllm") -> Iterator
         stop_process(process)
 
 
+def _as_list(value: str | Sequence[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
 @contextlib.contextmanager
 def proxy_process(
-    tree: dict[str, Any], upstream: str, directory: Path, *, priority_upstreams: bool
+    tree: dict[str, Any],
+    upstream: str | Sequence[str],
+    directory: Path,
+    *,
+    priority_upstreams: bool,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[tuple[str, str]]:
-    """``qosd proxy`` with the config ``tree`` in front of ``upstream``: its OpenAI base
-    URL and its gRPC address."""
+    """``qosd proxy`` with the config ``tree`` in front of ``upstream`` (one base URL,
+    or several servers of the model, one ``--upstream`` each), ``extra_args`` added to
+    its command line: its OpenAI base URL and its gRPC address."""
     path = directory / "qosd.yaml"
     path.write_text(yaml.safe_dump(tree))
+    upstreams = [arg for url in _as_list(upstream) for arg in ("--upstream", f"{MODEL}={url}")]
     process, ready = start_command(
         ["proxy", "--config", str(path), "--listen", "127.0.0.1:0", "--grpc-listen",
-         "127.0.0.1:0", "--upstream", f"{MODEL}={upstream}", "--log-level", "WARNING",
-         *(["--priority-upstreams"] if priority_upstreams else [])],
+         "127.0.0.1:0", *upstreams, "--log-level", "WARNING",
+         *(["--priority-upstreams"] if priority_upstreams else []), *extra_args],
         directory, "proxy",
     )  # fmt: skip
     try:
@@ -85,25 +106,81 @@ def proxy_process(
         stop_process(process)
 
 
+class RoundRobinGateway(ReplayLoop):
+    """Each request to the next of several OpenAI endpoints in turn (one client each),
+    as a plain Kubernetes Service spreads requests over a model's servers: no
+    admission, no look at their load."""
+
+    def __init__(self, gateways: Sequence[OpenAIGateway]) -> None:
+        super().__init__()
+        self._gateways = list(gateways)
+        self._next = 0
+
+    async def close(self) -> None:
+        for gateway in self._gateways:
+            await gateway.close()
+
+    async def _infer(self, request: Request, record: RequestRecord, arrived: float) -> None:
+        gateway = self._gateways[self._next % len(self._gateways)]
+        self._next += 1
+        await gateway._infer(request, record, arrived)
+
+
+def busy_over_servers(metrics_urls: Sequence[str]) -> BusyReader:
+    """The servers' mean cumulative busy seconds (so that a busy fraction stays the
+    share of the servers' time), with the latest of their clocks (one host's)."""
+    if len(metrics_urls) == 1:
+        return busy_over_http(metrics_urls[0])
+
+    async def read() -> tuple[float, float]:
+        readings = await asyncio.gather(
+            *(asyncio.to_thread(read_busy_seconds, url) for url in metrics_urls)
+        )
+        return max(c for c, _ in readings), sum(b for _, b in readings) / len(readings)
+
+    return read
+
+
+def losses_over_servers(metrics_urls: Sequence[str]) -> LossReader:
+    """The GPU seconds the servers lost to late wake-ups, and how many, summed."""
+    if len(metrics_urls) == 1:
+        return losses_over_http(metrics_urls[0])
+
+    async def read() -> tuple[float, int]:
+        readings = await asyncio.gather(
+            *(asyncio.to_thread(read_gpu_losses, url) for url in metrics_urls)
+        )
+        return sum(lost for lost, _ in readings), sum(n for _, n in readings)
+
+    return read
+
+
 async def replay_openai(
     policy: Policy,
     workload: Sequence[Request],
     *,
-    url: str,
-    metrics_url: str,
+    url: str | Sequence[str],
+    metrics_url: str | Sequence[str],
     qosd_address: str | None,
     priorities: dict[str, int] | None,
     drain_s: float,
     window_s: float | None,
     api_key: str = "unused",
 ) -> PolicyRun:
-    """One replay through ``url``, with the GPU's busy seconds and (through qosd)
+    """One replay through ``url`` (several: each request to the next in turn), with
+    the GPU's busy seconds (several ``metrics_url``: their mean) and (through qosd)
     the pool's rates sampled every second."""
-    gateway = OpenAIGateway(url, model=MODEL, api_key=api_key, priorities=priorities)
+    urls, metrics_urls = _as_list(url), _as_list(metrics_url)
+    clients = [
+        OpenAIGateway(base, model=MODEL, api_key=api_key, priorities=priorities) for base in urls
+    ]
+    gateway: OpenAIGateway | RoundRobinGateway = (
+        clients[0] if len(clients) == 1 else RoundRobinGateway(clients)
+    )
     qos = QosdClient(qosd_address) if qosd_address else None
     try:
         parts = ReplayParts(
-            gateway, qos, busy_over_http(metrics_url), losses_over_http(metrics_url)
+            gateway, qos, busy_over_servers(metrics_urls), losses_over_servers(metrics_urls)
         )
         return await replay_through(
             policy, workload, parts, drain_s=drain_s, window_s=window_s, on_tick=None
