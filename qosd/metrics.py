@@ -273,7 +273,8 @@ class Metrics:
         self.prefill_backlog = self._gauge(
             "qosd_prefill_backlog_seconds",
             "Predicted prefill admitted and not yet done, by the pool's prefill model on "
-            "the real clock (GPU-gated pools; 0 without a model).",
+            "the real clock of the earliest free of its servers: what the next prompt "
+            "waits for (GPU-gated pools; 0 without a model).",
             ["pool"],
         )
         self.in_flight_tokens = self._gauge(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from qosd.model import PrefillLearned
 from qosd_client import QosdClient, Reason
 from tests.conftest import DaemonFactory, RunningDaemon
@@ -197,8 +199,9 @@ async def test_where_prompts_share_passes_the_top_class_prefills_beside_its_own(
     assert 0.3 <= hopeless.retry_after_s <= 0.5
 
 
+@pytest.mark.parametrize("servers", [1, 2])
 async def test_with_two_servers_a_prompt_starts_on_the_one_free_of_prefill(
-    make_daemon: DaemonFactory,
+    make_daemon: DaemonFactory, servers: int
 ) -> None:
     """``servers: 2``: the servers take each prompt onto the first free of them, so
     the 1 s of P1 prefill that makes one server refuse a P0 request due in 300 ms
@@ -206,16 +209,41 @@ async def test_with_two_servers_a_prompt_starts_on_the_one_free_of_prefill(
     second 1-s prompt fills that one too: then the same request is refused, for
     about the wait until the first of them is free. (A 2-s backlog bound, so that
     the prompts themselves go in.)"""
-    for servers, on_time in ((1, False), (2, True)):
-        qos = await modelled_pool(make_daemon, servers=servers, max_prefill_backlog_ms=2_000)
-        assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # 1 s ahead
-        first = await qos.acquire("P0", 10, slo_ttft_ms=300)
-        assert first.admitted is on_time, servers
-        assert first.admitted or first.reason is Reason.DEADLINE
+    qos = await modelled_pool(make_daemon, servers=servers, max_prefill_backlog_ms=2_000)
+    assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # 1 s ahead
+    first = await qos.acquire("P0", 10, slo_ttft_ms=300)
+    assert first.admitted is (servers == 2)
+    assert first.admitted or first.reason is Reason.DEADLINE
+    if servers == 1:
+        return
     assert (await qos.acquire("P1", 1_000, max_wait_ms=0)).admitted  # the other server
     hopeless = await qos.acquire("P0", 10, slo_ttft_ms=300)
     assert not hopeless.admitted and hopeless.reason is Reason.DEADLINE
     assert 0.5 <= hopeless.retry_after_s <= 1.0
+
+
+@pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
+async def test_replicas_that_count_fewer_servers_keep_the_earliest_clocks(
+    make_daemon: DaemonFactory,
+) -> None:
+    """Replicas share a pool's clocks but each passes its own count of servers (a
+    rollout that changes it). Three servers take 1, 2 and 3 s of prompts; a replica
+    that counts two keeps the two earliest: a P0 request due in 300 ms is refused
+    for the 1-s server's wait, not the 3-s one's. A replica that counts one drops the
+    others' clocks; one that counts two again finds the second server idle."""
+
+    async def replica(servers: int) -> QosdClient:
+        return await modelled_pool(make_daemon, servers=servers, max_prefill_backlog_ms=5_000)
+
+    three = await replica(3)
+    for tokens in (1_000, 2_000, 3_000):
+        assert (await three.acquire("P1", tokens, max_wait_ms=0)).admitted
+    late = await (await replica(2)).acquire("P0", 10, slo_ttft_ms=300)
+    assert not late.admitted and late.reason is Reason.DEADLINE
+    assert late.retry_after_s <= 1.0
+    assert (await (await replica(1)).acquire("P2", 10, max_wait_ms=0)).admitted
+    on_time = await (await replica(2)).acquire("P0", 10, slo_ttft_ms=300)
+    assert on_time.admitted and on_time.waited_s == 0
 
 
 async def test_a_waiter_is_dropped_once_prefill_admitted_ahead_makes_it_late(

@@ -16,10 +16,6 @@ end
 
 -- GPU-gated pools: room in flight, the class's share, and how to pay.
 
--- What the pool's learned models predict (formulas.lua states each model): one
--- table, not a local per function (a script's main chunk has at most 200 locals).
-local predict = {}
-
 -- The predicted prefill of a prompt of `input` tokens, us, by the pool's prefill model;
 -- nil while there is none.
 function predict.prefill_us(input)
@@ -168,24 +164,6 @@ function predict.top_blocked_wait_ms(i, input)
   end
   local blocked = math.min(predict.top_blocked_us(i, input), gate.top_blocked_burst_us)
   return math.ceil((state.top_blocked_until + blocked / gate.top_blocked_share - now) / 1000)
-end
-
--- A prompt whose prefill, on the earliest free server, ends at `ends` (us): that
--- server's clock becomes `ends`, and the earliest free is then the first of the
--- servers' clocks to run out (Bt; the others in `state.prefill_others`).
-function predict.onto_earliest_server(ends)
-  local others = state.prefill_others
-  local earliest = 0
-  for k = 1, #others do
-    if others[k] < ends and (earliest == 0 or others[k] < others[earliest]) then
-      earliest = k
-    end
-  end
-  if earliest == 0 then
-    return ends
-  end
-  ends, others[earliest] = others[earliest], ends
-  return ends
 end
 
 -- The prefill backlog: an admitted prompt is prefilled after those admitted before

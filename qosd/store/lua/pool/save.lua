@@ -88,7 +88,9 @@ local function save_state()
     if state.prefill_real_until ~= stored.prefill_real_until then
       put('Bt', string.format('%.0f', state.prefill_real_until))
     end
-    if #state.prefill_others > 0 then
+    if #state.prefill_others == 0 and stored.prefill_others then
+      gone[#gone + 1] = 'Bs'  -- one server now: the others' clocks are no more
+    elseif #state.prefill_others > 0 then
       local clocks = {}
       for k, clock in ipairs(state.prefill_others) do
         clocks[k] = string.format('%.0f', clock)

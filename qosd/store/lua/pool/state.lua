@@ -1,6 +1,29 @@
 -- The pool's state, refilled to now (a new pool starts full).
 local now_s = math.floor(now / 1000000)
 local state = {tokens = {}, waiting = {}, in_n = {}, in_c = {}}
+-- What the pool's learned models predict (formulas.lua states each model): one
+-- table, not a local per function (a script's main chunk has at most 200 locals).
+-- Its rules are in budget.lua and deadline.lua; the servers' clocks, which the state
+-- is read with, here.
+local predict = {}
+-- A prompt whose prefill, on the earliest free server, ends at `ends` (us): that
+-- server's clock becomes `ends`, and the earliest free is then the first of the
+-- servers' clocks to run out (Bt; the others in `state.prefill_others`).
+function predict.onto_earliest_server(ends)
+  local others = state.prefill_others
+  local earliest = 0
+  for k = 1, #others do
+    if others[k] < ends and (earliest == 0 or others[k] < others[earliest]) then
+      earliest = k
+    end
+  end
+  if earliest == 0 then
+    return ends
+  end
+  ends, others[earliest] = others[earliest], ends
+  return ends
+end
+
 -- Expiry buckets of leases in flight, by second: read
 -- lazily, each at most once per call, and written back by save_state().
 local expiring = {}      -- second -> {class index -> {count, tokens}}
@@ -107,17 +130,25 @@ do
   state.top_blocked_until = stored.top_blocked_until or 0
   -- The other servers' real prefill clocks (pools of more than one server): Bt is
   -- the earliest free, these the rest, as many as the policy's servers less one.
+  -- A policy of fewer servers than the clocks stored keeps the earliest (the
+  -- servers still there are not known); of more, adds idle ones; either way Bt is
+  -- then made the earliest again (predict.onto_earliest_server keeps it so).
   stored.prefill_others = values[22]
   state.prefill_others = {}
   if gate.servers > 1 then
     for clock in string.gmatch(values[22] or '', '[^|]+') do
-      if #state.prefill_others < gate.servers - 1 then
-        state.prefill_others[#state.prefill_others + 1] = tonumber(clock) or 0
+      state.prefill_others[#state.prefill_others + 1] = tonumber(clock) or 0
+    end
+    if #state.prefill_others >= gate.servers then
+      table.sort(state.prefill_others)
+      for k = #state.prefill_others, gate.servers, -1 do
+        state.prefill_others[k] = nil
       end
     end
     for k = #state.prefill_others + 1, gate.servers - 1 do
       state.prefill_others[k] = 0
     end
+    state.prefill_real_until = predict.onto_earliest_server(state.prefill_real_until)
   end
   -- The servers' own load (load.lua), while fresh; nil: not known.
   if now - (tonumber(values[14]) or 0) <= gate.server_load_max_age_us then
