@@ -7,6 +7,7 @@ model itself, from known samples."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import openai
@@ -152,9 +153,36 @@ def test_a_request_leaves_the_counts_once_whatever_ends_it() -> None:
 
 
 def test_samples_that_cannot_tell_the_tokens_apart_learn_nothing() -> None:
-    """Every sample at the same tokens: no per-token cost can be told, so no model
-    (the fleet's, or tokens alone, predicts instead)."""
+    """Every sample at the same tokens, or within 1,000 ± 3 (where a fit found 7.4 ms a
+    token against a true 0.08): no per-token cost can be told, so no model (the
+    fleet's, or tokens alone, predicts instead)."""
     assert FirstTokenModel.fitted([(500.0, 0.0, 40.0)] * MIN_SAMPLES) is None
+    narrow = [(1_000.0 + k % 7 - 3, 0.0, 80.0 + (k % 5)) for k in range(MIN_SAMPLES)]
+    assert FirstTokenModel.fitted(narrow) is None
+
+
+def test_no_cost_is_ever_negative() -> None:
+    """First tokens that fall below a line through the origin would fit a negative
+    base: the model is fitted through the origin instead, never clamped after a fit
+    that counted on it."""
+    samples = [(t, 0.0, 0.1 * t - 30.0) for t in (400.0, 800.0, 1_600.0, 3_200.0)] * 4
+    model = FirstTokenModel.fitted(samples)
+    assert model is not None and model.base_ms == 0 and model.per_stream_ms == 0
+    assert 0.08 < model.per_token_ms < 0.1
+
+
+def test_a_model_no_first_token_has_refreshed_gives_way_to_its_fleets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server predicted slow gets no traffic, so no first token would correct it:
+    30 s after its last one, it is predicted with its fleet's fresh models again."""
+    slow, fast = _taught("http://a", 20.0, 1.0), _taught("http://b", 20.0, 0.05)
+    upstreams = Upstreams({MODEL: [slow, fast]})
+    fast.send(3_000)  # 270 ms for 2,000 tokens there; 2,020 on the slow one, by its own
+    assert upstreams.pick(MODEL, tokens=2_000) is fast
+    monkeypatch.setattr(slow, "learned_at", time.monotonic() - 31)
+    assert upstreams.predicted_first_token_ms(slow, 2_000) == pytest.approx(120.0)
+    assert upstreams.pick(MODEL, tokens=2_000) is slow
 
 
 def test_the_proxy_counts_each_pools_servers() -> None:
@@ -163,10 +191,15 @@ def test_the_proxy_counts_each_pools_servers() -> None:
     stores then keep that many prefill clocks. A configured count stands."""
     config = Config.model_validate(merge(BASE_CONFIG, {"pools": {
         "long": {"capacity_tokens_s": 1_000, "models": ["qwen"], "servers": 5},
+        "pair": {"capacity_tokens_s": 1_000, "models": ["a", "b"]},
     }}))  # fmt: skip
     upstreams = Upstreams.parse([f"{MODEL}=http://a:8000", f"{MODEL}=http://b:8000",
-                                 f"{MODEL}=http://c:8000", "qwen=http://d:8000"])  # fmt: skip
+                                 f"{MODEL}=http://c:8000", f"{MODEL}=http://c:8000/v1",
+                                 "qwen=http://d:8000", "a=http://e:8000",
+                                 "a=http://f:8000", "b=http://g:8000"])  # fmt: skip
     counted = resolve_pools(with_upstream_servers(config, upstreams))
-    assert counted["default"].servers == 3
+    assert counted["default"].servers == 3  # c named twice is one server
     assert counted["long"].servers == 5
+    # A prompt of b never goes to a's servers: the pool counts the smaller fleet.
+    assert counted["pair"].servers == 1
     assert resolve_pools(config)["default"].servers == 1

@@ -655,12 +655,8 @@ class Proxy:
         call.progress = progress = _Progress()
         try:
             limits = rate_limit_headers(decision)
-            call.upstream = upstream = self.settings.upstreams.pick(
-                call.model, tokens=call.admission.input_tokens
-            )
-            assert upstream is not None  # checked in _parse; upstreams never change
-            response = await self._forward(request, path, call, upstream,
-                                           outcome.server_priority, progress, limits)  # fmt: skip
+            response = await self._forward(request, path, call, outcome.server_priority,
+                                           progress, limits)  # fmt: skip
             return response
         except Exception:
             if progress.outcome is Outcome.CANCELLED and not progress.used_nothing:
@@ -689,15 +685,20 @@ class Proxy:
         request: web.Request,
         path: str,
         call: _Call,
-        upstream: Upstream,
         priority: int,
         progress: _Progress,
         limits: dict[str, str],
     ) -> web.StreamResponse:
-        """The upstream's answer, carrying ``limits`` (the rate-limit headers)."""
+        """The upstream's answer, carrying ``limits`` (the rate-limit headers). The
+        server is picked once the body is ready, and counted at once: a long prompt's
+        body is encoded off the loop, and the requests picked meanwhile must see it."""
         payload = await self._payload(call, priority)
         headers = self._upstream_headers()
         headers.update(forwarded(request.headers))
+        call.upstream = upstream = self.settings.upstreams.pick(
+            call.model, tokens=call.admission.input_tokens
+        )
+        assert upstream is not None  # checked in _parse; upstreams never change
         try:
             answer, upstream = await self._connect(call, upstream, path, payload, headers)
         except TimeoutError as exc:  # it may have started: its estimate stands

@@ -5,7 +5,8 @@ request's first token is learned from the requests the proxy sent it: about
 ``base + per_token·(prompt tokens ahead + its own) + per_stream·streams``, where the
 tokens ahead are those of the requests sent there whose first token has not come
 (their prefill, as far as the proxy knows), and the streams those in flight there.
-A request goes to the server predicted to give it its first token soonest: one
+A request that is not streamed shows no first token: it counts in prefill until its
+answer. A request goes to the server predicted to give it its first token soonest: one
 32K-token prompt in prefill on a server (about 2 s on an A100) sends the requests
 after it to the others, where counting requests in flight sent every other one
 behind it. Servers of different speeds each get their own coefficients.
@@ -30,6 +31,14 @@ MIN_SAMPLES = 16
 SAMPLE_WINDOW = 256
 #: The model is fitted again after this many new first tokens.
 REFIT_EVERY = 16
+#: A server's own model is trusted this long after its last first token. A model
+#: that predicts a server slow sends it no traffic, so no first token would ever
+#: correct it: once stale, the server is predicted with the fleet's again.
+MODEL_STALE_S = 30.0
+#: The least spread of prompt tokens in prefill (the largest over the smallest) a
+#: fit needs: 16 first tokens at 1,000 ± 3 tokens fitted 7.4 ms a token where 0.08
+#: was true.
+MIN_TOKEN_SPREAD = 2.0
 
 
 class Route(enum.Enum):
@@ -56,15 +65,25 @@ class FirstTokenModel:
 
     @classmethod
     def fitted(cls, samples: Sequence[tuple[float, float, float]]) -> FirstTokenModel | None:
-        """The least-squares model of ``(tokens, streams, ms)`` samples; with the
-        streams left out where they would take a negative coefficient (they only slow
-        a server), and None where the tokens would (too little spread to tell)."""
-        full = weighted_least_squares((1.0, (1.0, t, s), ms) for t, s, ms in samples)
-        if full is not None and full[1] > 0 and full[2] >= 0:
-            return cls(max(0.0, full[0]), full[1], full[2])
-        tokens_only = weighted_least_squares((1.0, (1.0, t), ms) for t, _, ms in samples)
-        if tokens_only is not None and tokens_only[1] > 0:
-            return cls(max(0.0, tokens_only[0]), tokens_only[1])
+        """The least-squares model of ``(tokens, streams, ms)`` samples. Every
+        coefficient is a cost, never negative: the first of these fits whose are all
+        at least 0 (and the tokens' above 0) is taken: with the streams, without them,
+        then through the origin. None where the tokens in prefill spread too little
+        to tell their cost (:data:`MIN_TOKEN_SPREAD`)."""
+        tokens = [t for t, _, _ in samples]
+        if not tokens or min(tokens) <= 0 or max(tokens) < MIN_TOKEN_SPREAD * min(tokens):
+            return None
+        for terms in ((1, 1, 1), (1, 1, 0), (0, 1, 0)):
+            coefficients = weighted_least_squares(
+                (1.0, [x for x, used in zip((1.0, t, s), terms, strict=True) if used], ms)
+                for t, s, ms in samples
+            )
+            if coefficients is None:
+                continue
+            full = iter(coefficients)
+            base, per_token, per_stream = (next(full) if used else 0.0 for used in terms)
+            if base >= 0 and per_token > 0 and per_stream >= 0:
+                return cls(base, per_token, per_stream)
         return None
 
 
@@ -84,8 +103,10 @@ class Upstream:
     down_until: float = 0.0
     #: Prompt tokens of the requests sent here whose first token has not come.
     prefilling_tokens: int = 0
-    #: Its own model of the time to a first token (None: not learned yet).
+    #: Its own model of the time to a first token (None: not learned yet), and when
+    #: (monotonic) its last first token came.
     model: FirstTokenModel | None = None
+    learned_at: float = 0.0
     samples: deque[tuple[float, float, float]] = field(
         default_factory=lambda: deque(maxlen=SAMPLE_WINDOW)
     )
@@ -107,12 +128,17 @@ class Upstream:
         """One first token: ``ms`` after it was sent with ``tokens`` in prefill here
         (its own included) and ``streams`` in flight."""
         self.samples.append((tokens, streams, ms))
+        self.learned_at = time.monotonic()
         self._new_samples += 1
         if len(self.samples) >= MIN_SAMPLES and (
             self.model is None or self._new_samples >= REFIT_EVERY
         ):
             self._new_samples = 0
             self.model = FirstTokenModel.fitted(self.samples) or self.model
+
+
+def _fresh(server: Upstream, now: float) -> bool:
+    return now - server.learned_at <= MODEL_STALE_S
 
 
 @dataclass(slots=True, eq=False)
@@ -171,20 +197,27 @@ class Upstreams:
         return list(self.by_model)
 
     def count(self, models: Sequence[str]) -> int:
-        """How many servers serve any of ``models``."""
-        return sum(len(self.by_model.get(model, ())) for model in set(models))
+        """How many servers each of ``models`` is spread over, the fewest of them (0:
+        none is served): a prompt of one model never goes to another's servers, so
+        a pool of two models counts as the smaller fleet. A URL named twice is one
+        server."""
+        counts = [len({s.url for s in self.by_model[model]})
+                  for model in set(models) if model in self.by_model]  # fmt: skip
+        return min(counts, default=0)
 
     def predicted_first_token_ms(self, server: Upstream, tokens: int) -> float:
         """When a request of ``tokens`` prompt tokens sent to ``server`` now would see
-        its first token, ms: by the server's own model, else by the mean of its
-        model's other servers' (or prompt tokens alone, while none has one)."""
-        model = server.model or self._fleet_model(server)
+        its first token, ms: by the server's own model while fresh, else by the mean
+        of its model's servers' fresh ones (or prompt tokens alone, while none has one)."""
+        now = time.monotonic()
+        model = server.model if _fresh(server, now) else None
+        model = model or self._fleet_model(server, now)
         return model.predict_ms(server.prefilling_tokens + tokens, server.in_flight)
 
-    def _fleet_model(self, server: Upstream) -> FirstTokenModel:
+    def _fleet_model(self, server: Upstream, now: float) -> FirstTokenModel:
         for servers in self.by_model.values():
             if any(s is server for s in servers):
-                learned = [s.model for s in servers if s.model is not None]
+                learned = [s.model for s in servers if s.model is not None and _fresh(s, now)]
                 if learned:
                     n = len(learned)
                     return FirstTokenModel(sum(m.base_ms for m in learned) / n,
