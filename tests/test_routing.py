@@ -118,7 +118,7 @@ def test_the_soonest_predicted_first_token_wins() -> None:
     fast.send(3_000)
     assert upstreams.pick(MODEL, tokens=100) is slow
     assert Upstreams({MODEL: [fast, slow]}, Route.IN_FLIGHT).pick(MODEL, tokens=100) is slow
-    assert upstreams.predicted_first_token_ms(fast, 100) == pytest.approx(175.0)
+    assert upstreams.predicted_first_token_ms(MODEL, fast, 100) == pytest.approx(175.0)
 
 
 def test_a_server_not_yet_learned_is_predicted_with_its_fleet() -> None:
@@ -127,7 +127,7 @@ def test_a_server_not_yet_learned_is_predicted_with_its_fleet() -> None:
     the prompt tokens in prefill alone."""
     learned, new = _taught("http://a", 20.0, 0.1), Upstream("http://b")
     upstreams = Upstreams({MODEL: [learned, new]})
-    assert upstreams.predicted_first_token_ms(new, 1_000) == pytest.approx(120.0)
+    assert upstreams.predicted_first_token_ms(MODEL, new, 1_000) == pytest.approx(120.0)
     blank = Upstreams({MODEL: [Upstream("http://c"), Upstream("http://d")]})
     busy, idle = blank.by_model[MODEL]
     busy.send(500)
@@ -181,7 +181,7 @@ def test_a_model_no_first_token_has_refreshed_gives_way_to_its_fleets(
     fast.send(3_000)  # 270 ms for 2,000 tokens there; 2,020 on the slow one, by its own
     assert upstreams.pick(MODEL, tokens=2_000) is fast
     monkeypatch.setattr(slow, "learned_at", time.monotonic() - 31)
-    assert upstreams.predicted_first_token_ms(slow, 2_000) == pytest.approx(120.0)
+    assert upstreams.predicted_first_token_ms(MODEL, slow, 2_000) == pytest.approx(120.0)
     assert upstreams.pick(MODEL, tokens=2_000) is slow
 
 

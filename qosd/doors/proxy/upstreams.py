@@ -80,8 +80,8 @@ class FirstTokenModel:
             )
             if coefficients is None:
                 continue
-            full = iter(coefficients)
-            base, per_token, per_stream = (next(full) if used else 0.0 for used in terms)
+            values = iter(coefficients)
+            base, per_token, per_stream = (next(values) if used else 0.0 for used in terms)
             if base >= 0 and per_token > 0 and per_stream >= 0:
                 return cls(base, per_token, per_stream)
         return None
@@ -139,6 +139,12 @@ class Upstream:
 
 def _fresh(server: Upstream, now: float) -> bool:
     return now - server.learned_at <= MODEL_STALE_S
+
+
+def _predicted_ms(server: Upstream, tokens: int, fleet: FirstTokenModel, now: float) -> float:
+    """By the server's own model while fresh, else by its fleet's (``fleet``)."""
+    model = server.model if server.model is not None and _fresh(server, now) else fleet
+    return model.predict_ms(server.prefilling_tokens + tokens, server.in_flight)
 
 
 @dataclass(slots=True, eq=False)
@@ -205,25 +211,23 @@ class Upstreams:
                   for model in set(models) if model in self.by_model]  # fmt: skip
         return min(counts, default=0)
 
-    def predicted_first_token_ms(self, server: Upstream, tokens: int) -> float:
-        """When a request of ``tokens`` prompt tokens sent to ``server`` now would see
-        its first token, ms: by the server's own model while fresh, else by the mean
-        of its model's servers' fresh ones (or prompt tokens alone, while none has one)."""
+    def predicted_first_token_ms(self, model: str, server: Upstream, tokens: int) -> float:
+        """When a request of ``tokens`` prompt tokens sent to ``server`` (of ``model``)
+        now would see its first token, ms."""
         now = time.monotonic()
-        model = server.model if _fresh(server, now) else None
-        model = model or self._fleet_model(server, now)
-        return model.predict_ms(server.prefilling_tokens + tokens, server.in_flight)
+        return _predicted_ms(server, tokens, self._fleet_model(model, now), now)
 
-    def _fleet_model(self, server: Upstream, now: float) -> FirstTokenModel:
-        for servers in self.by_model.values():
-            if any(s is server for s in servers):
-                learned = [s.model for s in servers if s.model is not None and _fresh(s, now)]
-                if learned:
-                    n = len(learned)
-                    return FirstTokenModel(sum(m.base_ms for m in learned) / n,
-                                           sum(m.per_token_ms for m in learned) / n,
-                                           sum(m.per_stream_ms for m in learned) / n)  # fmt: skip
-        return TOKENS_ONLY
+    def _fleet_model(self, model: str, now: float) -> FirstTokenModel:
+        """The mean of ``model``'s servers' fresh models; prompt tokens alone while
+        none has one."""
+        learned = [s.model for s in self.by_model.get(model, ())
+                   if s.model is not None and _fresh(s, now)]  # fmt: skip
+        if not learned:
+            return TOKENS_ONLY
+        n = len(learned)
+        return FirstTokenModel(sum(m.base_ms for m in learned) / n,
+                               sum(m.per_token_ms for m in learned) / n,
+                               sum(m.per_stream_ms for m in learned) / n)  # fmt: skip
 
     def pick(self, model: str, avoid: Sequence[Upstream] = (), tokens: int = 0) -> Upstream | None:
         """The server of ``model`` to send a request of ``tokens`` prompt tokens to, by
@@ -235,6 +239,7 @@ class Upstreams:
         now = time.monotonic()
         if len(servers) == 1 or self.route is Route.IN_FLIGHT:
             return min(servers, key=lambda s: (s.down_until > now, s.in_flight, s.waiting))
+        fleet = self._fleet_model(model, now)
         return min(servers, key=lambda s: (s.down_until > now,
-                                           self.predicted_first_token_ms(s, tokens),
+                                           _predicted_ms(s, tokens, fleet, now),
                                            s.in_flight, s.waiting))  # fmt: skip
