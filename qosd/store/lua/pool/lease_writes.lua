@@ -1,20 +1,21 @@
 -- Leases (release.lua settles them). A batch writes all its leases with one HSET and
 -- one PEXPIRE per lease hash: commands are the expensive part of a script.
 
-local lease_writes = {}  -- lease hash key -> {field, value, ...}
-local lease_keep = {}    -- lease hash key -> ms it must live
+-- lease hash key -> {field, value, ..., keep = ms the hash must live}; one table, not
+-- two: the acquire script's main chunk is at Lua's limit of 200 locals.
+local lease_writes = {}
 
 local function add_lease(i, lease_key, field, cost, ttl_ms, keep_ms, weight, input, output)
   local expiry_us = now + ttl_ms * 1000
   local expiry = string.format('%.0f', expiry_us)
   local writes = lease_writes[lease_key]
   if writes == nil then
-    writes = {}
+    writes = {keep = 0}
     lease_writes[lease_key] = writes
   end
   writes[#writes + 1] = field
   writes[#writes + 1] = expiry .. '|' .. num(cost) .. '|' .. weight .. '|' .. input .. '|' .. output
-  lease_keep[lease_key] = math.max(lease_keep[lease_key] or 0, tonumber(keep_ms))
+  writes.keep = math.max(writes.keep, tonumber(keep_ms))
   lease_started(i, tonumber(input) + tonumber(output), expiry_us)
   if pool_gated then
     prefill_started(i, input)
@@ -25,7 +26,7 @@ end
 local function save_leases()
   for key, writes in pairs(lease_writes) do
     redis.call('HSET', key, unpack(writes))
-    redis.call('PEXPIRE', key, lease_keep[key])
+    redis.call('PEXPIRE', key, writes.keep)
   end
 end
 
