@@ -184,6 +184,7 @@ class WaiterState(enum.IntEnum):
 class PumpResult:
     state: WaiterState
     decision: BucketDecision | None  # set when ADMITTED
+    granted: int = 0  # ADMITTED: the order the pump granted it in, from 1
 
 
 @dataclass(frozen=True, slots=True)

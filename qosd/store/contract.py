@@ -354,6 +354,10 @@ class Decision(NamedTuple):
     burst: str
     rate: str
     requests: str  # "<left>|<bound>" of the in-flight bound after the answer; '': none
+    # pump: the order this pump granted the waiter in, from 1 (0: not granted). The
+    # daemon answers its waiters in this order, so that their requests reach the
+    # servers in the order their prefill was predicted. acquire: 0.
+    granted: int
 
 
 class Cancelled(NamedTuple):

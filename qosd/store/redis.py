@@ -529,7 +529,7 @@ class RedisStore:
                     burst=float(answer.burst),
                     rate=float(answer.rate),
                 )
-                results.append(PumpResult(WaiterState.ADMITTED, decision))
+                results.append(PumpResult(WaiterState.ADMITTED, decision, int(answer.granted)))
             else:
                 results.append(PumpResult(WaiterState(answer.status), None))
         return results

@@ -46,6 +46,7 @@ local function answer(status, reason, lease_id, cost, i, retry_ms, ttl_ms)
   reply[n + REPLY_DECISION_REMAINING] = i and num(state.tokens[i]) or '0'
   reply[n + REPLY_DECISION_BURST] = i and num(classes[i].burst) or '0'
   reply[n + REPLY_DECISION_RATE] = i and num(classes[i].rate) or '0'
+  reply[n + REPLY_DECISION_GRANTED] = 0
   n = n + DECISION_FIELDS
 end
 

@@ -122,6 +122,7 @@ local function admit(w, m, how, bucket)
   m.cost = w.cost  -- as acquire.lua priced it when it queued the waiter
   m.admitted = true
   admitted = admitted + 1
+  m.granted = admitted  -- its daemon answers in this order (contract.Decision.granted)
 end
 
 -- A GPU-gated pool: the best-standing head goes when the pool has room for it, if it
@@ -234,6 +235,7 @@ for _, m in ipairs(order) do
   reply[n + REPLY_DECISION_BURST] = num(classes[m.class].burst)
   reply[n + REPLY_DECISION_RATE] = num(classes[m.class].rate)
   reply[n + REPLY_DECISION_REQUESTS] = ''  -- not kept for waiters: they ask no headers
+  reply[n + REPLY_DECISION_GRANTED] = m.granted or 0
   n = n + DECISION_FIELDS
 end
 save_leases()
