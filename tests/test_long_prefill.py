@@ -220,15 +220,19 @@ async def test_long_prompts_block_p0_for_at_most_their_share(
     is; a prompt that blocks P0 less goes first, past one queued before it; with no P0
     traffic only the backlog bound holds them. The same on servers that serve P0
     first: there the long prompt's chunks slow every pass P0's prompt shares with them
-    (budget.lua: predict.top_blocked_us)."""
+    (budget.lua: predict.top_blocked_us). A new pool's bucket is empty: it has earned
+    no blocked time yet."""
     qos = await _with_prefill_model(make_daemon, _blocking(by_priority))
     p0 = await qos.acquire("P0", 100, max_wait_ms=0)
     assert p0.admitted
-    first = await qos.acquire("P1", 10_000, max_wait_ms=0)
-    assert first.admitted  # from the full bucket: 20 ms of it left
+    early = await qos.acquire("P1", 10_000, max_wait_ms=0)
+    assert not early.admitted and early.reason is Reason.LONG_PREFILL
+    assert 2.0 <= early.retry_after_s <= 2.9  # 280 ms of block, earned at 0.1
+    first = await qos.acquire("P2", 10_000, max_wait_ms=5_000)  # P2 may wait 5 s
+    assert first.admitted  # once the bucket holds its block: nothing of it left
     refused = await qos.acquire("P2", 10_000, max_wait_ms=0)
     assert not refused.admitted and refused.reason is Reason.LONG_PREFILL
-    assert 1.5 <= refused.retry_after_s <= 2.6  # 260 ms to refill at 0.1
+    assert 2.0 <= refused.retry_after_s <= 2.9  # 280 ms to refill at 0.1
     longer = asyncio.create_task(qos.acquire("P2", 10_000, max_wait_ms=10_000))
     await _until_waiting(qos, "P2", 1)
     shorter = asyncio.create_task(qos.acquire("P2", 4_000, max_wait_ms=10_000))

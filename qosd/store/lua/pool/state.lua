@@ -188,6 +188,12 @@ do
     values_fresh = true
     local lost = known_epoch ~= nil and known_epoch ~= ''
     state.updated = now
+    -- The bucket of the top class's blocked time starts empty, not full as the
+    -- class buckets do: its share is earned while the top class has traffic, and a
+    -- new pool has earned none. Full, it let the first 32K prompt of a run block P0
+    -- for 3 s before any threshold was learned (Azure 1.5x chunked, development
+    -- seed 10: 10 of P0's 18 misses; ADR 16).
+    state.top_blocked_until = now
     state.shared = lost and 0 or shared_burst
     for i = 1, class_count do
       state.tokens[i] = lost and 0 or classes[i].burst
