@@ -26,8 +26,8 @@ once a second, and compares, request by request:
   (what the stores' share clock counts, ``formulas.lua``: ``prefill_stretch_us``);
 - **the decode step itself**: the learned ``step(B)`` against the simulator's passes
   that carried no prefill: as the leader learns it, the reported TPOTs less the
-  prefill that shared each decode (``qosd/control/leader.py``; it learns one for
-  chunked pools alone, ADR 13: the unchunked rows show what such a model would err),
+  prefill that shared each decode (``qosd/control/leader.py``; on unchunked pools
+  the stores use it only for the pass a new prompt waits out, ADR 17),
   and from the steps as reported (``_as_reported``: the learner until ``a32b8aa``).
 
 It reports the median and 90th percentile of the absolute relative error, and the

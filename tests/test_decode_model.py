@@ -160,11 +160,11 @@ def gated(prefill_share: float = 0.5) -> dict[str, Any]:
 
 
 async def learned(
-    running: RunningDaemon, decode: tuple[float, float] | None, *, chunked: bool = False
+    running: RunningDaemon, decode: tuple[float, float] | None, *, chunked: bool = True
 ) -> None:
     """States the prefill model (1 ms a token) and ``decode`` (base, per sequence, in
-    scaled ms) of an unchunked server (or a ``chunked`` one), with P0's TPOT target of
-    40 scaled ms, as the SLO loop would."""
+    scaled ms) of a server that chunks prefill (or, not ``chunked``, of one that does
+    not), with P0's TPOT target of 40 scaled ms, as the SLO loop would."""
     admission = running.daemon.admission
     pool = admission.pool("default")
     targets = tuple(P0_TARGET_MS * SCALE if cls.name == "P0" else 0.0 for cls in pool.classes)
@@ -207,19 +207,20 @@ async def test_without_streams_that_have_targets_lower_classes_prefill_at_full_s
     assert await admitted_prompts(running, 5, 50) == admitted
 
 
-@pytest.mark.parametrize(("chunked", "admitted"), [(False, 1), (True, 2)])
-async def test_a_chunked_prefill_counts_less_the_step_its_pass_decodes(
+@pytest.mark.parametrize(("chunked", "admitted"), [(False, 2), (True, 3)])
+async def test_the_decode_model_sets_the_share_where_servers_chunk_prefill(
     make_daemon: DaemonFactory, chunked: bool, admitted: int
 ) -> None:
     """One P0 stream in flight and a step of 30 ms: prefill may take 1 - 30/40 = 25 %
-    of the servers' time. A 50 ms prompt adds all of its prefill to the streams'
-    decode where a prefill pass stops them: 200 ms on the share clock, and one goes
-    in. Where the pass that prefills also decodes, it adds 50 - 30 = 20 ms: 80 ms,
-    and two go in (at 0 and 80 ms; the real clock, at 51 ms, within the bound too)."""
+    of the servers' time. Where the pass that prefills also decodes, a 40 ms prompt
+    adds 40 - 30 = 10 ms to the streams' decode: 40 ms on the share clock, and three
+    go in (at 0, 40 and 80 ms, on the real clock too). Where servers do not chunk
+    prefill the model sets no share (budget.lua: share_model; ADR 17): the configured
+    0.5 counts the prompt 80 ms, and two go in (at 0 and 80 ms)."""
     running = await make_daemon(gated())
     await learned(running, decode=(30.0, 0.0), chunked=chunked)
     assert (await running.client.acquire("P0", 1, max_wait_ms=0)).admitted
-    assert await admitted_prompts(running, 5, 50) == admitted
+    assert await admitted_prompts(running, 5, 40) == admitted
 
 
 async def test_below_the_top_class_the_real_prefill_backlog_bounds_admission_too(
@@ -234,34 +235,36 @@ async def test_below_the_top_class_the_real_prefill_backlog_bounds_admission_too
     assert await admitted_prompts(running, 5, 100) == 2
 
 
-@pytest.mark.parametrize(
-    ("decode", "prompt_ms", "admitted"), [((20.0, 1.0), 20, 3), ((30.0, 1.0), 30, 1)]
-)
+@pytest.mark.parametrize(("decode", "admitted"), [((20.0, 1.0), 2), ((30.0, 1.0), 1)])
 async def test_a_p0_stream_in_flight_narrows_the_share_to_its_tpot(
-    make_daemon: DaemonFactory, decode: tuple[float, float], prompt_ms: int, admitted: int
+    make_daemon: DaemonFactory, decode: tuple[float, float], admitted: int
 ) -> None:
     """One P0 stream in flight, a step of 20 + 1·B ms: a P2 prompt makes a batch of 2,
     a 22 ms step, so prefill may take 1 - 22/40 = 45 % of the servers' time, and a
-    20 ms prompt counts 44 ms on the share clock (the next, at a batch of 3, 47 ms).
-    A prompt goes in while the clock leads by at most the 100 ms bound: at 0, 44 and
-    91 ms, and not at 140 (at the configured 0.5, four would). With a step of
-    30 + 1·B (1 - 32/40 = 20 %), a 30 ms prompt counts 150 ms: one goes in."""
+    60 ms prompt, adding 60 - 22 = 38 ms to the streams' decode, counts 84 ms on the
+    share clock (the next, at a batch of 3, 87 ms). A prompt goes in while the clock
+    leads by at most the 100 ms bound: at 0 and 84 ms, and not at 171 (the real
+    clock, at 60 and 120 ms, agrees). With a step of 30 + 1·B (1 - 32/40 = 20 %), the
+    prompt counts 28 / 0.2 = 140 ms: one goes in."""
     running = await make_daemon(gated())
     await learned(running, decode=decode)
     assert (await running.client.acquire("P0", 1, max_wait_ms=0)).admitted
-    assert await admitted_prompts(running, 5, prompt_ms) == admitted
+    assert await admitted_prompts(running, 5, 60) == admitted
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
 @pytest.mark.parametrize("decode", [None, (20.0, 0.0)], ids=["no-decode-model", "step-20"])
-async def test_a_first_token_comes_at_the_end_of_the_pass_that_prefills_it(
-    make_daemon: DaemonFactory, decode: tuple[float, float] | None
+async def test_a_first_token_comes_a_pass_after_the_prefill_alone(
+    make_daemon: DaemonFactory, decode: tuple[float, float] | None, chunked: bool
 ) -> None:
     """A P0 prompt of 30 (scaled) ms of prefill, due in 40, onto an idle pool: on time
-    by its prefill alone. With a decode step of 20 ms, the pass that carries its last
-    chunk ends 10 ms past due: refused at once for its deadline, and due in 60 ms it
-    is admitted (deadline.lua: first_pass_us)."""
+    by its prefill alone. With a decode step of 20 ms it is 10 ms late: where servers
+    chunk prefill, the pass that carries its last chunk also decodes the batch; where
+    they do not, its prefill pass waits out the decode step in progress as it
+    arrives. Refused at once for its deadline, and due in 60 ms it is admitted
+    (deadline.lua: first_pass_us)."""
     running = await make_daemon(gated())
-    await learned(running, decode=decode)
+    await learned(running, decode=decode, chunked=chunked)
     qos = running.client
     tight = await qos.acquire("P0", 30 * SCALE, slo_ttft_ms=40 * SCALE, max_wait_ms=0)
     if decode is None:
@@ -320,12 +323,13 @@ async def test_the_top_class_s_recent_peak_counts_in_the_batch(
 
 async def test_the_share_never_falls_below_its_floor(make_daemon: DaemonFactory) -> None:
     """A step of 39 ms beside a P0 stream: the share that keeps 40 ms would be 2.5 %,
-    and a 4 ms prompt would count 160 ms; the floor of 5 % counts it 80 ms, so lower
-    classes still progress: two go in (at 0 and 80 ms; not at 160), not one."""
+    and a 44 ms prompt, adding 5 ms to the streams' decode, would count 200 ms; the
+    floor of 5 % counts it 100 ms, so lower classes still progress: two go in (at 0
+    and 100 ms; not at 200), not one."""
     running = await make_daemon(gated())
     await learned(running, decode=(39.0, 0.0))
     assert (await running.client.acquire("P0", 1, max_wait_ms=0)).admitted
-    assert await admitted_prompts(running, 4, 4) == 2
+    assert await admitted_prompts(running, 4, 44) == 2
 
 
 async def test_a_model_withdrawn_gives_the_configured_rules_back(

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from qosd.control.passes import MAX_AGE_MS, MIN_READS, learn_from_passes, read_interval_ms
 from qosd.model import PassRead
-from qosd_client import PassStats, ServerLoad
+from qosd_client import PassStats, Reason, ServerLoad
 from qosd_client.engine_metrics import PROFILES, EngineMetricsScraper
 from qosd_client.server_load import parse_pass_counts, passes_between, to_report
 from qosd_client.types import LatencySample
@@ -237,15 +237,26 @@ async def test_the_leader_learns_the_step_from_passes_before_reports(
     )
 
 
-async def test_passes_from_an_unchunked_pool_teach_no_step(
+async def test_an_unchunked_pool_learns_the_step_a_first_token_waits_out(
     make_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """ADR 13: an unchunked pool keeps its configured prefill share, passes or not."""
-    running = await make_daemon(chunked_pool(chunked_prefill=False))
+    """An unchunked pool learns its step from passes too, 12 ms + 0.25 ms a sequence,
+    for the decode step in progress that a prompt's prefill pass waits out (ADR 17;
+    it keeps its configured prefill share, ADR 13). A P0 prompt of 490 tokens, by a
+    configured 1 ms a token, prefills in 490 ms: on time for 500 ms by its prefill
+    alone, 2.25 ms late with the step of a batch of one: refused for its deadline.
+    One of 480 tokens is admitted."""
+    running = await make_daemon(
+        chunked_pool(chunked_prefill=False, prefill_model_ms=[0.0, 1.0, 0.0])
+    )
     caplog.set_level(logging.INFO, logger="qosd.control.leader")
     await report_reads(running)
     await running.daemon.controller.tick(5000)
-    assert "decode step" not in caplog.text
+    assert "a decode step takes 12.0 ms + 0.250 ms a sequence" in caplog.text
+    qos = running.client
+    late = await qos.acquire("P0", 490, slo_ttft_ms=500, max_wait_ms=0)
+    assert not late.admitted and late.reason is Reason.DEADLINE
+    assert (await qos.acquire("P0", 480, slo_ttft_ms=500, max_wait_ms=0)).admitted
 
 
 async def test_passes_come_through_the_json_door_checked_as_over_grpc(

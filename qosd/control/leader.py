@@ -369,15 +369,18 @@ class Controller:
             )
         )
         fallback = configured.long_prefill_tokens or 0.0
-        # Chunked servers only: on an unchunked one the predicted share was tighter
-        # than the configured one, and goodput fell from 0.680 to 0.486 on an Azure
-        # development seed (ADR 13); its pools keep max_prefill_share. The steps are
-        # the reports' TPOTs less the prefill that shared them: the closer estimate
-        # (benchmarks/predictor_error.py), and, with the top class's peak in the
-        # predicted batch (budget.lua), no longer the P0 cost it was (ADR 13).
+        # The steps are the reports' TPOTs less the prefill that shared them: the
+        # closer estimate (benchmarks/predictor_error.py), and, with the top class's
+        # peak in the predicted batch (budget.lua), no longer the P0 cost it was
+        # (ADR 13). On an unchunked server the stores predict from it only the pass a
+        # new prompt waits out, not the prefill share (budget.lua: share_model): there
+        # the predicted share was tighter than the configured one, and goodput fell
+        # from 0.680 to 0.486 on an Azure development seed (ADR 13).
         decode, source = None, ""
-        if configured.chunked_prefill and learned.model is not None:
-            decode, source = await self._learn_decode(pool, windows, memory, learned.model)
+        if learned.model is not None:
+            decode, source = await self._learn_decode(
+                pool, windows, memory, learned.model, chunked=configured.chunked_prefill
+            )
         if decode is not None and (memory.decode is None or source != memory.decode_source):
             log.info("pool %s: a decode step takes %.1f ms + %.3f ms a sequence (from %s)",
                      pool.name, decode.base_ms, decode.per_sequence_ms, source)  # fmt: skip
@@ -408,6 +411,8 @@ class Controller:
         windows: dict[str, list[StoredSample]],
         memory: _PoolMemory,
         prefill_model: tuple[float, float, float],
+        *,
+        chunked: bool,
     ) -> tuple[DecodeModel | None, str]:
         """The pool's decode step, and what it was learned from: the reports' TPOTs
         less the prefill that shared them (``qosd.control.decode``), else, where they
@@ -419,7 +424,9 @@ class Controller:
         -6 points), not past it (ADR 13)."""
         samples = [s for window in windows.values() for s in window]
         prefill = functools.partial(prefill_ms, prefill_model)
-        points = decode_points(samples, memory.batch, prefill, chunked=True, servers=pool.servers)
+        points = decode_points(
+            samples, memory.batch, prefill, chunked=chunked, servers=pool.servers
+        )
         decode = learn_decode(points)
         if decode is not None:
             return decode, "the reports"

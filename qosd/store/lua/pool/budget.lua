@@ -55,10 +55,23 @@ function predict.batch_for(i)
   return batch
 end
 
+-- The decode model that predicts the streams' TPOT, and so the prefill share and
+-- the room for one more stream: on servers that chunk prefill only. On unchunked
+-- ones the predicted share was tighter than the configured one, and goodput fell
+-- from 0.680 to 0.486 on an Azure development seed (ADR 13); there the model
+-- predicts only the pass a new prompt waits out (deadline.lua: first_pass_us).
+function predict.share_model()
+  local d = state.decode_model
+  if d and d.chunked then
+    return d
+  end
+  return nil
+end
+
 -- The tightest TPOT target (ms) of the streams in flight and of a new one of class i,
 -- by the decode model's targets; nil: none has one (or there is no model).
 function predict.tightest_tpot_ms(i)
-  local d = state.decode_model
+  local d = predict.share_model()
   if not d then
     return nil
   end
@@ -78,7 +91,7 @@ end
 -- (formulas.lua: prefill_share_for), never below MIN_PREFILL_SHARE_PCT, and the whole
 -- time where none has a target; without a model, the configured share.
 function predict.prefill_share(i)
-  local d = state.decode_model
+  local d = predict.share_model()
   if not d then
     return gate.prefill_share
   end
@@ -95,7 +108,7 @@ end
 -- time it adds to the streams' decode (formulas.lua: prefill_stretch_us; without a
 -- decode model, all of it), at the share class i may keep.
 function predict.share_clock_us(i, work_us)
-  local d = state.decode_model
+  local d = predict.share_model()
   local stretch = work_us
   if d then
     stretch = formula.prefill_stretch_us(work_us,
@@ -111,7 +124,7 @@ function predict.step_within_targets(i)
   if not target then
     return true
   end
-  return formula.decode_step_ms(state.decode_model, predict.batch_for(i)) <= target
+  return formula.decode_step_ms(predict.share_model(), predict.batch_for(i)) <= target
 end
 
 -- How long a prompt of class i, of `input` tokens, keeps the top class's next prompt
