@@ -276,6 +276,27 @@ async def test_a_first_token_comes_a_pass_after_the_prefill_alone(
     assert (await qos.acquire("P0", 30 * SCALE, slo_ttft_ms=60 * SCALE, max_wait_ms=0)).admitted
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
+async def test_below_the_top_class_a_chunked_first_token_waits_out_the_pass_in_progress(
+    make_daemon: DaemonFactory, chunked: bool
+) -> None:
+    """A P1 prompt of 30 (scaled) ms of prefill, due in 60, a decode step of 20 ms.
+    Where servers chunk prefill it waits out the pass in progress and then ends in a
+    pass that decodes the batch: 30 + 2 x 20 = 70 ms, 10 ms late, refused for its
+    deadline; due in 80 it is admitted. Where they do not, its own prefill pass waits
+    out the step in progress alone: 50 ms, admitted (ADR 17)."""
+    running = await make_daemon(gated())
+    await learned(running, decode=(20.0, 0.0), chunked=chunked)
+    qos = running.client
+    tight = await qos.acquire("P1", 30 * SCALE, slo_ttft_ms=60 * SCALE, max_wait_ms=0)
+    if not chunked:
+        assert tight.admitted
+        return
+    assert not tight.admitted and tight.reason is Reason.DEADLINE
+    assert 5 * SCALE / 1000 <= tight.retry_after_s <= 10 * SCALE / 1000  # 10 ms late
+    assert (await qos.acquire("P1", 30 * SCALE, slo_ttft_ms=80 * SCALE, max_wait_ms=0)).admitted
+
+
 async def test_no_new_stream_while_its_step_would_pass_a_target_in_flight(
     make_daemon: DaemonFactory,
 ) -> None:
